@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint typecheck unit integration e2e bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, so nothing below can pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Until the HTTP server lands, `serve` streams an offline generation on the default model.
+serve: $(STAMP)
+	$(BIN)/inferd generate $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check inferd tests bench
+	$(BIN)/ruff format --check inferd tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) lint typecheck
+	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
+integration: $(STAMP)
+	$(BIN)/pytest -q tests/integration
+
+bench: $(STAMP)
+	$(BIN)/python bench/offline_throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

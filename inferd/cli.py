@@ -1,0 +1,121 @@
+"""`inferd` command line. Subcommands: `generate` (offline, streams to stdout)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from inferd.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from inferd.errors import InferdError
+
+DEMO_PROMPTS = ("The quick brown fox", "Once upon a time", "def fibonacci(n):")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, vLLM's names where the concept is the same."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, hub id, or inferd-tiny")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--revision", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--block-size", type=int, default=CacheConfig.model_fields["block_size"].default)
+    p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, or e.g. 2GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    sched = SchedulerConfig.model_fields
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
+    )
+    p.add_argument("--max-num-seqs", type=int, default=sched["max_num_seqs"].default)
+    p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
+
+
+_ENGINE_ARGS = (
+    "model tokenizer revision dtype load_format seed max_model_len device num_threads "
+    "enforce_eager block_size kv_cache_memory gpu_memory_utilization enable_prefix_caching "
+    "max_num_batched_tokens max_num_seqs policy"
+).split()
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {k: getattr(args, k) for k in _ENGINE_ARGS}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(**engine_kwargs(args))
+
+
+def _bytes(text: str) -> int:
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    for suffix, mult in units.items():
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * mult)
+    return int(low)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from inferd.engine.llm import LLM
+    from inferd.sampling.params import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
+    for prompt in args.prompts or DEMO_PROMPTS:
+        t0 = time.perf_counter()
+        sys.stdout.write(prompt)
+        n = 0
+        for out in llm.stream(prompt, params):
+            sys.stdout.write(out.outputs[0].text)
+            sys.stdout.flush()
+            n += len(out.outputs[0].token_ids)
+        dt = time.perf_counter() - t0
+        sys.stdout.write(f"\n[{n} tokens in {dt:.2f} s]\n\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inferd", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline and stream the text to stdout")
+    gen.add_argument("prompts", nargs="*", help="prompts (a few demo prompts when none)")
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except InferdError as e:
+        print(f"inferd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The offline API, in vLLM's shape: `from inferd import LLM, SamplingParams`.
+
+>>> llm = LLM()  # the built-in inferd-tiny model (random weights)
+>>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+>>> len(out[0].outputs[0].token_ids) <= 8
+True
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from inferd.config import DEFAULT_MODEL, EngineConfig
+from inferd.engine.llm_engine import LLMEngine, PromptType
+from inferd.engine.output_processor import OutputKind
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.types import RequestOutput
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = _per_prompt(sampling_params, len(prompt_list))
+        prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(prios) != len(prompt_list):
+            raise ValueError("priority needs one value per prompt")
+        ids = []
+        for prompt, p, prio in zip(prompt_list, params, prios, strict=True):
+            rid = str(next(self._ids))
+            self.llm_engine.add_request(
+                rid, prompt, p, priority=prio, output_kind=OutputKind.FINAL_ONLY
+            )
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.llm_engine.tokenizer
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput with the new text and token ids of each step (delta outputs)."""
+        rid = str(next(self._ids))
+        engine = self.llm_engine
+        engine.add_request(rid, prompt, sampling_params or SamplingParams(), output_kind=OutputKind.DELTA)
+        try:
+            finished = False
+            while not finished:
+                for out in engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                engine.abort_request(rid)
+                engine.step()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

@@ -1,0 +1,233 @@
+"""The engine: one short step loop, schedule -> execute -> update.
+
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+
+Everything else (tokenizing, validating, fanning out `n` choices, detokenizing, stop strings)
+happens around that loop, not inside the scheduler or the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+import torch
+
+from inferd.config import EngineConfig, read_environment
+from inferd.engine.output_processor import OutputKind, OutputProcessor
+from inferd.errors import InvalidRequestError, ModelLoadError
+from inferd.executor.device import configure_threads, resolve_device, resolve_dtype
+from inferd.executor.model_runner import ModelRunner
+from inferd.kv_cache.block_manager import BlockManager
+from inferd.models.config import ArchConfig
+from inferd.models.loader import load_model, resolve_model_path
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.scheduler.request import Request, RequestStatus
+from inferd.scheduler.scheduler import Scheduler
+from inferd.telemetry.step_stats import StepStat, StepStats, timed
+from inferd.types import RequestOutput
+
+logger = logging.getLogger("inferd.engine")
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | TokensPrompt
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Values derived at start-up (never written back into the config)."""
+
+    model_path: str
+    architecture: str
+    device: str
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        env = read_environment()
+        self.device = resolve_device(config.device)
+        configure_threads(self.device, config.device.num_threads)
+        torch.manual_seed(config.model.seed)
+        path = resolve_model_path(config.model.model, config.model.revision, env)
+        tok_path = path
+        if config.model.tokenizer is not None:
+            tok_path = resolve_model_path(config.model.tokenizer, None, env)
+        arch = ArchConfig.from_json(path / "config.json")
+        dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, self.device)
+        self.model, self.arch = load_model(
+            path, dtype, self.device, config.model.load_format, config.model.seed
+        )
+        self.tokenizer = Tokenizer.from_pretrained(tok_path)
+        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache)
+        self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
+        if self.device.type == "cuda" and not config.device.enforce_eager:
+            self.runner.enable_decode_graphs(
+                self.max_model_len, config.scheduler.max_num_seqs, capture=True
+            )
+        block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer.hf)
+        self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
+        self.step_stats = StepStats()
+        self._aborted: list[str] = []
+        self.info = EngineInfo(
+            model_path=str(path),
+            architecture=self.arch.architecture,
+            device=str(self.device),
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=config.cache.block_size,
+            vocab_size=self.arch.vocab_size,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s; max_model_len %d",
+            self.runner.num_blocks,
+            config.cache.block_size,
+            self.runner.num_blocks * config.cache.block_size,
+            self.runner.kv_cache_bytes / 2**20,
+            self.device,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, kv_capacity_tokens: int) -> int:
+        limit = self.arch.max_position_embeddings
+        if self.arch.sliding_window is not None:
+            # No sliding-window attention: stay inside the window, where full attention is exact.
+            limit = min(limit, self.arch.sliding_window)
+        requested = self.config.model.max_model_len
+        if requested is not None:
+            if requested > limit:
+                raise ModelLoadError(
+                    f"max_model_len {requested} exceeds what the model supports ({limit})"
+                )
+            limit = requested
+        # A single request must always fit in the cache, or it could never be scheduled.
+        return min(limit, kv_capacity_tokens)
+
+    # -- requests in ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        raise InvalidRequestError("a prompt is a string or {'prompt_token_ids': [...]}", "prompt")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> None:
+        if request_id in self.outputs.states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+        text, ids = self.tokenize(prompt)
+        max_tokens = self.validate(ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=ids,
+                sampling_params=params.for_child(i) if params.n > 1 else params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                priority=priority,
+            )
+            for i in range(params.n)
+        ]
+        self.outputs.add(request_id, text, children, output_kind)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def validate(self, ids: Sequence[int], params: SamplingParams) -> int:
+        """Checks a tokenized prompt against the model; returns the resolved max_tokens."""
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}",
+                "prompt",
+            )
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        return params.max_tokens
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Aborts at any point; the request's final output (finish_reason 'abort') comes from step()."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            child_ids = self.outputs.abort(rid)
+            if child_ids:
+                self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+                self.runner.release(child_ids)
+                self._aborted.append(rid)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        stat = StepStat()
+        outputs = self.outputs.drain_aborted(self._aborted)
+        self._aborted = []
+        with timed(stat, "schedule"):
+            sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
+        runner_out = self.runner.execute(sched, stat)
+        with timed(stat, "schedule"):
+            updated = self.scheduler.update_from_output(sched, runner_out)
+        with timed(stat, "detokenize"):
+            logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs, strict=True))
+            new_outputs, stopped = self.outputs.process(updated, logprobs)
+            if stopped:
+                self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.runner.release([r.request_id for r in updated if r.is_finished] + stopped)
+        stat.num_running = len(sched.chunks)
+        stat.num_waiting = self.scheduler.num_waiting
+        stat.num_batched_tokens = sched.num_batched_tokens
+        stat.total = time.perf_counter() - t0
+        self.step_stats.record(stat)
+        return outputs + new_outputs
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished_requests():
+            outputs.extend(self.step())
+        return outputs

@@ -1,0 +1,223 @@
+"""Turns scheduler updates into RequestOutputs: detokenize, apply stop strings, gather logprobs.
+
+One RequestState per caller request; each of its `n` choices is one scheduler Request (a child).
+Stop strings are found here, on text, so the engine tells the scheduler to finish those children.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import tokenizers
+
+from inferd.postprocess.text_stream import TextStream
+from inferd.scheduler.request import Request, RequestStatus
+from inferd.types import CompletionOutput, RequestOutput, SampleLogprobs
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output holds everything so far
+    DELTA = "delta"  # every output holds only what is new since the last one (streaming)
+    FINAL_ONLY = "final_only"  # one output when the request ends (offline generate)
+
+
+@dataclass
+class Choice:
+    index: int
+    request: Request
+    stream: TextStream
+    num_seen_tokens: int = 0
+    text: str = ""
+    logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Text and token ids not yet handed out (DELTA mode).
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    output_kind: OutputKind
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.choice_of: dict[str, tuple[RequestState, Choice]] = {}
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        children: list[Request],
+        output_kind: OutputKind,
+    ) -> None:
+        choices = []
+        for i, child in enumerate(children):
+            params = child.sampling_params
+            stream = TextStream(
+                self.tokenizer,
+                child.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            choice = Choice(index=i, request=child, stream=stream)
+            choice.logprobs = [] if params.logprobs is not None else None
+            choices.append(choice)
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=children[0].prompt_token_ids,
+            choices=choices,
+            output_kind=output_kind,
+            arrival_time=children[0].arrival_time,
+        )
+        self.states[request_id] = state
+        for choice in choices:
+            self.choice_of[choice.request.request_id] = (state, choice)
+
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        for cid in child_ids:
+            entry = self.choice_of.get(cid)
+            if entry is not None and entry[0].first_scheduled_time is None:
+                entry[0].first_scheduled_time = now
+
+    def process(
+        self, updated: list[Request], logprobs: dict[str, SampleLogprobs | None]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns outputs for callers and the child ids a stop string has finished."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for req in updated:
+            entry = self.choice_of.get(req.request_id)
+            if entry is None:
+                continue
+            state, choice = entry
+            if state.first_token_time is None:
+                state.first_token_time = now
+            if self._advance(choice, req, logprobs.get(req.request_id)):
+                stopped.append(req.request_id)
+            touched[state.request_id] = state
+        return self._emit(touched.values(), now), stopped
+
+    def abort(self, request_id: str) -> list[str]:
+        """Marks every unfinished choice aborted; returns their child ids (to free in the scheduler)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        ids = []
+        for choice in state.choices:
+            if choice.finish_reason is None:
+                self._finish(choice, RequestStatus.FINISHED_ABORTED.finish_reason)
+                ids.append(choice.request.request_id)
+        return ids
+
+    def drain_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
+        states = [self.states[r] for r in request_ids if r in self.states]
+        return self._emit(states, time.monotonic())
+
+    def _advance(self, choice: Choice, req: Request, lp: SampleLogprobs | None) -> bool:
+        if choice.finish_reason is not None:
+            return False
+        new_ids = req.output_token_ids[choice.num_seen_tokens :]
+        choice.num_seen_tokens = len(req.output_token_ids)
+        choice.pending_ids.extend(new_ids)
+        if choice.logprobs is not None and lp is not None:
+            choice.logprobs.append(lp)
+        delta = choice.stream.push(new_ids)
+        self._append_text(choice, delta.text)
+        if delta.stop is not None:
+            self._finish(choice, "stop", delta.stop)
+            return True
+        if req.status.finished:
+            self._finish(choice, req.status.finish_reason, req.stop_reason)
+        return False
+
+    def _finish(self, choice: Choice, reason: str | None, stop_reason: int | str | None = None) -> None:
+        self._append_text(choice, choice.stream.finish())
+        choice.finish_reason = reason
+        choice.stop_reason = stop_reason
+
+    @staticmethod
+    def _append_text(choice: Choice, text: str) -> None:
+        if text:
+            choice.text += text
+            choice.pending_text += text
+
+    def _emit(self, states: Iterable[RequestState], now: float) -> list[RequestOutput]:
+        outputs = []
+        for state in states:
+            finished = state.finished
+            if finished:
+                state.finished_time = now
+                self._forget(state)
+            if state.output_kind is OutputKind.FINAL_ONLY and not finished:
+                continue
+            outputs.append(self._make_output(state, finished))
+        return outputs
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        delta = state.output_kind is OutputKind.DELTA
+        completions = []
+        for c in state.choices:
+            completions.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=c.pending_text if delta else c.text,
+                    token_ids=list(c.pending_ids) if delta else list(c.request.output_token_ids),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=c.logprobs,
+                    cumulative_logprob=_cumulative(c),
+                )
+            )
+            c.pending_text, c.pending_ids = "", []
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=_metrics(state),
+        )
+
+    def _forget(self, state: RequestState) -> None:
+        self.states.pop(state.request_id, None)
+        for c in state.choices:
+            self.choice_of.pop(c.request.request_id, None)
+
+
+def _cumulative(c: Choice) -> float | None:
+    if not c.logprobs:
+        return None
+    ids = c.request.output_token_ids
+    return sum(lp[t].logprob for lp, t in zip(c.logprobs, ids, strict=False) if t in lp)
+
+
+def _metrics(state: RequestState) -> dict[str, float]:
+    m = {"arrival_time": state.arrival_time}
+    for name in ("first_scheduled_time", "first_token_time", "finished_time"):
+        value = getattr(state, name)
+        if value is not None:
+            m[name] = value
+    m["num_preemptions"] = float(sum(c.request.num_preemptions for c in state.choices))
+    return m

@@ -1,0 +1,106 @@
+"""Paged attention for the flattened, padding-free batch.
+
+The batch is T real tokens from several sequences laid end to end: first one token per decoding
+sequence (B of them), then each prefill chunk. K/V for token t are written to cache slot
+`slot_mapping[t]` (slot = block_id * block_size + offset), then every query attends to its own
+sequence's cached K/V.
+
+KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), so one
+block of one layer is a contiguous [block_size, H_kv, D] tile and a block-table gather copies whole
+tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk: queries [query_start, query_start + query_len) of the flat batch."""
+
+    query_start: int
+    query_len: int
+    # Tokens of this sequence in the cache after this step's write (cached prefix + this chunk).
+    context_len: int
+    # [context_len] cache slots of the whole context; None when the chunk is the whole context.
+    context_slots: Tensor | None = None
+    # [query_len, context_len] bool, True = may attend; None when plain causal.
+    mask: Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: Tensor  # [T] int64
+    num_decode_tokens: int = 0
+    # Decode groups: each a [B_g, nb_g] block table with a [B_g, 1, 1, nb_g * block_size] bool
+    # mask (True = attend), over the first num_decode_tokens tokens in order. Sequences are grouped
+    # by length so one short sequence does not pay for the longest one's padding.
+    decode_groups: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV cache; holds no parameters. `kv_cache` is bound by the runner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: Tensor = torch.empty(0)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
+        # q: [T, Hq, D]  k, v: [T, Hkv, D]  ->  out: [T, Hq, D]
+        if self.kv_cache.numel():
+            _write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for block_table, mask in meta.decode_groups:
+            n = block_table.shape[0]
+            out[start : start + n] = self._decode(q[start : start + n], block_table, mask)
+            start += n
+        for span in meta.prefills:
+            sl = slice(span.query_start, span.query_start + span.query_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], span)
+        return out
+
+    def _decode(self, q: Tensor, block_table: Tensor, mask: Tensor) -> Tensor:
+        # GQA without copying K/V per query head: the G = Hq / Hkv query heads that share one KV
+        # head become G query rows against that head.  q: [B, Hq, D] -> [B, Hkv, G, D]
+        b = q.shape[0]
+        qg = q.view(b, self.num_kv_heads, -1, self.head_dim)
+        k, v = self.kv_cache[0][block_table], self.kv_cache[1][block_table]
+        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        k = k.flatten(1, 2).transpose(1, 2)
+        v = v.flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+        return o.reshape(b, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan) -> Tensor:
+        if span.context_slots is not None:
+            k = self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots)
+            v = self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots)
+        # [S, H, D] -> [1, H, S, D]
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(
+            qt,
+            kt,
+            vt,
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+
+def _write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, k)
+    kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,249 @@
+"""Model runner: turns a SchedulerOutput into one forward pass and one sampled token per sampling row.
+
+The only stage that touches the device. A step's batch is flat: decode tokens first (one per
+sequence, sorted longest context first and cut into length groups), then each prefill chunk. No
+padding tokens are computed; logits are computed only for rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from inferd.config import CacheConfig
+from inferd.errors import ModelLoadError
+from inferd.executor.attention import AttentionMetadata, PrefillSpan
+from inferd.executor.cuda_graphs import DecodeGraphs
+from inferd.models.config import ArchConfig
+from inferd.sampling.metadata import SamplingMetadata, SamplingRow
+from inferd.sampling.sampler import Sampler, make_generator
+from inferd.telemetry.step_stats import StepStat, timed
+from inferd.types import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger("inferd.executor")
+
+_CPU_KV_CACHE_BYTES = 4 << 30
+# A decode group keeps adding (shorter) sequences while their block count is at least this share of
+# the group's longest, bounding the padded keys each group reads to 1 / ratio of the real ones.
+_DECODE_GROUP_RATIO = 0.85
+
+
+@dataclass
+class ModelInput:
+    input_ids: Tensor  # [T]
+    positions: Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: Tensor  # [N] rows of the flat batch that sample
+    sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        arch: ArchConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        cache: CacheConfig,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache.block_size
+        self.num_blocks = _num_kv_blocks(arch, cache, dtype, device)
+        # One block more than the block manager hands out: the scratch block that padded rows of a
+        # CUDA-graph decode batch write to.
+        kv_shape = (
+            2,
+            self.num_blocks + 1,
+            cache.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+        )
+        self.kv_caches = [
+            torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)
+        ]
+        for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
+            attn.kv_cache = kv
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:
+        """Pure-decode steps run from static buffers: CUDA graphs when `capture`, else eagerly."""
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.device,
+            self.block_size,
+            max_model_len,
+            max_num_seqs,
+            scratch_block=self.num_blocks,
+            capture=capture,
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(kv.numel() * kv.element_size() for kv in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, stat: StepStat) -> ModelRunnerOutput:
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(sched.chunks, sched.num_batched_tokens):
+            return self._execute_graph(graphs, sched, stat)
+        with timed(stat, "prepare_inputs"):
+            inp = self.prepare_inputs(sched)
+            stat.num_decode_tokens = inp.meta.num_decode_tokens
+            stat.num_prefill_tokens = int(inp.input_ids.numel()) - inp.meta.num_decode_tokens
+        with timed(stat, "forward"):
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+        with timed(stat, "sample"):
+            return self._sample(logits, inp.sampling_chunks)
+
+    def _execute_graph(
+        self, graphs: DecodeGraphs, sched: SchedulerOutput, stat: StepStat
+    ) -> ModelRunnerOutput:
+        stat.num_decode_tokens = len(sched.chunks)
+        with timed(stat, "forward"):
+            hidden = graphs.run(sched.chunks)
+            rows = [i for i, c in enumerate(sched.chunks) if c.samples]
+            logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        with timed(stat, "sample"):
+            return self._sample(logits, [sched.chunks[i] for i in rows])
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state (seeded generators) of finished requests."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        decode = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: -c.start)
+        prefill = [c for c in sched.chunks if c.num_tokens > 1]
+        ids: list[int] = [c.request.all_token_ids[c.start] for c in decode]
+        positions: list[int] = [c.start for c in decode]
+        bs = self.block_size
+        slots: list[int] = [c.block_ids[c.start // bs] * bs + c.start % bs for c in decode]
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=len(decode))
+        meta.decode_groups = self._decode_groups(decode)
+        for c in prefill:
+            meta.prefills.append(self._prefill_span(c, len(ids), slots))
+            ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+        chunks = decode + prefill
+        sampling_rows: list[int] = []
+        sampling_chunks: list[ScheduledChunk] = []
+        row = 0
+        for c in chunks:
+            row += c.num_tokens
+            if c.samples:
+                sampling_rows.append(row - 1)
+                sampling_chunks.append(c)
+        meta.slot_mapping = self._tensor(slots)
+        return ModelInput(
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            meta=meta,
+            logits_indices=self._tensor(sampling_rows),
+            sampling_chunks=sampling_chunks,
+        )
+
+    def _tensor(self, values: list[int] | np.ndarray) -> Tensor:
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+    def _decode_groups(self, decode: list[ScheduledChunk]) -> list[tuple[Tensor, Tensor]]:
+        """Cut decode rows (sorted longest first) into groups of similar block counts."""
+        groups: list[tuple[Tensor, Tensor]] = []
+        bs = self.block_size
+        i = 0
+        while i < len(decode):
+            max_nb = decode[i].start // bs + 1
+            j = i
+            while j < len(decode) and decode[j].start // bs + 1 >= _DECODE_GROUP_RATIO * max_nb:
+                j += 1
+            table = np.zeros((j - i, max_nb), dtype=np.int64)
+            ctx = np.empty(j - i, dtype=np.int64)
+            for r, c in enumerate(decode[i:j]):
+                nb = c.start // bs + 1
+                table[r, :nb] = c.block_ids[:nb]
+                ctx[r] = c.start + 1
+            keys = np.arange(max_nb * bs)
+            mask = torch.from_numpy(keys[None, :] < ctx[:, None]).view(j - i, 1, 1, max_nb * bs)
+            groups.append((self._tensor(table), mask.to(self.device)))
+            i = j
+        return groups
+
+    def _prefill_span(self, c: ScheduledChunk, query_start: int, slots: list[int]) -> PrefillSpan:
+        bs = self.block_size
+        end = c.start + c.num_tokens
+        blocks = np.asarray(c.block_ids[: (end + bs - 1) // bs], dtype=np.int64)
+        pos = np.arange(end)
+        ctx_slots = blocks[pos // bs] * bs + pos % bs
+        slots.extend(ctx_slots[c.start :].tolist())
+        span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
+        if c.start > 0:
+            # Queries are the last num_tokens positions; query i sees keys 0 .. start + i.
+            span.context_slots = self._tensor(ctx_slots)
+            q_pos = np.arange(c.start, end)
+            span.mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(self.device)
+        return span
+
+    def _sample(self, logits: Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
+        rows = [self._sampling_row(c) for c in chunks]
+        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
+        out = self.sampler(logits.float(), meta)
+        req_ids = [c.request.request_id for c in chunks]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=out.token_ids.tolist(),
+            logprobs=out.to_sample_logprobs(rows),
+        )
+
+    def _sampling_row(self, c: ScheduledChunk) -> SamplingRow:
+        req = c.request
+        gen = None
+        if req.sampling_params.seed is not None:
+            gen = self.generators.get(req.request_id)
+            if gen is None:
+                gen = make_generator(req.sampling_params.seed, self.device)
+                self.generators[req.request_id] = gen
+        return SamplingRow(
+            params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            eos_token_ids=req.eos_token_ids,
+            generator=gen,
+        )
+
+
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    return per_token * block_size * dtype.itemsize
+
+
+def _num_kv_blocks(
+    arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cpu":
+        budget = _CPU_KV_CACHE_BYTES
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        # Weights are resident already; leave (1 - utilization) of the card plus a margin for
+        # activations of the largest step.
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used - (512 << 20)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ModelLoadError(
+            f"KV cache budget {budget} bytes holds no {cache.block_size}-token block "
+            f"({per_block} bytes each); raise --kv-cache-memory"
+        )
+    return int(num_blocks)

@@ -1,0 +1,89 @@
+"""A request as the scheduler sees it: one sequence of token ids and how much of it is in the cache.
+
+`n > 1` choices are fanned out by the engine into one Request each, so the scheduler only ever
+deals with single sequences. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from inferd.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is terminal.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. Invariant: 0 <= num_computed_tokens <= num_tokens.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. A request needs
+    `num_tokens - num_computed_tokens` more tokens computed before it can sample again; in steady
+    decode that is exactly 1 (the token sampled last step).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Longest output allowed: min(sampling_params.max_tokens, max_model_len - prompt length).
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Lower value is served first (vLLM's convention); FIFO by arrival within one value.
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # The token id or stop string that ended the request, if one did.
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # prompt + output, kept as one list so the hot path never concatenates.
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
