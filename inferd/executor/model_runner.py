@@ -65,9 +65,7 @@ class ModelRunner:
             arch.num_key_value_heads,
             arch.head_dim,
         )
-        self.kv_caches = [
-            torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)
-        ]
+        self.kv_caches = [_zeros(kv_shape, dtype, device) for _ in range(arch.num_hidden_layers)]
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv
         self.sampler = Sampler()
@@ -197,11 +195,11 @@ class ModelRunner:
         rows = [self._sampling_row(c) for c in chunks]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
         out = self.sampler(logits.float(), meta)
-        req_ids = [c.request.request_id for c in chunks]
+        token_ids: list[int] = out.token_ids.tolist()
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=out.token_ids.tolist(),
-            logprobs=out.to_sample_logprobs(rows),
+            req_ids=[c.request.request_id for c in chunks],
+            sampled_token_ids=token_ids,
+            logprobs=out.to_sample_logprobs(rows, token_ids),
         )
 
     def _sampling_row(self, c: ScheduledChunk) -> SamplingRow:
@@ -219,6 +217,17 @@ class ModelRunner:
             eos_token_ids=req.eos_token_ids,
             generator=gen,
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zeroed KV pool. Zeros, not garbage: masked keys still meet V in the attention matmul, and
+    0 * NaN would poison a row. On CPU, numpy's calloc maps zero pages lazily, so a multi-GiB pool
+    costs nothing until blocks are first written."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = dtype.itemsize
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:

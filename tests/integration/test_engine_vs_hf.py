@@ -54,7 +54,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 48  # 192 token slots for ~10 requests of up to ~80 tokens: forces preemption
+NUM_BLOCKS = 40  # 160 token slots for ~10 requests of up to ~86 tokens: forces preemption
 
 
 def _make_checkpoint(name: str, root: Path) -> Path:

@@ -1,0 +1,170 @@
+"""Paged KV cache bookkeeping: one pool of fixed-size blocks shared by every request.
+
+Token t of a request lives in block `table[t // block_size]` at offset `t % block_size`. A block
+is free when its reference count is 0. Free blocks are of two kinds: never-cached ones on a stack
+(handed out first) and cached ones that stay findable by the prefix cache until they are evicted
+(least recently freed first, see prefix_cache.py). A cached block is shared between requests with
+the same prefix by reference counting; it is never written again, because a request only writes
+positions at or after its `num_computed_tokens` and a hit never covers those.
+
+When cached blocks are registered: only after the step that computed them
+(`cache_full_blocks`, called from the scheduler's update_from_output), never when they are
+allocated. Registering at allocation would let a request in the same step hit a block whose
+writer is preempted later in that same schedule() call, so its K/V would never be written.
+
+Pure Python, no torch, single-threaded: the engine loop is the only caller.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from inferd.kv_cache.prefix_cache import NO_HIT, ROOT_SERIAL, PrefixCache, PrefixHit
+
+
+class BlockManager:
+    """Block pool, reference counts, per-request block tables and the prefix cache.
+
+    >>> bm = BlockManager(num_blocks=4, block_size=2)
+    >>> bm.allocate("a", num_tokens=3), bm.block_table("a"), bm.num_free_blocks
+    (True, [0, 1], 2)
+    >>> bm.cache_full_blocks("a", [7, 8, 9], num_computed_tokens=3)  # block 0 now findable
+    >>> bm.lookup_prefix([7, 8, 5]).block_ids
+    (0,)
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        # Never-cached free blocks; reversed so pop() hands out block 0 first.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._prefix = PrefixCache(num_blocks, block_size)
+        self._tables: dict[str, list[int]] = {}
+        # Per request: the cache serial of each leading full block already registered (or found).
+        self._serials: dict[str, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with reference count 0, evictable cached blocks included."""
+        return len(self._free) + self._prefix.num_evictable
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._prefix.num_cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self._num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids (a copy); empty when it holds none."""
+        return list(self._tables.get(request_id, ()))
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Cached blocks covering a prefix of `token_ids`; nothing is taken yet.
+
+        The hit never covers the last token: at least one token is left to compute, so the model
+        produces logits for the last position. Pass the hit to `allocate` to take the blocks.
+        """
+        if not self.enable_prefix_caching or not token_ids:
+            return NO_HIT
+        return self._prefix.lookup(token_ids, (len(token_ids) - 1) // self._block_size)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit = NO_HIT) -> bool:
+        """Grows the request's table to cover its first `num_tokens` tokens.
+
+        `prefix` (only for a request holding no blocks) is taken first, reference count +1 per
+        block. All or nothing: on False nothing changed.
+        """
+        table = self._tables.get(request_id)
+        held = len(table) if table is not None else 0
+        assert not (prefix.block_ids and held), (
+            "a prefix hit is only taken by a request with no blocks"
+        )
+        num_new = max(0, self.num_blocks_for(num_tokens) - held - len(prefix.block_ids))
+        # Hit blocks with reference count 0 come out of the free pool too.
+        num_revived = sum(1 for b in prefix.block_ids if self._ref[b] == 0)
+        if num_new + num_revived > self.num_free_blocks:
+            return False
+        if table is None:
+            table = self._tables[request_id] = []
+            self._serials[request_id] = list(prefix.serials)
+        for block_id in prefix.block_ids:
+            self._take_cached(block_id)
+            table.append(block_id)
+        for _ in range(num_new):
+            table.append(self._take_free())
+        return True
+
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Registers the request's full blocks whose tokens are all computed (K/V written)."""
+        serials = self._serials.get(request_id)
+        if not self.enable_prefix_caching or serials is None:
+            return
+        table = self._tables[request_id]
+        bs = self._block_size
+        for i in range(len(serials), num_computed_tokens // bs):
+            parent = serials[-1] if serials else ROOT_SERIAL
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            serials.append(self._prefix.register(table[i], parent, tokens))
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks, tail first (so its prefix is evicted last). Idempotent."""
+        table = self._tables.pop(request_id, None)
+        self._serials.pop(request_id, None)
+        for block_id in reversed(table or ()):
+            assert self._ref[block_id] > 0, f"double free of block {block_id}"
+            self._ref[block_id] -= 1
+            if self._ref[block_id] > 0:
+                continue
+            if self._prefix.is_cached(block_id):
+                self._prefix.park(block_id)
+            else:
+                self._free.append(block_id)
+
+    def check_invariants(self) -> None:
+        """Asserts the pool is consistent: O(num_blocks), for tests and debugging."""
+        held = Counter(b for table in self._tables.values() for b in table)
+        assert all(self._ref[b] == held.get(b, 0) for b in range(self._num_blocks))
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice on the free stack"
+        assert not any(self._prefix.is_cached(b) for b in free)
+        idle = {b for b in range(self._num_blocks) if self._ref[b] == 0}
+        assert idle == free | {b for b in idle if self._prefix.is_cached(b)}
+        assert self.num_free_blocks == len(idle)
+        self._prefix.check_invariants(self._ref)
+
+    def _take_free(self) -> int:
+        block_id = self._free.pop() if self._free else self._prefix.evict()
+        assert self._ref[block_id] == 0
+        self._ref[block_id] = 1
+        return block_id
+
+    def _take_cached(self, block_id: int) -> None:
+        if self._ref[block_id] == 0:
+            self._prefix.unpark(block_id)
+        self._ref[block_id] += 1

@@ -1,0 +1,130 @@
+"""Prefix cache: finds full KV blocks already computed for the same token prefix.
+
+Keys. A full block is keyed by `(parent_serial, block_tokens)`: the serial number the cache gave
+the block before it in the sequence (ROOT_SERIAL for the first block) and the block's own token
+ids. The dict hashes that key, which is vLLM's `hash((parent_hash, tokens))` chain, and then
+compares it for equality, so prefixes whose hashes collide never share K/V: the tokens are
+compared exactly and the parent serial pins the rest of the prefix. Each registration takes a
+fresh serial that is never reused, so a block evicted and refilled with other tokens cannot stand
+in for its old content, and the children of an evicted block become unreachable.
+
+Lifetime. A cached block stays findable while a request holds it and, once its reference count is
+0, while it waits in the LRU of evictable blocks. The block manager hands out never-cached free
+blocks first and evicts from the LRU front (least recently freed) only when none are left.
+Requests free their blocks tail first, so a sequence's last blocks are evicted before its prefix,
+which later requests are more likely to share.
+
+Pure Python, single-threaded: the engine loop is the only caller.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROOT_SERIAL = -1
+
+# (serial of the parent block or ROOT_SERIAL, the block's token ids)
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks covering the first `num_tokens` tokens of a sequence, in order."""
+
+    block_ids: tuple[int, ...] = ()
+    # The cache serial of each block: the parents of the sequence's next blocks.
+    serials: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+NO_HIT = PrefixHit()
+
+
+class PrefixCache:
+    """Content-addressed index of full, computed blocks plus the LRU of evictable ones."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._index: dict[BlockKey, int] = {}
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._serial_of: list[int] = [ROOT_SERIAL] * num_blocks
+        self._next_serial = 0
+        # Cached blocks with reference count 0, least recently freed first. An OrderedDict gives
+        # O(1) append, pop-front and removal from the middle (when a prefix hit revives a block).
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._index)
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._key_of[block_id] is not None
+
+    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> PrefixHit:
+        """The longest run of cached leading full blocks, at most `max_blocks`. No side effect."""
+        bs = self.block_size
+        block_ids: list[int] = []
+        serials: list[int] = []
+        parent = ROOT_SERIAL
+        for i in range(max_blocks):
+            block_id = self._index.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            if block_id is None:
+                break
+            parent = self._serial_of[block_id]
+            block_ids.append(block_id)
+            serials.append(parent)
+        return PrefixHit(tuple(block_ids), tuple(serials), len(block_ids) * bs)
+
+    def register(self, block_id: int, parent_serial: int, tokens: tuple[int, ...]) -> int:
+        """Index a full, computed block; returns the serial that now stands for its content.
+
+        When equal content is already cached (two requests computed the same prefix in the same
+        step), the first block stays the indexed one and `block_id` stays uncached: its owner
+        frees it as a plain block. The returned serial is the indexed block's either way, so the
+        owner's next blocks chain onto content that is findable.
+        """
+        assert len(tokens) == self.block_size, "only full blocks are cached"
+        assert self._key_of[block_id] is None, f"block {block_id} is already cached"
+        key = (parent_serial, tokens)
+        existing = self._index.get(key)
+        if existing is not None:
+            return self._serial_of[existing]
+        serial = self._next_serial
+        self._next_serial += 1
+        self._index[key] = block_id
+        self._key_of[block_id] = key
+        self._serial_of[block_id] = serial
+        return serial
+
+    def park(self, block_id: int) -> None:
+        """A cached block's last reference went away: it becomes the most recent evictable one."""
+        assert self.is_cached(block_id) and block_id not in self._lru
+        self._lru[block_id] = None
+
+    def unpark(self, block_id: int) -> None:
+        """A prefix hit takes an evictable block back into use."""
+        del self._lru[block_id]
+
+    def evict(self) -> int:
+        """Drops the least recently freed evictable block from the index and returns its id."""
+        block_id, _ = self._lru.popitem(last=False)
+        key = self._key_of[block_id]
+        assert key is not None
+        del self._index[key]
+        self._key_of[block_id] = None
+        self._serial_of[block_id] = ROOT_SERIAL
+        return block_id
+
+    def check_invariants(self, ref_counts: Sequence[int]) -> None:
+        """Index and LRU agree with each other and with the reference counts (tests call this)."""
+        for key, block_id in self._index.items():
+            assert self._key_of[block_id] == key
+        assert sum(k is not None for k in self._key_of) == len(self._index)
+        for block_id in self._lru:
+            assert self.is_cached(block_id) and ref_counts[block_id] == 0

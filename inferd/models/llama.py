@@ -1,0 +1,203 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model over a flat batch.
+
+The batch has no batch dimension and no padding: T tokens of several sequences laid end to end,
+with `positions` [T] and the attention metadata telling which tokens belong together. Every
+module maps [T, ...] -> [T, ...].
+
+Family differences are flags on ArchConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE
+(Qwen3), bias on o_proj and the MLP (Llama `attention_bias` / `mlp_bias`), tied embeddings.
+
+q/k/v and gate/up are fused into one matmul each (one GEMM instead of three / two, which matters
+most for small decode batches on CPU). `checkpoint_layout()` says where each Hugging Face tensor
+goes inside the fused parameters.
+
+Parameters are allocated with `torch.empty` (no init kernels): the loader fills every one of them,
+so a model built under `torch.device("cuda")` goes straight to the GPU without a CPU copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inferd.executor.attention import AttentionMetadata, PagedAttention
+from inferd.models.config import ArchConfig
+from inferd.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: rows [row_start, row_start + rows) of `param_name`."""
+
+    param_name: str
+    row_start: int
+    rows: int
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the checkpoint tensors stacked along the output dim."""
+
+    def __init__(
+        self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        out_features = sum(rows for _, rows in shards)
+        self.shards = shards
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 and scale after casting back, as HF does, so bf16 results match.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype), False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        shards = [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)]
+        self.qkv_proj = Linear(cfg.hidden_size, shards, cfg.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, [("o_proj", cfg.hidden_size)], cfg.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary  # one module shared by every layer (named_modules dedups it)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        # x: [T, hidden] -> qkv: [T, (Hq + 2 Hkv) D]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        shards = [("gate_proj", inter), ("up_proj", inter)]
+        self.gate_up_proj = Linear(cfg.hidden_size, shards, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(inter, [("down_proj", cfg.hidden_size)], cfg.mlp_bias, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, hidden] -> gate, up: [T, I] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions: Tensor, h: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary_emb, dtype) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model the runner drives: forward() -> hidden states, compute_logits() on sampled rows."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype)
+        self.lm_head = Linear(cfg.hidden_size, [("lm_head", cfg.vocab_size)], False, dtype)
+        if cfg.tie_word_embeddings:
+            # One tensor, two names: the checkpoint stores only model.embed_tokens.weight.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        # input_ids, positions: [T] int64 -> [T, hidden]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [m.attn for m in self.modules() if isinstance(m, Attention)]
+
+    def checkpoint_layout(self) -> dict[str, WeightTarget]:
+        """Hugging Face tensor name -> where it lands, for every tensor the checkpoint must hold."""
+        layout: dict[str, WeightTarget] = {}
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                layout.update(_linear_layout(module_name, module))
+            elif isinstance(module, Embedding | RMSNorm):
+                name = f"{module_name}.weight"
+                layout[name] = WeightTarget(name, 0, module.weight.shape[0])
+        if self.config.tie_word_embeddings:
+            del layout["lm_head.weight"]
+        return layout
+
+
+def _linear_layout(module_name: str, module: Linear) -> dict[str, WeightTarget]:
+    # "model.layers.0.self_attn.qkv_proj" with shard "q_proj" -> "model.layers.0.self_attn.q_proj"
+    parent = module_name.rpartition(".")[0]
+    out: dict[str, WeightTarget] = {}
+    start = 0
+    for shard, rows in module.shards:
+        prefix = f"{parent}.{shard}" if parent else shard
+        out[f"{prefix}.weight"] = WeightTarget(f"{module_name}.weight", start, rows)
+        if module.bias is not None:
+            out[f"{prefix}.bias"] = WeightTarget(f"{module_name}.bias", start, rows)
+        start += rows
+    return out

@@ -1,0 +1,142 @@
+"""Rotary position embedding (RoPE), Hugging Face's "rotate_half" (GPT-NeoX) convention.
+
+A head vector x of D dims is split into halves x1 = x[:D/2], x2 = x[D/2:]; dim pair (i, i + D/2)
+rotates by angle pos * inv_freq[i]:
+
+    out = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+which is exactly HF's `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)` element for element,
+with half the cache. cos/sin are precomputed in float32 for every position up to `cache_len`
+(like HF, angles are float32 products `pos * inv_freq`), then cast once to the model dtype, so a
+step only gathers rows by `positions`.
+
+Scaling variants (`rope_scaling["rope_type"]`):
+- None / "default": inv_freq = 1 / base^(2i/D).
+- "linear": inv_freq / factor (position interpolation); context grows to max_pos * factor.
+- "llama3": Llama 3.1's per-frequency interpolation between `low_freq_factor` and
+  `high_freq_factor` wavelengths; max_position_embeddings is already the extended context.
+- "dynamic" (dynamic NTK): like vLLM's DynamicNTKScalingRotaryEmbedding, one fixed base, the one
+  NTK gives for a sequence of max_pos * factor tokens, used for every position, so K/V already in
+  the paged cache never need re-rotating. Hugging Face instead recomputes the base from the current
+  sequence length on every forward (the unscaled base up to max_position_embeddings). The two agree
+  exactly only when HF's sequence length is max_pos * factor; elsewhere outputs differ slightly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def base_inv_freq(head_dim: int, base: float) -> Tensor:
+    # [D/2] float32, the same expression as HF so values are bit-identical.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: Tensor, rope_scaling: dict[str, Any]) -> Tensor:
+    factor = float(rope_scaling["factor"])
+    low_freq_factor = float(rope_scaling["low_freq_factor"])
+    high_freq_factor = float(rope_scaling["high_freq_factor"])
+    old_context_len = float(rope_scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are interpolated by `factor`, short ones kept, and the
+    # band between is a linear blend in 1 / wavelength.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def dynamic_ntk_base(base: float, head_dim: int, max_position: int, factor: float) -> float:
+    """The NTK base for a sequence of max_position * factor tokens (vLLM's fixed choice)."""
+    max_len = int(max_position * factor)
+    return base * ((factor * max_len / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+
+
+def compute_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict[str, Any] | None, max_position: int
+) -> Tensor:
+    """Inverse frequencies [D/2] float32 for one rope variant."""
+    rope_type = rope_type_of(rope_scaling)
+    if rope_type == "default":
+        return base_inv_freq(head_dim, base)
+    assert rope_scaling is not None
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return base_inv_freq(head_dim, base) / factor
+    if rope_type == "llama3":
+        return _llama3_inv_freq(base_inv_freq(head_dim, base), rope_scaling)
+    if rope_type == "dynamic":
+        return base_inv_freq(head_dim, dynamic_ntk_base(base, head_dim, max_position, factor))
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def rope_cache_len(rope_scaling: dict[str, Any] | None, max_position: int) -> int:
+    """Positions the model can address: linear and dynamic scaling extend the context by factor."""
+    if rope_type_of(rope_scaling) in ("linear", "dynamic"):
+        assert rope_scaling is not None
+        return int(max_position * float(rope_scaling["factor"]))
+    return max_position
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k of a flat batch; one instance is shared by every layer."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        self.rope_scaling = rope_scaling
+        self.cache_len = rope_cache_len(rope_scaling, max_position)
+        # Computed on the CPU (cheap, and meta tensors have no values), then moved to the device
+        # the model is being built on.
+        cos, sin = (c.to(torch.get_default_device(), dtype) for c in self._build_cache())
+        # [P, D/2] each, model dtype; recomputable, so not saved in a state dict.
+        self.cos_cache: Tensor
+        self.sin_cache: Tensor
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def _build_cache(self) -> tuple[Tensor, Tensor]:
+        with torch.device("cpu"):
+            inv_freq = compute_inv_freq(
+                self.head_dim, self.base, self.rope_scaling, self.max_position
+            )
+            t = torch.arange(self.cache_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        # positions: [T] int64   q: [T, Hq, D]   k: [T, Hkv, D]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]   cos, sin: [T, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

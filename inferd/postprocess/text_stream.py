@@ -1,0 +1,79 @@
+"""One output sequence's text: incremental detokenization followed by stop-string checking.
+
+The engine's output processor keeps one TextStream per sequence and, each step, pushes the ids
+sampled for it; when the sequence ends for another reason (EOS, length, abort) it calls finish()
+to release the text still held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inferd.postprocess.detokenizer import IncrementalDetokenizer, TokenDecoder
+from inferd.postprocess.stop_checker import StopChecker
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str  # new text to hand out
+    stop: str | None = None  # the stop string that ended the sequence in this push, if any
+
+
+class TextStream:
+    """ids in, text deltas out; `.text` is everything handed out so far.
+
+    After a stop string matched, the sequence is over: later pushes and finish() return nothing.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._checker = StopChecker(stop, include_stop_str_in_output) if stop else None
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def stop(self) -> str | None:
+        """The stop string that ended the sequence, if one did."""
+        return None if self._checker is None else self._checker.stop
+
+    def push(self, ids: Sequence[int]) -> TextDelta:
+        if self.stop is not None:
+            return TextDelta("")
+        return self._check(self._detokenizer.add_tokens(ids))
+
+    def finish(self) -> str:
+        """Flushes held text. The flushed text can still contain a stop string: see `.stop`."""
+        if self.stop is not None:
+            return ""
+        delta = self._check(self._detokenizer.flush())
+        if self._checker is None or delta.stop is not None:
+            return delta.text
+        held = self._checker.finish()
+        self._append(held)
+        return delta.text + held
+
+    def _check(self, text: str) -> TextDelta:
+        if self._checker is None:
+            self._append(text)
+            return TextDelta(text)
+        result = self._checker.push(text)
+        self._append(result.text)
+        return TextDelta(result.text, result.stop)
+
+    def _append(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)

@@ -1,0 +1,404 @@
+"""Continuous batching: which tokens of which requests the next engine step computes.
+
+One token budget per step, vLLM v1 style. There is no separate prefill and decode phase: every
+request simply needs `num_tokens - num_computed_tokens` tokens computed (the whole prompt at
+first, 1 in steady decode, prompt + outputs after a preemption) and each step hands out at most
+`max_num_batched_tokens` of them.
+
+Pure Python, no torch: tested on CPU with a faked model output.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from inferd.config import SchedulerConfig
+from inferd.errors import InvalidRequestError
+from inferd.kv_cache.block_manager import BlockManager
+from inferd.kv_cache.prefix_cache import PrefixHit
+from inferd.scheduler.request import Request, RequestStatus
+from inferd.types import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    """Iteration-level scheduler over a paged KV cache with prefix caching.
+
+    `schedule()`, one step:
+      1. Running requests, in admission order, each get min(needed, budget left) tokens: long
+         prefills are chunked across steps (or, with chunked prefill off, wait until they fit
+         whole). If the pool is out of blocks, the running request with the largest
+         (priority, arrival_time), i.e. lowest priority then newest, is preempted by recompute:
+         its blocks are freed, `num_computed_tokens` drops to 0 and it goes back to waiting
+         (the front, in fcfs), keeping its outputs. If that victim is the request being
+         scheduled, scheduling of running requests stops.
+      2. Unless step 1 preempted something (blocks are short: admitting now would take blocks the
+         running requests need next step), waiting requests are admitted in FIFO or
+         (priority, arrival_time) order while budget, `max_num_seqs` and blocks allow. Each takes
+         its cached prefix first (those tokens cost no budget). The first that does not fit stops
+         admission; under the "priority" policy it may first preempt running requests of strictly
+         lower priority.
+
+    `num_computed_tokens` advances in `update_from_output`, not in `schedule()`: between the two
+    it still counts only tokens whose K/V were in the cache before the step, as Request
+    documents. A chunk's `start` is that value at schedule time; the runner reads `start`.
+    Requests that finish leave the scheduler: `get_request` no longer knows them.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self._waiting: _WaitingQueue = (
+            _PriorityQueue() if config.policy == "priority" else _FcfsQueue()
+        )
+        self._running: list[Request] = []
+        # Every unfinished request, by id.
+        self._requests: dict[str, Request] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request. Raises InvalidRequestError if it could never be scheduled."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._waiting.push(request)
+
+    # -- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:
+            self._schedule_waiting(step)
+        return step.to_output()
+
+    def _schedule_running(self, step: _StepPlan) -> None:
+        # Iterate over a snapshot: preemption removes victims from self._running as we go.
+        for request in list(self._running):
+            if step.budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
+            if num_new == 0:
+                continue
+            if not self._allocate_running(request, num_new, step):
+                return  # the request itself was the victim
+            step.add(request, num_new, self.block_manager.block_table(request.request_id))
+
+    def _allocate_running(self, request: Request, num_new: int, step: _StepPlan) -> bool:
+        """Allocates, preempting victims until it fits; False when `request` itself was one."""
+        num_tokens = request.num_computed_tokens + num_new
+        while not self.block_manager.allocate(request.request_id, num_tokens):
+            victim = max(self._running, key=_preemption_key)
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, step: _StepPlan) -> None:
+        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting.peek()
+            # A request preempted in this very step is not readmitted in it: the runner would see
+            # it both preempted and scheduled.
+            if step.was_preempted(request) or not self._admit(request, step):
+                return
+            # Still the head: victims preempted for it had strictly lower priority.
+            popped = self._waiting.pop()
+            assert popped is request
+
+    def _admit(self, request: Request, step: _StepPlan) -> bool:
+        hit = self.block_manager.lookup_prefix(request.all_token_ids)
+        num_new = self._num_new_tokens(request, hit.num_tokens, step.budget)
+        if num_new == 0 or not self._allocate_waiting(request, hit, num_new, step):
+            return False
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = hit.num_tokens
+        self._running.append(request)
+        step.add(request, num_new, self.block_manager.block_table(request.request_id))
+        return True
+
+    def _allocate_waiting(
+        self, request: Request, hit: PrefixHit, num_new: int, step: _StepPlan
+    ) -> bool:
+        # Preempting only frees blocks (into the evictable LRU), so `hit` stays valid meanwhile.
+        num_tokens = hit.num_tokens + num_new
+        while not self.block_manager.allocate(request.request_id, num_tokens, hit):
+            victim = self._victim_for_waiting(request)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _victim_for_waiting(self, request: Request) -> Request | None:
+        """Under "priority", the lowest-priority running request if strictly below `request`."""
+        if self.config.policy != "priority" or not self._running:
+            return None
+        victim = max(self._running, key=_preemption_key)
+        return victim if victim.priority > request.priority else None
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute this step; 0 when a whole prefill is required and does not fit."""
+        needed = request.num_tokens - num_computed
+        if needed > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(needed, budget)
+
+    def _preempt(self, victim: Request, step: _StepPlan) -> None:
+        """Preemption by recompute: free everything, resume later from token 0."""
+        self._running.remove(victim)
+        self.block_manager.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._waiting.push_front(victim)
+        step.drop(victim)
+
+    # -- update --------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advances computed tokens, appends sampled tokens and applies the stop rules.
+
+        Returns the requests that received a token this step, finished ones included, in chunk
+        order. Requests finished (aborted) since `schedule()` are skipped.
+        """
+        sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids, strict=True))
+        updated: list[Request] = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            samples = chunk.samples  # read before the new token changes num_tokens
+            self._advance(request, chunk)
+            if samples:
+                token = sampled.get(request.request_id)
+                assert token is not None, f"no sampled token for {request.request_id}"
+                request.append_output_token(token)
+                updated.append(request)
+                self._apply_stop(request)
+        if any(r.is_finished for r in updated):
+            self._running = [r for r in self._running if not r.is_finished]
+        return updated
+
+    def _advance(self, request: Request, chunk: ScheduledChunk) -> None:
+        assert chunk.start == request.num_computed_tokens, "update_from_output applied twice?"
+        request.num_computed_tokens = chunk.start + chunk.num_tokens
+        self.block_manager.cache_full_blocks(
+            request.request_id, request.all_token_ids, request.num_computed_tokens
+        )
+
+    def _apply_stop(self, request: Request) -> None:
+        stop = check_stop(request, self.max_model_len)
+        if stop is not None:
+            status, stop_reason = stop
+            request.stop_reason = stop_reason
+            self._release(request, status)
+
+    # -- finish from outside -------------------------------------------------------------------
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finishes requests from outside (abort, stop string) in any state; frees their blocks.
+
+        Unknown and already finished ids are ignored. Returns the requests finished here.
+        """
+        assert status.finished, f"{status!r} is not a finished status"
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        finished: list[Request] = []
+        for request_id in ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._running.remove(request)
+            else:
+                self._waiting.remove(request)
+            self._release(request, status)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Terminal bookkeeping; the caller takes the request out of running / waiting."""
+        request.status = status
+        self.block_manager.free(request.request_id)
+        del self._requests[request.request_id]
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt must have at least one token", param="prompt")
+        max_len = request.num_prompt_tokens + request.max_tokens
+        if request.max_tokens < 1 or max_len > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.max_tokens}) exceeds the context window ({self.max_model_len})",
+                param="max_tokens",
+            )
+        # The last sampled token is never fed back, so K/V are needed for max_len - 1 tokens:
+        # alone in the pool, the request then always fits and always makes progress.
+        self._check_fits(max_len - 1)
+
+    def _check_fits(self, max_kv_tokens: int) -> None:
+        bm = self.block_manager
+        if bm.num_blocks_for(max_kv_tokens) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {max_kv_tokens} KV cache slots; the pool has "
+                f"{bm.num_blocks * bm.block_size}",
+                param="max_tokens",
+            )
+        if not self.config.enable_chunked_prefill and max_kv_tokens > (
+            self.config.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                f"without chunked prefill a request must fit one step's "
+                f"{self.config.max_num_batched_tokens} tokens; it may need {max_kv_tokens}",
+                param="max_tokens",
+            )
+
+
+def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+    """Status and stop_reason if the token just appended ends the request, else None.
+
+    EOS (unless ignore_eos) and stop_token_ids stop the request, but not before `min_tokens`
+    outputs; they win over the length limit when both apply to the same token.
+    """
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def _preemption_key(request: Request) -> tuple[int, float]:
+    # The largest key is preempted first: lowest priority (largest value), then newest.
+    return request.priority, request.arrival_time
+
+
+@dataclass
+class _StepPlan:
+    """The step being built: chunks by request id (in scheduling order) and the budget left."""
+
+    budget: int
+    chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        assert request.request_id not in self.chunks, "a request is scheduled once per step"
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_tokens, block_ids)
+        self.chunks[request.request_id] = chunk
+        self.budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        """Records a preemption; a chunk the victim already got this step is returned."""
+        chunk = self.chunks.pop(request.request_id, None)
+        if chunk is not None:
+            self.budget += chunk.num_tokens
+        self.preempted_ids.append(request.request_id)
+
+    def was_preempted(self, request: Request) -> bool:
+        return request.request_id in self.preempted_ids
+
+    def to_output(self) -> SchedulerOutput:
+        chunks = list(self.chunks.values())
+        return SchedulerOutput(
+            chunks=chunks,
+            num_batched_tokens=sum(c.num_tokens for c in chunks),
+            preempted_ids=self.preempted_ids,
+        )
+
+
+class _WaitingQueue(Protocol):
+    """Order in which waiting requests are admitted: the scheduling policy."""
+
+    def push(self, request: Request) -> None: ...
+    def push_front(self, request: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+
+
+class _FcfsQueue:
+    """First come, first served; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def push_front(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+class _PriorityQueue:
+    """Lowest (priority, arrival_time) first; a preempted request keeps its place by its key."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        # Tie-break so the heap never compares Requests.
+        self._counter = itertools.count()
+
+    def push(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_time, next(self._counter), request)
+        heapq.heappush(self._heap, entry)
+
+    def push_front(self, request: Request) -> None:
+        self.push(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, request: Request) -> None:
+        # O(n); aborts are rare next to steps.
+        self._heap = [e for e in self._heap if e[3] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)

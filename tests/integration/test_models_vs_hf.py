@@ -1,0 +1,173 @@
+"""inferd's model code gives the same logits as transformers on the same checkpoint.
+
+Each case is a tiny random-weight model built and saved by transformers itself; inferd loads the
+folder with its own loader and runs the prompt as one flat prefill batch. Weights are re-drawn
+with a larger spread than HF's init (and norm weights and biases perturbed away from 1 and 0) so
+that a misplaced tensor changes the logits by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from inferd.executor.attention import AttentionMetadata, PrefillSpan  # noqa: E402
+from inferd.models.llama import LlamaForCausalLM  # noqa: E402
+from inferd.models.loader import load_model  # noqa: E402
+from inferd.models.tiny import ensure_tiny_model  # noqa: E402
+
+BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+PROMPT_LEN = 20
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # Wavelengths of head_dim 16 fall in all three llama3 bands with 64.
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "linear-rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # HF recomputes the dynamic-NTK base from the sequence length; inferd fixes it for
+    # max_position_embeddings * factor tokens. The two agree at exactly that length: 8 * 2.5 = 20.
+    "dynamic-rope": (
+        "LlamaConfig",
+        {"max_position_embeddings": 8, "rope_scaling": {"rope_type": "dynamic", "factor": 2.5}},
+    ),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "mistral": ("MistralConfig", {"sliding_window": 4096}),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _hf_checkpoint(case: str, root: Path, max_shard_size: str | None = None) -> tuple[Any, Path]:
+    config_cls, overrides = CASES[case]
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    _randomize(model, seed=1)
+    folder = root / case
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(folder, **kwargs)
+    return model, folder
+
+
+def _prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    t = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.arange(t), prefills=[PrefillSpan(0, t, t)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids), torch.arange(t), meta)
+        return model.compute_logits(hidden)
+
+
+def _hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
+    hf_model, folder = _hf_checkpoint(case, tmp_path)
+    model, arch = load_model(folder, torch.float32, torch.device("cpu"), "auto", seed=0)
+    ids = _prompt(arch.vocab_size)
+    ours = _prefill_logits(model, ids)
+    ref = _hf_logits(hf_model, ids)
+    assert ours.dtype == torch.float32
+    assert ours.shape == (PROMPT_LEN, arch.vocab_size)
+    assert ref.abs().max() > 0.5  # the comparison below is not between near-zero tensors
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_matches(tmp_path: Path) -> None:
+    hf_model, folder = _hf_checkpoint("qwen2", tmp_path, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    model, arch = load_model(folder, torch.float32, torch.device("cpu"), "safetensors", seed=0)
+    ids = _prompt(arch.vocab_size)
+    torch.testing.assert_close(
+        _prefill_logits(model, ids), _hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_two_sequences_in_one_flat_batch(tmp_path: Path) -> None:
+    """Two prompts laid end to end, each with its own positions, equal two separate HF runs."""
+    hf_model, folder = _hf_checkpoint("llama", tmp_path)
+    model, arch = load_model(folder, torch.float32, torch.device("cpu"), "auto", seed=0)
+    a, b = _prompt(arch.vocab_size, 7, seed=1), _prompt(arch.vocab_size, 12, seed=2)
+    ids = torch.tensor(a + b)
+    positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(len(ids)),
+        prefills=[PrefillSpan(0, len(a), len(a)), PrefillSpan(len(a), len(b), len(b))],
+    )
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, positions, meta))
+    ref = torch.cat([_hf_logits(hf_model, a), _hf_logits(hf_model, b)])
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_load_is_close_to_transformers(tmp_path: Path) -> None:
+    hf_model, folder = _hf_checkpoint("llama", tmp_path)
+    model, arch = load_model(folder, torch.bfloat16, torch.device("cpu"), "auto", seed=0)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ids = _prompt(arch.vocab_size)
+    ours = _prefill_logits(model, ids)
+    ref = _hf_logits(hf_model.to(torch.bfloat16), ids)
+    assert ours.dtype == torch.float32
+    # Different kernels round differently in bf16; a misplaced weight would be off by O(1).
+    torch.testing.assert_close(ours, ref, atol=0.1, rtol=0.05)
+
+
+def test_inferd_tiny_matches_transformers(tmp_path: Path) -> None:
+    """The built-in model folder is a valid HF folder that transformers runs identically."""
+    folder = ensure_tiny_model(tmp_path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model, arch = load_model(folder, torch.float32, torch.device("cpu"), "auto", seed=0)
+    ids = _prompt(arch.vocab_size, 32)
+    torch.testing.assert_close(
+        _prefill_logits(model, ids), _hf_logits(hf_model, ids), atol=1e-4, rtol=1e-4
+    )

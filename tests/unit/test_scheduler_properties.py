@@ -1,0 +1,234 @@
+"""Invariants of the scheduler and block manager over random workloads (hypothesis).
+
+A faked model plays the runner: it writes, for every scheduled position, the exact token prefix
+that position's K/V would encode into the slot the block table names, then checks that every
+position a chunk attends to holds its own prefix. So a wrong block table, a prefix hit on the
+wrong block, or a block reused while still referenced shows up as a wrong "K/V" read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferd.config import SchedulerConfig
+from inferd.kv_cache.block_manager import BlockManager
+from inferd.sampling.params import SamplingParams
+from inferd.scheduler.request import Request, RequestStatus
+from inferd.scheduler.scheduler import Scheduler
+from inferd.types import ModelRunnerOutput, SchedulerOutput
+
+EOS = 0
+VOCAB = 11  # small, so EOS and stop tokens come up often
+MAX_STEPS = 5000
+
+
+def model_token(seed: int, position: int) -> int:
+    """The faked model's sample at `position`: a function of the request and position only."""
+    return (seed * 7919 + position * 104729 + (seed ^ position) * 31) % VOCAB
+
+
+@dataclass(frozen=True)
+class Spec:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop_ids: tuple[int, ...]
+    priority: int
+    arrival_step: int
+    abort_step: int | None
+    abort_after_run: bool  # abort between schedule() and update_from_output()
+
+
+@dataclass(frozen=True)
+class Workload:
+    block_size: int
+    num_blocks: int
+    budget: int
+    max_seqs: int
+    chunked: bool
+    policy: str
+    prefix: bool
+    specs: tuple[Spec, ...]
+
+
+def expected(spec: Spec, seed: int) -> tuple[list[int], RequestStatus, int | None]:
+    """What the stop rules imply for this request, by a plain walk over the model's tokens."""
+    out: list[int] = []
+    for k in range(1, spec.max_tokens + 1):
+        token = model_token(seed, len(spec.prompt) + k - 1)
+        out.append(token)
+        if k >= spec.min_tokens and not spec.ignore_eos and token == EOS:
+            return out, RequestStatus.FINISHED_STOPPED, None
+        if k >= spec.min_tokens and token in spec.stop_ids:
+            return out, RequestStatus.FINISHED_STOPPED, token
+    return out, RequestStatus.FINISHED_LENGTH, None
+
+
+@st.composite
+def specs(draw: st.DrawFn, families: list[list[int]]) -> Spec:
+    family = draw(st.sampled_from(families))
+    shared = draw(st.integers(0, len(family)))
+    suffix = draw(st.lists(st.integers(1, 50), max_size=12))
+    prompt = tuple(family[:shared] + suffix) or (7,)
+    max_tokens = draw(st.integers(1, 10))
+    abort_step = draw(st.none() | st.integers(0, 40))
+    return Spec(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, max_tokens)),
+        ignore_eos=draw(st.booleans()),
+        stop_ids=tuple(draw(st.lists(st.integers(1, VOCAB - 1), max_size=2))),
+        priority=draw(st.integers(0, 2)),
+        arrival_step=draw(st.integers(0, 12)),
+        abort_step=abort_step,
+        abort_after_run=draw(st.booleans()),
+    )
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> Workload:
+    families = draw(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=20), min_size=1))
+    reqs = tuple(draw(st.lists(specs(families), min_size=1, max_size=8)))
+    block_size = draw(st.integers(1, 4))
+    chunked = draw(st.booleans())
+    # Size the pool and budget so every request fits alone (add_request rejects the rest);
+    # a small surplus keeps the pool tight enough to force preemption.
+    max_kv = max(len(s.prompt) + s.max_tokens - 1 for s in reqs)
+    min_blocks = -(-max_kv // block_size)
+    budget = draw(st.integers(1, 24))
+    return Workload(
+        block_size=block_size,
+        num_blocks=min_blocks + draw(st.integers(0, 6)),
+        budget=budget if chunked else max(budget, max_kv),
+        max_seqs=draw(st.integers(1, 5)),
+        chunked=chunked,
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        prefix=draw(st.booleans()),
+        specs=reqs,
+    )
+
+
+class FakeRunner:
+    """Writes each position's prefix into its slot, checks every read, samples model_token."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.seeds: dict[str, int] = {}
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        bs = self.bm.block_size
+        # Every chunk's K/V are written before any chunk reads, as within one layer of the runner.
+        for c in out.chunks:
+            tokens = c.request.all_token_ids
+            for p in range(c.start, c.start + c.num_tokens):
+                block = c.block_ids[p // bs]
+                assert self.bm.ref_count(block) == 1, "writing into a shared block"
+                self.slots[(block, p % bs)] = tuple(tokens[: p + 1])
+        for c in out.chunks:
+            tokens = c.request.all_token_ids
+            for p in range(c.start + c.num_tokens):
+                got = self.slots.get((c.block_ids[p // bs], p % bs))
+                assert got == tuple(tokens[: p + 1]), f"wrong K/V at {p} for {c.request}"
+        sampling = [c.request for c in out.chunks if c.samples]
+        return ModelRunnerOutput(
+            req_ids=[r.request_id for r in sampling],
+            sampled_token_ids=[
+                model_token(self.seeds[r.request_id], r.num_tokens) for r in sampling
+            ],
+        )
+
+
+def make_request(i: int, spec: Spec) -> Request:
+    params = SamplingParams(
+        max_tokens=spec.max_tokens,
+        min_tokens=spec.min_tokens,
+        ignore_eos=spec.ignore_eos,
+        stop_token_ids=list(spec.stop_ids),
+    )
+    return Request(
+        request_id=f"r{i}",
+        prompt_token_ids=list(spec.prompt),
+        sampling_params=params,
+        max_tokens=spec.max_tokens,
+        eos_token_ids=frozenset({EOS}),
+        arrival_time=spec.arrival_step + i * 1e-3,
+        priority=spec.priority,
+    )
+
+
+def check_step(w: Workload, s: Scheduler, out: SchedulerOutput) -> None:
+    bm = s.block_manager
+    ids = [c.request.request_id for c in out.chunks]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    assert not set(ids) & set(out.preempted_ids)
+    assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks) <= w.budget
+    assert len(out.chunks) <= w.max_seqs and s.num_running <= w.max_seqs
+    for c in out.chunks:
+        assert c.num_tokens >= 1 and c.start == c.request.num_computed_tokens
+        assert c.start + c.num_tokens <= c.request.num_tokens
+        assert len(c.block_ids) * bm.block_size >= c.start + c.num_tokens
+        assert c.block_ids == bm.block_table(c.request.request_id)
+        assert w.chunked or c.samples, "a prefill was chunked with chunked prefill off"
+    bm.check_invariants()
+
+
+def run(w: Workload) -> tuple[list[Request], BlockManager]:
+    config = SchedulerConfig(
+        max_num_batched_tokens=w.budget,
+        max_num_seqs=w.max_seqs,
+        enable_chunked_prefill=w.chunked,
+        policy=w.policy,  # type: ignore[arg-type]
+    )
+    bm = BlockManager(w.num_blocks, w.block_size, w.prefix)
+    s = Scheduler(config, bm, max_model_len=10_000)
+    runner = FakeRunner(bm)
+    reqs = [make_request(i, spec) for i, spec in enumerate(w.specs)]
+    runner.seeds = {r.request_id: i for i, r in enumerate(reqs)}
+    for t in range(MAX_STEPS):
+        if t > max(sp.arrival_step for sp in w.specs) and not s.has_unfinished_requests():
+            return reqs, bm
+        for r, spec in zip(reqs, w.specs, strict=True):
+            if spec.arrival_step == t:
+                s.add_request(r)
+        due = [
+            (r.request_id, sp.abort_after_run)
+            for r, sp in zip(reqs, w.specs, strict=True)
+            if sp.abort_step == t
+        ]
+        late = [rid for rid, after_run in due if after_run]
+        s.finish_requests(
+            [rid for rid, after_run in due if not after_run], RequestStatus.FINISHED_ABORTED
+        )
+        out = s.schedule()
+        check_step(w, s, out)
+        runner_out = runner.execute(out)
+        s.finish_requests(late, RequestStatus.FINISHED_ABORTED)
+        updated = s.update_from_output(out, runner_out)
+        assert all(r.status is not RequestStatus.FINISHED_ABORTED for r in updated)
+        bm.check_invariants()
+    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+
+
+def check_final(w: Workload, reqs: list[Request]) -> None:
+    for i, (r, spec) in enumerate(zip(reqs, w.specs, strict=True)):
+        tokens, status, reason = expected(spec, i)
+        assert r.is_finished
+        if r.status is RequestStatus.FINISHED_ABORTED:
+            assert r.output_token_ids == tokens[: r.num_output_tokens]
+            continue
+        assert r.output_token_ids == tokens
+        assert (r.status, r.stop_reason) == (status, reason)
+
+
+@settings(max_examples=250, deadline=None)
+@given(workloads())
+def test_random_workloads_keep_every_invariant(w: Workload) -> None:
+    reqs, bm = run(w)
+    check_final(w, reqs)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks, "a block leaked"
