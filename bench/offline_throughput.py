@@ -481,6 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(settings.threads)
     names = list(SHAPES) if args.model == "all" else [args.model]
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    machine = machine_info()
+    load = machine["load_average_1m"]
+    if load is not None and load > settings.threads:
+        print(
+            f"warning: load average {load:.1f} > {settings.threads} threads: other work shares "
+            "the cores, so every number below is low and noisy"
+        )
     results = [run_model(SHAPES[name], args, settings) for name in names]
     out = args.out or default_result_path("offline", args.model)
     write_result(
@@ -489,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "offline_throughput",
             "command": command_line(),
             "started_at": started,
-            "machine": machine_info(),
+            "machine": machine,
             "versions": _versions(),
             "results": results,
         },

@@ -7,11 +7,12 @@ tiny.py builds the built-in `inferd-tiny` folder.
 
 from inferd.models.config import ArchConfig
 from inferd.models.loader import load_model, resolve_model_path
-from inferd.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from inferd.models.registry import SUPPORTED_ARCHITECTURES, CausalLM, get_model_class
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ArchConfig",
+    "CausalLM",
     "get_model_class",
     "load_model",
     "resolve_model_path",

@@ -9,7 +9,7 @@ always normalises q and k per head).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ class ArchConfig:
     rms_norm_eps: float
     rope_theta: float
     # Normalised: None for plain RoPE, else a dict with "rope_type" and that type's parameters.
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None = field(hash=False)
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
@@ -148,33 +148,35 @@ def _architecture(f: _Fields) -> str:
 def _rope(f: _Fields) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, normalised rope_scaling) from either config layout."""
     params = f.data.get("rope_parameters")
-    field = "rope_parameters" if params is not None else "rope_scaling"
+    source_key = "rope_parameters" if params is not None else "rope_scaling"
     scaling = params if params is not None else f.data.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
-        raise f.error(field, f"must be an object, got {scaling!r}")
+        raise f.error(source_key, f"must be an object, got {scaling!r}")
     scaling = dict(scaling or {})
     theta = scaling.pop("rope_theta", None) or f.data.get("rope_theta") or 10000.0
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise f.error("rope_theta", f"must be a positive number, got {theta!r}")
     rope_type = rope_type_of(scaling)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise f.error(field, f"has rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        raise f.error(source_key, f"has rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return float(theta), None
     scaling.pop("type", None)
     scaling["rope_type"] = rope_type
-    _check_rope_keys(f, field, scaling)
+    _check_rope_keys(f, source_key, scaling)
     return float(theta), scaling
 
 
-def _check_rope_keys(f: _Fields, field: str, scaling: dict[str, Any]) -> None:
+def _check_rope_keys(f: _Fields, source_key: str, scaling: dict[str, Any]) -> None:
     required = ["factor"]
     if scaling["rope_type"] == "llama3":
         required += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
     for key in required:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise f.error(field, f"needs a positive {key!r} for rope_type {scaling['rope_type']!r}")
+            raise f.error(
+                source_key, f"needs a positive {key!r} for rope_type {scaling['rope_type']!r}"
+            )
 
 
 def _sliding_window(f: _Fields) -> int | None:

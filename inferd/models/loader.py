@@ -37,9 +37,11 @@ logger = logging.getLogger("inferd.models")
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 
 # What a Hub download fetches: configs, safetensors weights, tokenizer files, chat templates.
+# Weights as `model*.safetensors` only: some repos (Mistral) also ship the same weights again as
+# consolidated.safetensors in their own format, which would double the download.
 HUB_ALLOW_PATTERNS = [
     "*.json",
-    "*.safetensors",
+    "model*.safetensors",
     "*.jinja",
     "tokenizer.model",
     "*.txt",

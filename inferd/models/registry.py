@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from torch import Tensor
+
 from inferd.errors import ModelLoadError
+from inferd.executor.attention import AttentionMetadata, PagedAttention
 from inferd.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the model runner needs from any model class (all are nn.Modules too)."""
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """[T] token ids and positions of the flat batch -> [T, hidden]."""
+        ...
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        ...
+
+    def attention_layers(self) -> list[PagedAttention]: ...
+
 
 # One implementation covers the family; the differences are ArchConfig flags.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {

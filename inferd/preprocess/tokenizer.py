@@ -5,12 +5,14 @@
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     ids = tok.encode(prompt, add_special_tokens=False)   # the template already has its specials
 
-Reads tokenizer.json (the `tokenizers` model), tokenizer_config.json (special tokens, BOS/EOS
-flags, chat template), chat_template.jinja / chat_template.json when present, and
-generation_config.json (extra EOS ids). Behaviour follows transformers 5: when
-tokenizer_config.json sets `add_bos_token` / `add_eos_token` (or tokenizer.json has no
-post-processor), those flags decide which specials `encode` adds; otherwise tokenizer.json's
-post-processor decides. Either way BOS is never added twice.
+Reads tokenizer.json (the `tokenizers` model), tokenizer_config.json (special tokens,
+`add_bos_token`, chat template), chat_template.jinja / chat_template.json when present, and
+generation_config.json (extra EOS ids).
+
+Which specials `encode` adds: tokenizer.json's post-processor (as in transformers 5), plus BOS
+when tokenizer_config.json sets `add_bos_token: true` and the post-processor does not add it
+(transformers 4's Llama tokenizers honoured that flag). BOS is never added twice.
+`add_eos_token` is ignored, as transformers 5 does: a prompt must not end the sequence.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
 
 from inferd.errors import InvalidRequestError, ModelLoadError
 
@@ -43,7 +44,6 @@ class TokenizerFiles:
 
     special_tokens: dict[str, str] = field(default_factory=dict)  # "bos_token" -> "<s>", ...
     add_bos_token: bool | None = None  # None: not set, the post-processor decides
-    add_eos_token: bool | None = None
     chat_templates: dict[str, str] = field(default_factory=dict)  # name -> template
     generation_eos_ids: frozenset[int] = frozenset()
 
@@ -58,12 +58,12 @@ class Tokenizer:
             for name, tok in files.special_tokens.items()
             if hf.token_to_id(tok) is not None
         }
-        if (
-            files.add_bos_token is not None
-            or files.add_eos_token is not None
-            or not hf.post_processor
-        ):
-            self._rebuild_post_processor()
+        # encode() prepends BOS only when the config asks for it and tokenizer.json's
+        # post-processor does not already add it (it adds its specials even to empty text).
+        bos = self.bos_token_id
+        post_adds_bos = bos is not None and bos in hf.encode("", add_special_tokens=True).ids
+        self._bos_id = -1 if bos is None else bos
+        self._prepend_bos = bool(files.add_bos_token) and bos is not None and not post_adds_bos
 
     @classmethod
     def from_pretrained(cls, path: Path) -> Tokenizer:
@@ -77,6 +77,10 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(tokenizer_json))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise ModelLoadError(f"{tokenizer_json}: cannot load tokenizer: {e}") from e
+        # Some tokenizer.json files were saved with truncation/padding on; a prompt must never be
+        # cut or padded silently (length limits are checked against max_model_len instead).
+        hf.no_truncation()
+        hf.no_padding()
         return cls(hf, read_tokenizer_files(path), str(path))
 
     # -- special tokens ----------------------------------------------------------------------
@@ -109,22 +113,13 @@ class Tokenizer:
         ids |= {i for name in _SPECIAL_NAMES if (i := self._id_of(name)) is not None}
         return sorted(ids)
 
-    def _rebuild_post_processor(self) -> None:
-        # transformers' update_post_processor: the flags, not tokenizer.json, say what to add.
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = [bos] if bos is not None and self.files.add_bos_token else []
-        add_eos = [eos] if eos is not None and self.files.add_eos_token else []
-        single = " ".join([*(f"{t}:0" for t in add_bos), "$A:0", *(f"{t}:0" for t in add_eos)])
-        pair_b = " ".join([*(f"{t}:1" for t in add_bos), "$B:1", *(f"{t}:1" for t in add_eos)])
-        specials = [(t, self.hf.token_to_id(t)) for t in dict.fromkeys(add_bos + add_eos)]
-        self.hf.post_processor = processors.TemplateProcessing(
-            single=single, pair=f"{single} {pair_b}", special_tokens=specials
-        )
-
     # -- text <-> ids ------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            return [self._bos_id, *ids]
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -287,7 +282,6 @@ def read_tokenizer_files(path: Path) -> TokenizerFiles:
             name: tok for name in _SPECIAL_NAMES if (tok := _token_content(config.get(name)))
         },
         add_bos_token=_opt_bool(config, "add_bos_token", path),
-        add_eos_token=_opt_bool(config, "add_eos_token", path),
         chat_templates=_chat_templates(path, config),
         generation_eos_ids=_eos_ids(load_generation_config(path).get("eos_token_id")),
     )

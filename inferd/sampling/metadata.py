@@ -135,16 +135,22 @@ def _fill_random(
     if active_ks:
         meta.top_k = torch.tensor(ks, dtype=torch.int64, device=device)
         meta.max_top_k = max(active_ks)
-    meta.top_p = _optional_floats([p.top_p for p, _ in rand], rows, greedy, 1.0, device)
-    meta.min_p = _optional_floats([p.min_p for p, _ in rand], rows, greedy, 0.0, device)
-    for p, i in rand:
-        gen = rows[i].generator
-        if p.seed is None:
-            meta.num_unseeded_random += 1
-        elif gen is None:
-            raise ValueError(f"row {i} has seed {p.seed} but no generator")
-        else:
-            meta.generators[i] = gen
+    meta.top_p = _optional_floats([p.top_p for p, _ in rand], greedy, 1.0, device)
+    meta.min_p = _optional_floats([p.min_p for p, _ in rand], greedy, 0.0, device)
+    meta.generators = _generators(rows, [i for _, i in rand])
+    meta.num_unseeded_random = len(rand) - len(meta.generators)
+
+
+def _generators(rows: Sequence[SamplingRow], random_rows: list[int]) -> dict[int, torch.Generator]:
+    gens = {}
+    for i in random_rows:
+        seed, gen = rows[i].params.seed, rows[i].generator
+        if seed is None:
+            continue
+        if gen is None:
+            raise ValueError(f"row {i} has seed {seed} but no generator")
+        gens[i] = gen
+    return gens
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
@@ -153,7 +159,6 @@ def _effective_top_k(top_k: int, vocab_size: int) -> int:
 
 def _optional_floats(
     random_values: list[float],
-    rows: Sequence[SamplingRow],
     greedy: list[bool],
     neutral: float,
     device: torch.device,
