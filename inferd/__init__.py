@@ -23,7 +23,14 @@ _EXPORTS = {
     "CompletionOutput": "inferd.types",
     "RequestOutput": "inferd.types",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LLMEngine",
+    "OutputKind",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 

@@ -35,14 +35,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
     )
     p.add_argument("--max-num-seqs", type=int, default=sched["max_num_seqs"].default)
-    p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument(
+        "--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"]
+    )
 
 
 _ENGINE_ARGS = (
-    "model tokenizer revision dtype load_format seed max_model_len device num_threads "
-    "enforce_eager block_size kv_cache_memory gpu_memory_utilization enable_prefix_caching "
-    "max_num_batched_tokens max_num_seqs policy"
-).split()
+    "model",
+    "tokenizer",
+    "revision",
+    "dtype",
+    "load_format",
+    "seed",
+    "max_model_len",
+    "device",
+    "num_threads",
+    "enforce_eager",
+    "block_size",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "policy",
+)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -109,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except InferdError as e:

@@ -19,7 +19,9 @@ class InvalidRequestError(InferdError, ValueError):
 
 
 class ModelLoadError(InferdError):
-    """A model folder, file, tensor or architecture that cannot be loaded; the message says where."""
+    """A model folder, file, tensor or architecture that cannot be loaded.
+
+    The message says what is wrong and where."""
 
 
 class EngineDeadError(InferdError):

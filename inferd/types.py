@@ -23,7 +23,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last position samples."""
+        """True when the chunk reaches the end of the known tokens: its last position samples."""
         return self.start + self.num_tokens == self.request.num_tokens
 
 

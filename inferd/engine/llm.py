@@ -78,7 +78,9 @@ class LLM:
         """Yields a RequestOutput with the new text and token ids of each step (delta outputs)."""
         rid = str(next(self._ids))
         engine = self.llm_engine
-        engine.add_request(rid, prompt, sampling_params or SamplingParams(), output_kind=OutputKind.DELTA)
+        engine.add_request(
+            rid, prompt, sampling_params or SamplingParams(), output_kind=OutputKind.DELTA
+        )
         try:
             finished = False
             while not finished:

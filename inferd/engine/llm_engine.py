@@ -109,10 +109,9 @@ class LLMEngine:
         )
 
     def _max_model_len(self, kv_capacity_tokens: int) -> int:
-        limit = self.arch.max_position_embeddings
-        if self.arch.sliding_window is not None:
-            # No sliding-window attention: stay inside the window, where full attention is exact.
-            limit = min(limit, self.arch.sliding_window)
+        # How far rope reaches (scaled), capped by a sliding window: there is no sliding-window
+        # attention, and inside the window full attention is exact.
+        limit = self.arch.max_context_len
         requested = self.config.model.max_model_len
         if requested is not None:
             if requested > limit:
@@ -143,7 +142,9 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         if request_id in self.outputs.states:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "request_id")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in flight", "request_id"
+            )
         text, ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -169,7 +170,9 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.arch.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab})", "prompt"
+            )
         room = self.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequestError(
@@ -187,7 +190,7 @@ class LLMEngine:
         return params.max_tokens
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Aborts at any point; the request's final output (finish_reason 'abort') comes from step()."""
+        """Aborts at any point; the final output (finish_reason 'abort') comes from step()."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             child_ids = self.outputs.abort(rid)
             if child_ids:

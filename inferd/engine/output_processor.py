@@ -120,7 +120,7 @@ class OutputProcessor:
         return self._emit(touched.values(), now), stopped
 
     def abort(self, request_id: str) -> list[str]:
-        """Marks every unfinished choice aborted; returns their child ids (to free in the scheduler)."""
+        """Marks every unfinished choice aborted; returns their child ids to free."""
         state = self.states.get(request_id)
         if state is None:
             return []
@@ -152,7 +152,9 @@ class OutputProcessor:
             self._finish(choice, req.status.finish_reason, req.stop_reason)
         return False
 
-    def _finish(self, choice: Choice, reason: str | None, stop_reason: int | str | None = None) -> None:
+    def _finish(
+        self, choice: Choice, reason: str | None, stop_reason: int | str | None = None
+    ) -> None:
         self._append_text(choice, choice.stream.finish())
         choice.finish_reason = reason
         choice.stop_reason = stop_reason

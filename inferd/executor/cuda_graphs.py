@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from inferd.executor.attention import AttentionMetadata
 from inferd.types import ScheduledChunk
+
+if TYPE_CHECKING:
+    from inferd.models.registry import CausalLM
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -35,7 +39,7 @@ def _block_buckets(max_blocks: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         device: torch.device,
         block_size: int,
         max_model_len: int,
@@ -59,7 +63,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(bmax, nbmax, dtype=torch.int64, device=device)
         self.ctx_lens = torch.ones(bmax, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], Callable[[], Tensor]] = {}
-        self.pool: object | None = None
+        self.pool: Any = None
 
     @property
     def max_batch(self) -> int:

@@ -18,16 +18,20 @@ def resolve_device(cfg: DeviceConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def resolve_dtype(requested: DType, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    requested: DType, checkpoint_dtype: str | None, device: torch.device
+) -> torch.dtype:
     """`auto` keeps the checkpoint's dtype where the device runs it well.
 
-    CPU: float32 stays float32, half types become bfloat16 (CPU float16 kernels are slow or missing).
+    CPU: float32 stays float32, half types run as bfloat16 (CPU float16 kernels are slow).
     CUDA: half types stay; a float32 checkpoint runs in bfloat16, as vLLM runs it in half precision.
     """
     if requested != "auto":
         dtype = _DTYPES[requested]
         if dtype == torch.float16 and device.type == "cpu":
-            raise ModelLoadError("float16 is supported on CUDA only; use bfloat16 or float32 on CPU")
+            raise ModelLoadError(
+                "float16 is supported on CUDA only; use bfloat16 or float32 on CPU"
+            )
         return dtype
     ckpt = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
     if device.type == "cpu":

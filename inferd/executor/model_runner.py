@@ -1,4 +1,4 @@
-"""Model runner: turns a SchedulerOutput into one forward pass and one sampled token per sampling row.
+"""Model runner: one SchedulerOutput in, one forward pass, one sampled token per sampling row.
 
 The only stage that touches the device. A step's batch is flat: decode tokens first (one per
 sequence, sorted longest context first and cut into length groups), then each prefill chunk. No
@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
 from inferd.executor.attention import AttentionMetadata, PrefillSpan
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models.config import ArchConfig
+from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, make_generator
 from inferd.telemetry.step_stats import StepStat, timed
@@ -44,7 +45,7 @@ class ModelInput:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         arch: ArchConfig,
         device: torch.device,
         dtype: torch.dtype,

@@ -64,7 +64,9 @@ class SamplingParams:
         _check_float(self.min_p, "min_p", lo=0.0, hi=1.0)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k must be -1, 0 or positive", "top_k")
         _check_float(self.repetition_penalty, "repetition_penalty", lo=0.0)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0", "repetition_penalty")
+        _check(
+            self.repetition_penalty > 0.0, "repetition_penalty must be > 0", "repetition_penalty"
+        )
         _check_float(self.presence_penalty, "presence_penalty", lo=-2.0, hi=2.0)
         _check_float(self.frequency_penalty, "frequency_penalty", lo=-2.0, hi=2.0)
         _check(self.seed is None or _is_int(self.seed), "seed must be an integer", "seed")
@@ -78,9 +80,15 @@ class SamplingParams:
                 "max_tokens must be an integer >= 1",
                 "max_tokens",
             )
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be >= 0", "min_tokens")
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens must be >= 0",
+            "min_tokens",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", "min_tokens")
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens", "min_tokens"
+            )
         if self.logprobs is not None:
             _check(
                 _is_int(self.logprobs) and 0 <= self.logprobs <= 20,

@@ -13,8 +13,13 @@ from inferd import LLM, SamplingParams
 
 def _generate(llm: LLM) -> list[list[int]]:
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(n)]} for n in (3, 40, 17, 90, 5)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 33, 12, 25)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(n)]}
+        for n in (3, 40, 17, 90, 5)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 33, 12, 25)
+    ]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # type: ignore[arg-type]
 
 
