@@ -76,13 +76,13 @@ class PagedAttention(nn.Module):
         # head become G query rows against that head.  q: [B, Hq, D] -> [B, Hkv, G, D]
         b = q.shape[0]
         qg = q.view(b, self.num_kv_heads, -1, self.head_dim)
-        # Gathering whole [bs, Hkv, D] tiles by advanced indexing measured 2x faster than
-        # index_select on CPU. SDPA reads
-        # the transposed views directly; making them contiguous first costs another copy.
-        # [B, nb, bs, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
+        # Gather whole [bs, Hkv, D] tiles of the group's blocks. SDPA reads the transposed views
+        # directly; making them contiguous first would cost another copy.
+        # [B * nb, bs, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
+        flat = block_table.flatten()
         shape = (b, -1, self.num_kv_heads, self.head_dim)
-        k = self.kv_cache[0][block_table].view(shape).transpose(1, 2)
-        v = self.kv_cache[1][block_table].view(shape).transpose(1, 2)
+        k = self.kv_cache[0].index_select(0, flat).view(shape).transpose(1, 2)
+        v = self.kv_cache[1].index_select(0, flat).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 

@@ -1,0 +1,176 @@
+"""The offline API on the built-in tiny model: vLLM shapes, sampling, streaming, errors."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=256)
+
+
+def _greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def _random_prompts(n: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(rng.randint(2, 60))]}
+        for _ in range(n)
+    ]
+
+
+def test_generate_shapes(llm: LLM) -> None:
+    outs = llm.generate(["Hello there", "The quick brown fox"], _greedy(8), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello there", "The quick brown fox"]
+    for o in outs:
+        assert o.finished and o.prompt_token_ids
+        (c,) = o.outputs
+        assert len(c.token_ids) == 8 and c.finish_reason == "length"
+        assert c.text == llm.get_tokenizer().decode(c.token_ids)
+
+
+def test_per_prompt_params_and_n(llm: LLM) -> None:
+    params = [_greedy(3), SamplingParams(n=3, max_tokens=5, seed=11, ignore_eos=True)]
+    a, b = llm.generate(["one", "two"], params, use_tqdm=False)
+    assert len(a.outputs) == 1 and len(a.outputs[0].token_ids) == 3
+    assert [c.index for c in b.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in b.outputs)
+    assert len({tuple(c.token_ids) for c in b.outputs}) > 1, "n choices should differ"
+
+
+def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:
+    target = {"prompt_token_ids": [5, 17, 99, 300, 42]}
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = _random_prompts(6, seed=5)
+    other_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 6
+    batched = llm.generate(
+        [*others[:3], target, *others[3:]],  # type: ignore[list-item]
+        [*other_params[:3], params, *other_params[3:]],
+        use_tqdm=False,
+    )
+    assert batched[3].outputs[0].token_ids == alone
+
+
+def test_stream_deltas_concatenate_to_final_text(llm: LLM) -> None:
+    final = llm.generate(["Once upon a time"], _greedy(30), use_tqdm=False)[0].outputs[0]
+    deltas = list(llm.stream("Once upon a time", _greedy(30)))
+    assert deltas[-1].finished
+    assert "".join(d.outputs[0].text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == final.token_ids
+
+
+def test_stop_string_truncates(llm: LLM) -> None:
+    full = llm.generate(["A story:"], _greedy(40), use_tqdm=False)[0].outputs[0].text
+    stop = next(
+        full[i : i + 2]
+        for i in range(3, len(full) - 2)
+        if full[i : i + 2].isascii() and full[i : i + 2].strip() == full[i : i + 2]
+    )
+    out = llm.generate(["A story:"], _greedy(40, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full[: full.index(stop)]
+
+
+def test_stop_token_ids(llm: LLM) -> None:
+    ids = llm.generate(["Tokens"], _greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = ids[4]
+    out = llm.generate(["Tokens"], _greedy(12, stop_token_ids=[stop_id]), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.token_ids == ids[: ids.index(stop_id) + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id
+
+
+def test_logprobs(llm: LLM) -> None:
+    c = llm.generate(["Logprobs"], _greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == 6
+    for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
+        assert tok in lp and lp[tok].rank == 1  # greedy picks the most likely token
+        assert 3 <= len(lp) <= 4 and all(v.logprob <= 0.0 for v in lp.values())
+    assert c.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    )
+
+
+def test_prefix_cache_hit_gives_same_output(llm: LLM) -> None:
+    prompt = _random_prompts(1, seed=9)[0]
+    prompt["prompt_token_ids"] = prompt["prompt_token_ids"] * 3  # several full blocks
+    first = llm.generate([prompt], _greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([prompt], _greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+    assert again == first
+
+
+def test_chat(llm: LLM) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    (out,) = llm.chat(msgs, _greedy(5), use_tqdm=False)
+    text = llm.get_tokenizer().apply_chat_template(msgs, add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_engine_abort_mid_flight(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("abort-me", "Hello", _greedy(50))
+    engine.step()
+    engine.abort_request("abort-me")
+    outs = engine.run_to_completion()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "abort-me"] == ["abort"]
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params"),
+    [
+        ({"prompt_token_ids": []}, _greedy(4)),
+        ({"prompt_token_ids": [1, 2, 10**9]}, _greedy(4)),
+        ({"prompt_token_ids": [1] * 5000}, _greedy(4)),
+        ("hello", SamplingParams(max_tokens=100_000)),
+    ],
+)
+def test_invalid_requests(llm: LLM, prompt: object, params: SamplingParams) -> None:
+    with pytest.raises(InvalidRequestError):
+        llm.generate([prompt], params, use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"temperature": -1.0}, {"top_p": 0.0}, {"max_tokens": 0}, {"temperature": float("nan")}]
+)
+def test_invalid_sampling_params(bad: dict[str, float]) -> None:
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_cli_generate() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inferd.cli",
+            "generate",
+            "Hi",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--kv-cache-memory",
+            "64MiB",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Hi") and "[4 tokens in" in proc.stdout
