@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# Until the HTTP server lands, `serve` streams an offline generation on the default model.
+# The OpenAI-compatible server on http://0.0.0.0:8000 (default model; pass flags in ARGS).
 serve: $(STAMP)
-	$(BIN)/inferd generate $(ARGS)
+	$(BIN)/inferd serve $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check inferd tests bench

@@ -1,4 +1,4 @@
-"""`inferd` command line. Subcommands: `generate` (offline, streams to stdout)."""
+"""`inferd` command line. Subcommands: `generate` (offline, streams to stdout), `serve` (HTTP)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,61 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from inferd.config import AdmissionConfig, ServerConfig
+    from inferd.serve import serve
+
+    if args.model_pos is not None:
+        args.model = args.model_pos
+    admission = AdmissionConfig(
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout_s=args.request_timeout,
+        min_engine_waiting=args.min_engine_waiting,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_keys=tuple(args.api_key or ()),
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        served_model_name=args.served_model_name,
+        access_log=not args.disable_access_log,
+    )
+    return serve(engine_config(args), admission, server)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Server flags, vLLM's names where the concept is the same."""
+    from inferd.config import AdmissionConfig, ServerConfig
+
+    adm, srv = AdmissionConfig.model_fields, ServerConfig.model_fields
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    p.add_argument("--host", default=srv["host"].default)
+    p.add_argument("--port", type=int, default=srv["port"].default)
+    p.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable)")
+    p.add_argument("--max-queued-requests", type=int, default=adm["max_queued_requests"].default)
+    p.add_argument("--max-queued-tokens", type=int, default=adm["max_queued_tokens"].default)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=adm["request_timeout_s"].default,
+        help="seconds from arrival; a request may only shorten it",
+    )
+    p.add_argument(
+        "--min-engine-waiting",
+        type=int,
+        default=adm["min_engine_waiting"].default,
+        help="requests the engine may hold waiting beyond its free slots (the rest queue in front)",
+    )
+    p.add_argument("--shutdown-timeout", type=float, default=srv["shutdown_timeout_s"].default)
+    p.add_argument("--max-body-bytes", type=_bytes, default=srv["max_body_bytes"].default)
+    p.add_argument("--otlp-traces-endpoint", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--disable-access-log", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferd", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -120,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_server_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 

@@ -112,3 +112,40 @@ def read_environment() -> Environment:
         cache_dir=Path(os.environ.get("INFERD_CACHE_DIR", str(default_cache))),
         hf_offline=os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"),
     )
+
+
+class AdmissionConfig(_Frozen):
+    """The front's bounded queue of requests not yet handed to the engine."""
+
+    # Over either bound a new request is rejected at once (HTTP 429 with Retry-After).
+    max_queued_requests: int = Field(default=1024, gt=0)
+    max_queued_tokens: int = Field(default=1_048_576, gt=0)  # prompt tokens of queued requests
+    # Server default deadline, from arrival; a request may only shorten it. None: no deadline.
+    # Waiting past it fails with "queue_timeout"; generating past it finishes with "timeout".
+    request_timeout_s: float | None = Field(default=600.0, gt=0)
+    # Unread output tokens one stream may buffer before it is aborted as a stalled reader.
+    max_pending_output_tokens: int = Field(default=65_536, gt=0)
+    # Requests the engine keeps waiting beyond its free sequence slots, so a slot that frees
+    # mid-step is refilled without a round trip; the rest wait here, where policy applies.
+    min_engine_waiting: int = Field(default=4, ge=0)
+
+
+class ServerConfig(_Frozen):
+    """The HTTP front (`inferd serve`): where it listens and how it protects itself.
+
+    Admission bounds and deadlines live in AdmissionConfig; this is everything else."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # Bearer keys accepted on /v1/*; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Request bodies over this many bytes get 413 before they are parsed.
+    max_body_bytes: int = Field(default=4 * 2**20, gt=0)
+    # After SIGTERM: seconds in-flight requests may take to finish before they are aborted.
+    shutdown_timeout_s: float = Field(default=30.0, ge=0.0)
+    # OTLP/gRPC collector (e.g. http://localhost:4317); None: tracing off, at no cost.
+    otlp_traces_endpoint: str | None = None
+    # The model id clients send and /v1/models lists; None: the --model value.
+    served_model_name: str | None = None
+    # One JSON line per request on the `inferd.access` logger.
+    access_log: bool = True

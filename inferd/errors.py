@@ -26,3 +26,26 @@ class ModelLoadError(InferdError):
 
 class EngineDeadError(InferdError):
     """The engine loop stopped; every in-flight request fails with this."""
+
+
+class QueueFullError(InferdError):
+    """The admission queue is at its request or prompt-token bound (HTTP 429 with Retry-After).
+
+    `reason` is "requests" or "tokens"; `retry_after` is a hint in seconds."""
+
+    def __init__(self, message: str, *, reason: str = "requests", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class QueueTimeoutError(InferdError):
+    """The request's deadline passed before it was scheduled (HTTP 503, code "queue_timeout")."""
+
+
+class DrainingError(InferdError):
+    """The server is shutting down and admits nothing new (HTTP 503)."""
+
+
+class OutputBacklogError(InferdError):
+    """A consumer read too slowly: its unread output passed the bound, so it was aborted."""

@@ -88,6 +88,8 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
         self.step_stats = StepStats()
         self._aborted: list[str] = []
+        # Requests preempted (recompute) since start; the server exports it as a counter.
+        self.num_preemptions_total = 0
         self.info = EngineInfo(
             model_path=str(path),
             architecture=self.arch.architecture,
@@ -189,12 +191,19 @@ class LLMEngine:
             )
         return params.max_tokens
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Aborts at any point; the final output (finish_reason 'abort') comes from step()."""
+    def abort_request(
+        self,
+        request_ids: str | Sequence[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """Finishes requests at any point with `status` (abort, or timeout past a deadline).
+
+        The final output (finish_reason 'abort' / 'timeout') comes from the next step()."""
+        assert status.finished, f"{status!r} is not a finished status"
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            child_ids = self.outputs.abort(rid)
+            child_ids = self.outputs.abort(rid, status)
             if child_ids:
-                self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish_requests(child_ids, status)
                 self.runner.release(child_ids)
                 self._aborted.append(rid)
 
@@ -213,6 +222,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
+        self.num_preemptions_total += len(sched.preempted_ids)
         runner_out = self.runner.execute(sched, stat)
         with timed(stat, "schedule"):
             updated = self.scheduler.update_from_output(sched, runner_out)

@@ -37,6 +37,7 @@ class Choice:
     # Text and token ids not yet handed out (DELTA mode).
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
+    num_emitted_logprobs: int = 0
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Wall seconds spent detokenizing and matching stop strings for this request, all choices.
+    detokenize_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -114,21 +117,27 @@ class OutputProcessor:
             state, choice = entry
             if state.first_token_time is None:
                 state.first_token_time = now
+            t0 = time.perf_counter()
             if self._advance(choice, req, logprobs.get(req.request_id)):
                 stopped.append(req.request_id)
+            state.detokenize_s += time.perf_counter() - t0
             touched[state.request_id] = state
         return self._emit(touched.values(), now), stopped
 
-    def abort(self, request_id: str) -> list[str]:
-        """Marks every unfinished choice aborted; returns their child ids to free."""
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[str]:
+        """Finishes every unfinished choice with `status`; returns their child ids to free."""
         state = self.states.get(request_id)
         if state is None:
             return []
         ids = []
+        t0 = time.perf_counter()
         for choice in state.choices:
             if choice.finish_reason is None:
-                self._finish(choice, RequestStatus.FINISHED_ABORTED.finish_reason)
+                self._finish(choice, status.finish_reason)
                 ids.append(choice.request.request_id)
+        state.detokenize_s += time.perf_counter() - t0
         return ids
 
     def drain_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -188,11 +197,12 @@ class OutputProcessor:
                     token_ids=list(c.pending_ids) if delta else list(c.request.output_token_ids),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    logprobs=c.logprobs,
+                    logprobs=_delta_logprobs(c) if delta else c.logprobs,
                     cumulative_logprob=_cumulative(c),
                 )
             )
             c.pending_text, c.pending_ids = "", []
+            c.num_emitted_logprobs = len(c.logprobs or ())
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -206,6 +216,11 @@ class OutputProcessor:
         self.states.pop(state.request_id, None)
         for c in state.choices:
             self.choice_of.pop(c.request.request_id, None)
+
+
+def _delta_logprobs(c: Choice) -> list[SampleLogprobs] | None:
+    # DELTA outputs carry only the new tokens' logprobs, so a stream sends each one once.
+    return None if c.logprobs is None else c.logprobs[c.num_emitted_logprobs :]
 
 
 def _cumulative(c: Choice) -> float | None:
@@ -222,4 +237,5 @@ def _metrics(state: RequestState) -> dict[str, float]:
         if value is not None:
             m[name] = value
     m["num_preemptions"] = float(sum(c.request.num_preemptions for c in state.choices))
+    m["detokenize_s"] = state.detokenize_s
     return m

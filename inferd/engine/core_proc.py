@@ -1,0 +1,214 @@
+"""The engine core process: LLMEngine in a busy loop, fed and drained over ZeroMQ.
+
+    while running:
+        receive every queued message (block only when no request is unfinished)
+        finish requests past their deadline (finish_reason "timeout")
+        if work: outputs = engine.step(); send one EngineOutputs (DELTA outputs + stats)
+
+The front binds both ipc:// sockets; this process connects: PULL for EngineCoreRequest frames,
+PUSH for EngineCoreEvent frames. It sends CoreReady once the model is loaded (or CoreFailed and
+exits 1). While idle it wakes every second to check that its parent is still there, so an
+orphaned core never outlives the server.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from inferd.config import EngineConfig, read_environment
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    CoreStats,
+    EngineCoreEvent,
+    EngineCoreRequest,
+    EngineOutputs,
+    RejectedRequest,
+    ShutdownCore,
+)
+from inferd.engine.output_processor import OutputKind
+from inferd.errors import InvalidRequestError
+from inferd.models.loader import resolve_model_path
+from inferd.scheduler.request import RequestStatus
+from inferd.types import RequestOutput
+
+logger = logging.getLogger("inferd.engine.core")
+
+_IDLE_POLL_MS = 1000
+_SEND_LINGER_MS = 2000
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """Entry point of the spawned core process."""
+    # Ctrl-C goes to the whole process group; the front decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)
+    inputs.connect(input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
+    outputs.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+    outputs.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        engine = LLMEngine(config)
+        ready = _ready_message(engine, config)
+    except Exception as e:  # any load failure is reported to the front, then we exit
+        logger.exception("engine core failed to start")
+        outputs.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
+        ctx.destroy(linger=_SEND_LINGER_MS)
+        sys.exit(1)
+    outputs.send(encoder.encode(ready))
+    EngineCore(engine, inputs, outputs).run()
+    ctx.destroy(linger=_SEND_LINGER_MS)
+
+
+def _ready_message(engine: LLMEngine, config: EngineConfig) -> CoreReady:
+    info = engine.info
+    tokenizer_path = info.model_path
+    if config.model.tokenizer is not None:
+        tokenizer_path = str(resolve_model_path(config.model.tokenizer, None, read_environment()))
+    return CoreReady(
+        model_path=info.model_path,
+        tokenizer_path=tokenizer_path,
+        architecture=info.architecture,
+        device=info.device,
+        dtype=info.dtype,
+        max_model_len=info.max_model_len,
+        num_kv_blocks=info.num_kv_blocks,
+        block_size=info.block_size,
+        vocab_size=info.vocab_size,
+    )
+
+
+class EngineCore:
+    """Owns the LLMEngine and the two sockets; `run()` returns on ShutdownCore or parent exit."""
+
+    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+        self.engine = engine
+        self.inputs = inputs
+        self.outputs = outputs
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.parent_pid = os.getppid()
+        self.running = True
+        # (deadline, request_id) min-heap; `deadline_of` says which entries are still current,
+        # so finished requests (and reused ids) leave stale heap items that are skipped.
+        self.deadlines: list[tuple[float, str]] = []
+        self.deadline_of: dict[str, float] = {}
+        self.rejected: list[RejectedRequest] = []
+        self.num_added_total = 0
+        self.num_steps_total = 0
+
+    def run(self) -> None:
+        while self.running:
+            idle = not self.engine.has_unfinished_requests()
+            self.receive(block=idle)
+            self.expire(time.monotonic())
+            if self.engine.has_unfinished_requests():
+                self.step()
+            elif self.rejected:
+                self.send([])
+
+    def receive(self, block: bool) -> None:
+        """Handles every message already queued; waits up to a second first when `block`."""
+        timeout = _IDLE_POLL_MS if block else 0
+        while self.poller.poll(timeout):
+            self.handle(self.decoder.decode(self.inputs.recv(copy=False).buffer))
+            timeout = 0
+        if block and os.getppid() != self.parent_pid:
+            logger.warning("the server process is gone; the engine core exits")
+            self.running = False
+
+    def handle(self, message: EngineCoreRequest) -> None:
+        if isinstance(message, AddRequest):
+            self.add(message)
+        elif isinstance(message, AbortRequests):
+            self.engine.abort_request(message.request_ids)
+        elif isinstance(message, ShutdownCore):
+            self.running = False
+
+    def add(self, message: AddRequest) -> None:
+        self.num_added_total += 1
+        try:
+            self.engine.add_request(
+                message.request_id,
+                {"prompt_token_ids": message.prompt_token_ids},
+                message.params,
+                priority=message.priority,
+                arrival_time=message.arrival_time,
+                output_kind=OutputKind.DELTA,
+            )
+        except InvalidRequestError as e:
+            self.rejected.append(_rejection(message.request_id, "invalid_request", e, e.param))
+            return
+        except Exception as e:  # a failing request fails alone; the engine keeps serving
+            logger.exception("could not add request %s", message.request_id)
+            self.rejected.append(_rejection(message.request_id, "internal", e))
+            return
+        if message.deadline is not None:
+            self.deadline_of[message.request_id] = message.deadline
+            heapq.heappush(self.deadlines, (message.deadline, message.request_id))
+
+    def expire(self, now: float) -> None:
+        """Finishes requests past their deadline with finish_reason "timeout"."""
+        expired = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(self.deadlines)
+            if self.deadline_of.get(rid) == deadline:
+                del self.deadline_of[rid]
+                expired.append(rid)
+        if expired:
+            self.engine.abort_request(expired, RequestStatus.FINISHED_TIMEOUT)
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        self.num_steps_total += 1
+        for out in outputs:
+            if out.finished:
+                self.deadline_of.pop(out.request_id, None)
+        self.send(outputs)
+
+    def send(self, outputs: list[RequestOutput]) -> None:
+        event: EngineCoreEvent = EngineOutputs(
+            outputs=outputs, stats=self.stats(), rejected=self.rejected
+        )
+        self.rejected = []
+        self.outputs.send(self.encoder.encode(event), copy=False)
+
+    def stats(self) -> CoreStats:
+        engine = self.engine
+        last = engine.step_stats.steps[-1] if engine.step_stats.steps else None
+        return CoreStats(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            kv_cache_usage=engine.scheduler.block_manager.usage,
+            step_num_batched_tokens=last.num_batched_tokens if last else 0,
+            step_num_seqs=last.num_running if last else 0,
+            num_preemptions_total=engine.num_preemptions_total,
+            num_steps_total=self.num_steps_total,
+            num_added_total=self.num_added_total,
+        )
+
+
+def _rejection(
+    request_id: str, error_type: str, error: Exception, param: str | None = None
+) -> RejectedRequest:
+    return RejectedRequest(
+        request_id=request_id, error_type=error_type, message=str(error), param=param
+    )

@@ -1,0 +1,94 @@
+"""Typed messages between the front (AsyncLLM) and the engine core process, msgpack-encoded.
+
+front --EngineCoreRequest--> core   (one per frame: AddRequest | AbortRequests | ShutdownCore)
+core  --EngineCoreEvent-->  front   (CoreReady once loaded, or CoreFailed; then EngineOutputs
+                                     after every step, and for requests the core rejected)
+
+Times are time.monotonic() seconds; CLOCK_MONOTONIC is system-wide, so the two processes agree.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from inferd.sampling.params import SamplingParams
+from inferd.types import RequestOutput
+
+
+class AddRequest(msgspec.Struct, tag="add", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    priority: int = 0
+    arrival_time: float | None = None
+    # Past this monotonic time the core finishes the request with finish_reason "timeout".
+    deadline: float | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
+    request_ids: list[str]
+
+
+class ShutdownCore(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+EngineCoreRequest = AddRequest | AbortRequests | ShutdownCore
+
+
+class CoreReady(msgspec.Struct, tag="ready", frozen=True):
+    """Sent once the model is loaded. Mirrors inferd.engine.llm_engine.EngineInfo."""
+
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    device: str
+    dtype: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed", frozen=True):
+    """The core could not start (bad model, out of memory); it exits after sending this."""
+
+    error_type: str
+    message: str
+
+
+class CoreStats(msgspec.Struct, frozen=True):
+    """The engine's state after a step: what admission's pump and the gauges read."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
+    # The last step that ran: tokens computed and sequences in the batch.
+    step_num_batched_tokens: int = 0
+    step_num_seqs: int = 0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+    # AddRequests received so far: the front subtracts it from what it sent to know how many
+    # requests are still in flight to the core.
+    num_added_total: int = 0
+
+
+class RejectedRequest(msgspec.Struct, frozen=True):
+    """A request the engine refused at add time (it never ran)."""
+
+    request_id: str
+    error_type: str  # "invalid_request" or "internal"
+    message: str
+    param: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", frozen=True):
+    """Everything one loop iteration of the core produced: DELTA outputs of a step, rejections."""
+
+    outputs: list[RequestOutput]
+    stats: CoreStats
+    rejected: list[RejectedRequest] = []
+
+
+EngineCoreEvent = CoreReady | CoreFailed | EngineOutputs

@@ -1,0 +1,56 @@
+"""The HTTP app: `create_app(llm, server)` wires routes, middleware, errors and telemetry.
+
+    app = create_app(llm, ServerConfig())        # llm may be None while the model loads
+    set_engine(app, llm)                         # ...and is attached once it has
+    uvicorn.run(app, port=8000)
+
+Routes: openai.py (/v1/*), websocket.py (/v1/*/ws), health.py (/health/*, /v2/health/*,
+/metrics). OpenAPI at /openapi.json.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from inferd.config import ServerConfig
+from inferd.gateway import health, openai, websocket
+from inferd.gateway.errors import install_error_handlers
+from inferd.gateway.middleware import GatewayMiddleware
+from inferd.gateway.state import EngineClient, GatewayState
+from inferd.telemetry.metrics import ServerMetrics
+from inferd.telemetry.tracing import RequestTracer, make_tracer
+
+
+def create_app(
+    llm: EngineClient | None,
+    server: ServerConfig,
+    *,
+    tracer: RequestTracer | None = None,
+) -> FastAPI:
+    """`tracer`: None builds one from `server.otlp_traces_endpoint` (None when that is unset)."""
+    app = FastAPI(
+        title="inferd",
+        summary="OpenAI-compatible LLM inference server",
+        version="0.1.0",
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    state = GatewayState(server=server, metrics=ServerMetrics(), llm=llm)
+    state.metrics.watch_engine(state.engine_gauges)
+    state.tracer = tracer if tracer is not None else make_tracer(server.otlp_traces_endpoint)
+    app.state.gateway = state
+    app.include_router(openai.router)
+    app.include_router(websocket.router)
+    app.include_router(health.router)
+    install_error_handlers(app, on_reject=state.metrics.reject)
+    app.add_middleware(GatewayMiddleware, server=server, on_reject=state.metrics.reject)
+    return app
+
+
+def gateway_state(app: FastAPI) -> GatewayState:
+    state: GatewayState = app.state.gateway
+    return state
+
+
+def set_engine(app: FastAPI, llm: EngineClient) -> None:
+    gateway_state(app).llm = llm

@@ -1,0 +1,179 @@
+"""The pure-ASGI wrapper every HTTP request and WebSocket goes through.
+
+In order: a request id (the client's `X-Request-Id` if it sent a sane one, else a new one;
+returned on the response), the arrival time (the `receive` stage starts here), API-key auth on
+/v1/*, the body size limit (413 before anything parses it), and one JSON access-log line when
+the response is done. Pure ASGI rather than BaseHTTPMiddleware, so streamed responses pass
+through untouched and disconnects still reach the app.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inferd.config import ServerConfig
+from inferd.gateway.errors import APIError
+from inferd.telemetry.access_log import AccessRecord, log_access
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_OPEN_PATHS = ("/health", "/v2/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _request_id(scope: Scope) -> str:
+    given = _header(scope, b"x-request-id")
+    if given is not None and _REQUEST_ID_RE.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+def _needs_auth(path: str) -> bool:
+    return not path.startswith(_OPEN_PATHS)
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, server: ServerConfig, on_reject: Any = None) -> None:
+        self.app = app
+        self.server = server
+        self.on_reject = on_reject
+        self._keys = [k.encode() for k in server.api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["arrival"] = time.monotonic()
+        state["request_id"] = _request_id(scope)
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
+        await self._http(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record = AccessRecord(
+            request_id=scope["state"]["request_id"],
+            method=scope.get("method", ""),
+            path=scope.get("path", ""),
+            client=_client(scope),
+            arrival=scope["state"]["arrival"],
+        )
+        send = self._wrap_send(send, record)
+        try:
+            error = self._precheck(scope)
+            if error is None:
+                receive, error = await self._limit_body(scope, receive)
+            if error is not None:
+                if self.on_reject is not None:
+                    self.on_reject(error.reason)
+                await error.response()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+        finally:
+            if self.server.access_log:
+                record.extra = scope["state"].get("access_extra", {})
+                log_access(record)
+
+    def _wrap_send(self, send: Send, record: AccessRecord) -> Send:
+        request_id = record.request_id.encode()
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id))
+                message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body":
+                record.bytes_out += len(message.get("body", b""))
+            await send(message)
+
+        return wrapped
+
+    def _authorized(self, scope: Scope) -> bool:
+        if not self._keys or not _needs_auth(scope.get("path", "")):
+            return True
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        given = token.strip().encode()
+        return any(hmac.compare_digest(given, k) for k in self._keys)
+
+    def _precheck(self, scope: Scope) -> APIError | None:
+        if not self._authorized(scope):
+            return APIError(
+                401,
+                "invalid or missing API key (send Authorization: Bearer <key>)",
+                type="authentication_error",
+                code="invalid_api_key",
+                reason="unauthorized",
+            )
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+            return _too_large(self.server.max_body_bytes)
+        return None
+
+    async def _limit_body(self, scope: Scope, receive: Receive) -> tuple[Receive, APIError | None]:
+        """Reads the whole body (bounded) and replays it; later receives (disconnect) pass
+        through. A chunked upload without Content-Length is bounded here too."""
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return receive, None
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return _replay([message], receive), None
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.server.max_body_bytes:
+                return receive, _too_large(self.server.max_body_bytes)
+            chunks.append(body)
+            more = message.get("more_body", False)
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        return _replay([whole], receive), None
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than {limit} bytes",
+        code="request_too_large",
+        reason="too_large",
+    )
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""

@@ -1,0 +1,190 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import suppress
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from inferd.gateway.formatting import Json, Kind
+from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.serving import (
+    Body,
+    Job,
+    OutputStream,
+    collect,
+    finalize,
+    prepare,
+    start,
+    stream_chunks,
+    token_decoder,
+)
+from inferd.gateway.state import GatewayState
+
+router = APIRouter()
+T = TypeVar("T")
+# nginx's "client closed request": logged when the client left before the response was sent.
+CLIENT_CLOSED = 499
+
+
+def gateway(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status, headers, media_type="application/json")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = gateway(request)
+    llm = state.engine()
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "inferd",
+        "root": getattr(llm.info, "model_path", state.model_name),
+        "max_model_len": llm.info.max_model_len,
+    }
+    return json_response({"object": "list", "data": [model]})
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await serve_http(request, body, "completion")
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await serve_http(request, body, "chat")
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response started."""
+
+
+async def race_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Runs `work` until it ends or the client disconnects (then `work` is cancelled, which
+    closes its engine streams and so aborts the request in the engine)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (watcher, task):
+            if not t.done():
+                t.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await t
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def serve_http(request: Request, body: Body, kind: Kind) -> Response:
+    state = gateway(request)
+    st = request.state
+    job = await prepare(state, body, kind, st.request_id, st.arrival)
+    decode = token_decoder(state.engine().tokenizer)
+    try:
+        outputs = await race_disconnect(request, start(state, job))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    state.inflight += 1
+    done = _on_done(state, job, request, outputs)
+    if body.stream:
+        return FinalizingStreamingResponse(
+            _sse(stream_chunks(job, decode, outputs)), done, media_type="text/event-stream"
+        )
+    try:
+        result = await race_disconnect(request, collect(job, decode, outputs))
+    except ClientGone:
+        await done()
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        await done()
+        raise
+    job.timeline.starts.setdefault("stream", time.monotonic())
+    return FinalizingResponse(orjson.dumps(result), done, media_type="application/json")
+
+
+def _on_done(
+    state: GatewayState, job: Job, request: Request, outputs: OutputStream
+) -> Callable[[], Awaitable[None]]:
+    once: list[bool] = []
+
+    async def done() -> None:
+        if once:
+            return
+        once.append(True)
+        state.inflight -= 1
+        with suppress(Exception):
+            await outputs.aclose()
+        sent_at = job.timeline.starts.get("stream")
+        if not job.body.stream and sent_at is not None:
+            job.timeline.add("stream", time.monotonic() - sent_at)
+        finalize(state, job)
+        request.state.access_extra = {
+            "prompt_tokens": job.prompt_tokens,
+            "completion_tokens": job.completion_tokens,
+            "finish_reasons": job.finish_reasons(),
+            "timings": job.timeline.as_dict(),
+        }
+
+    return done
+
+
+async def _sse(chunks: AsyncIterator[Json]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+class FinalizingResponse(Response):
+    """A response that runs `on_done` once it was sent, or failed to be."""
+
+    def __init__(
+        self, content: bytes, on_done: Callable[[], Awaitable[None]], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self.on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_done()
+
+
+class FinalizingStreamingResponse(StreamingResponse):
+    """A stream that runs `on_done` when it ends however it ends: done, client gone (the
+    iterator may never have started, so `on_done` must close the engine streams), or error."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_done: Callable[[], Awaitable[None]],
+        media_type: str,
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        self.on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_done()

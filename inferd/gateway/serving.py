@@ -1,0 +1,373 @@
+"""One generation request from validated body to engine outputs, shared by HTTP and WebSocket.
+
+    job = await prepare(state, body, "chat", request_id, arrival)   # 4xx before any queueing
+    gen = await start(state, job)          # admission: 429/503 raised here, before any header
+    async for chunk in stream_chunks(job, gen): ...        # or: await collect(job, gen)
+    finalize(state, job)                   # metrics, trace (idempotent)
+
+The first engine output is awaited before a response starts, so admission errors (queue full,
+queue timeout, draining, dead engine) always get their own HTTP status; errors after that end a
+stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferd.errors import InferdError
+from inferd.gateway.errors import APIError, bad_request, model_not_found, to_api_error
+from inferd.gateway.formatting import (
+    ChoiceState,
+    Decode,
+    Envelope,
+    Json,
+    Kind,
+    apply_delta,
+    final_choice,
+    record_logprobs,
+    stream_choice,
+    take_delta,
+    usage,
+)
+from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.state import EngineClient, GatewayState
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.telemetry.timeline import RequestTimeline
+from inferd.types import RequestOutput
+
+Body = CompletionRequest | ChatCompletionRequest
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None
+    ids: list[int]
+
+
+@dataclass
+class Job:
+    """A validated, tokenized request and everything its response accumulates."""
+
+    request_id: str
+    kind: Kind
+    body: Body
+    prompts: list[Prompt]
+    params: SamplingParams
+    timeline: RequestTimeline
+    envelope: Envelope
+    num_logprobs: int | None
+    choices: dict[int, ChoiceState] = field(default_factory=dict)
+    finalized: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+    @property
+    def all_finished(self) -> bool:
+        n = len(self.prompts) * self.params.n
+        done = sum(c.finish_reason is not None for c in self.choices.values())
+        return done == n
+
+    def finish_reasons(self) -> list[str]:
+        """One per choice; a choice that never finished was aborted (client gone, error)."""
+        n = len(self.prompts) * self.params.n
+        return [
+            (self.choices[i].finish_reason if i in self.choices else None) or "abort"
+            for i in range(n)
+        ]
+
+    def usage(self) -> Json:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+# -- prepare: everything that can fail with a 4xx, before the engine sees the request ----------
+
+
+async def prepare(
+    state: GatewayState, body: Body, kind: Kind, request_id: str, arrival: float
+) -> Job:
+    llm = state.engine()
+    timeline = RequestTimeline(request_id, arrival=arrival)
+    now = time.monotonic()
+    timeline.add("receive", now - arrival, arrival)
+    with timeline.measure("validate"):
+        _check_model(state, body)
+        params, num_logprobs = _params(body)
+    t0 = time.monotonic()
+    # Chat templates and tokenizers run in a thread: HF tokenizers releases the GIL.
+    prompts = await asyncio.to_thread(_tokenize, llm.tokenizer, body)
+    timeline.add("tokenize", time.monotonic() - t0, t0)
+    with timeline.measure("validate"):
+        for p in prompts:
+            _check_prompt(p.ids, params, llm)
+    created = int(time.time())
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    envelope = Envelope(prefix + request_id, created, state.model_name, kind)
+    return Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs)
+
+
+def _check_model(state: GatewayState, body: Body) -> None:
+    if body.model is not None and body.model != state.model_name:
+        raise model_not_found(body.model)
+
+
+def _params(body: Body) -> tuple[SamplingParams, int | None]:
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens, num_logprobs = body.requested_max_tokens, body.num_logprobs
+    else:
+        max_tokens, num_logprobs = body.max_tokens, body.logprobs
+        if not body.prompts():
+            raise bad_request("prompt must not be empty", "prompt")
+    return body.sampling_params(max_tokens, num_logprobs), num_logprobs
+
+
+def _tokenize(tok: Tokenizer, body: Body) -> list[Prompt]:
+    if isinstance(body, ChatCompletionRequest):
+        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        text = tok.apply_chat_template(
+            [m.for_template() for m in body.messages],
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+        return [Prompt(text, tok.encode(text, add_special_tokens=False))]
+    return [
+        Prompt(p, tok.encode(p)) if isinstance(p, str) else Prompt(None, list(p))
+        for p in body.prompts()
+    ]
+
+
+def _check_prompt(ids: list[int], params: SamplingParams, llm: EngineClient) -> None:
+    """The engine's own checks, done here so a bad request is refused before it is queued."""
+    if not ids:
+        raise bad_request("the prompt is empty", "prompt")
+    vocab = llm.info.vocab_size
+    if any(t >= vocab for t in ids):
+        raise bad_request(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+    limit = llm.info.max_model_len
+    if len(ids) >= limit:
+        raise bad_request(
+            f"the prompt has {len(ids)} tokens; this model's context window is {limit} tokens",
+            "prompt",
+            "context_length_exceeded",
+        )
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        raise bad_request(
+            f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+            f"context window of {limit} tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+
+
+# -- start: admission ----------------------------------------------------------------------------
+
+
+async def start(state: GatewayState, job: Job) -> OutputStream:
+    """Submits every prompt and waits for the first output, so admission errors raise here.
+
+    The returned iterator must be closed (`aclose`) by the caller: closing aborts whatever is
+    still running in the engine."""
+    llm = state.engine()
+    body = job.body
+    timeout = body.timeout
+    streams = []
+    job.timeline.mark_enqueued()
+    for i, p in enumerate(job.prompts):
+        rid = job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{i}"
+        streams.append(
+            llm.generate(
+                rid,
+                p.ids,
+                job.params,
+                prompt=p.text,
+                priority=body.priority,
+                timeout_s=timeout,
+                timeline=job.timeline,
+            )
+        )
+    outputs = _merged(streams)
+    try:
+        first = await anext(outputs)
+    except StopAsyncIteration:
+        raise InferdError("the engine ended the request without output") from None
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return OutputStream(first, outputs)
+
+
+class OutputStream:
+    """The merged outputs with the first one already taken. `aclose` always reaches the engine
+    streams, even when iteration never started (a plain generator would skip its `finally`)."""
+
+    def __init__(self, first: tuple[int, RequestOutput], rest: Outputs) -> None:
+        self._first: tuple[int, RequestOutput] | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._rest.aclose()
+
+
+async def _aclose(stream: AsyncIterator[Any]) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> Outputs:
+    """(prompt index, output) from every stream, as they come."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await _aclose(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is not None:
+                yield i, item
+            else:
+                remaining -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(
+    i: int,
+    stream: AsyncIterator[RequestOutput],
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]],
+) -> None:
+    try:
+        async for out in stream:
+            queue.put_nowait((i, out, None))
+        queue.put_nowait((i, None, None))
+    except Exception as e:
+        queue.put_nowait((i, None, e))
+    finally:
+        await _aclose(stream)
+
+
+# -- consume: outputs -> choices -------------------------------------------------------------
+
+
+def consume(job: Job, decode: Decode, i: int, out: RequestOutput) -> list[Json]:
+    """Folds one output into the job; returns the stream choices it produced."""
+    now = time.monotonic()
+    job.timeline.update_from_engine(out.metrics, out.request_id)
+    job.timeline.on_tokens(sum(len(c.token_ids) for c in out.outputs), now)
+    produced = []
+    for c in out.outputs:
+        index = i * job.params.n + c.index
+        st = job.choices.get(index)
+        if st is None:
+            st = job.choices[index] = ChoiceState(index)
+        if st.sent_finish:
+            continue
+        d = take_delta(c)
+        st_first = not st.sent_role
+        if not (d.text or d.token_ids or d.finish_reason or st_first):
+            continue
+        lp = None
+        if job.num_logprobs is not None:
+            lp = record_logprobs(st, job.kind, d, job.num_logprobs, decode)
+        apply_delta(st, d)
+        produced.append(stream_choice(job.kind, st, d, lp, st_first))
+        st.sent_role = True
+        st.sent_finish = d.finish_reason is not None
+    return produced
+
+
+async def collect(job: Job, decode: Decode, outputs: OutputStream) -> Json:
+    """The whole non-streaming response body."""
+    try:
+        async for i, out in outputs:
+            consume(job, decode, i, out)
+    finally:
+        await outputs.aclose()
+    want_lp = job.num_logprobs is not None
+    choices = [final_choice(job.kind, job.choices[k], want_lp) for k in sorted(job.choices)]
+    return job.envelope.response(choices, job.usage(), job.timeline.as_dict(time.monotonic()))
+
+
+async def stream_chunks(job: Job, decode: Decode, outputs: OutputStream) -> AsyncIterator[Json]:
+    """Stream chunk objects; the last one carries `timings` (and `usage` when asked for).
+    An error after the stream started becomes one final {"error": {...}} object."""
+    timeline = job.timeline
+    include_usage = job.body.include_usage
+    try:
+        async for i, out in outputs:
+            choices = consume(job, decode, i, out)
+            if not choices:
+                continue
+            chunk = job.envelope.chunk(choices)
+            if job.all_finished and not include_usage:
+                chunk["timings"] = timeline.as_dict(time.monotonic())
+            t0 = time.monotonic()
+            yield chunk
+            timeline.add("stream", time.monotonic() - t0, t0)
+        if include_usage:
+            chunk = job.envelope.chunk([])
+            chunk["usage"] = job.usage()
+            chunk["timings"] = timeline.as_dict(time.monotonic())
+            yield chunk
+    except (InferdError, APIError) as e:
+        yield to_api_error(e).body()
+    finally:
+        await outputs.aclose()
+
+
+def finalize(state: GatewayState, job: Job) -> None:
+    """Records the finished request in metrics and traces; safe to call more than once."""
+    if job.finalized:
+        return
+    job.finalized = True
+    timeline = job.timeline
+    timeline.finish()
+    state.metrics.observe_request(timeline, job.prompt_tokens, job.finish_reasons())
+    if state.tracer is not None:
+        attrs = {
+            "inferd.kind": job.kind,
+            "inferd.prompt_tokens": job.prompt_tokens,
+            "inferd.completion_tokens": job.completion_tokens,
+        }
+        with suppress(Exception):
+            state.tracer.export(timeline, attrs)
+
+
+def token_decoder(tok: Tokenizer) -> Decode:
+    def decode(tid: int) -> str:
+        return tok.decode([tid], skip_special_tokens=False)
+
+    return decode

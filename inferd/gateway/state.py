@@ -1,0 +1,120 @@
+"""What the gateway needs from the engine client, and the app's shared state.
+
+`EngineClient` is the slice of inferd.engine.async_client.AsyncLLM the routes use; tests pass a
+fake with the same shape. Until the engine has loaded, `GatewayState.llm` is None and every
+generation route answers 503 "not_ready".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from inferd.config import ServerConfig
+from inferd.gateway.errors import unavailable
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.sampling.params import SamplingParams
+from inferd.telemetry.metrics import EngineGauges, ServerMetrics
+from inferd.telemetry.timeline import RequestTimeline
+from inferd.telemetry.tracing import RequestTracer
+from inferd.types import RequestOutput
+
+
+class ModelInfo(Protocol):
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class EngineClient(Protocol):
+    model_name: str
+    tokenizer: Tokenizer
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def dead(self) -> bool: ...
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        timeline: RequestTimeline | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class GatewayState:
+    server: ServerConfig
+    metrics: ServerMetrics
+    tracer: RequestTracer | None = None
+    llm: EngineClient | None = None
+    draining: bool = False
+    # HTTP generation requests and WebSocket streams being served right now (drain waits on it).
+    inflight: int = 0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def model_name(self) -> str:
+        if self.server.served_model_name:
+            return self.server.served_model_name
+        return self.llm.model_name if self.llm is not None else ""
+
+    @property
+    def ready(self) -> bool:
+        llm = self.llm
+        return llm is not None and not self.draining and llm.ready and not llm.dead
+
+    def engine(self) -> EngineClient:
+        """The engine, or the 503 that says why there is none to use."""
+        llm = self.llm
+        if self.draining:
+            raise unavailable("the server is shutting down", "draining")
+        if llm is None:
+            raise unavailable("the model is still loading", "not_ready")
+        if llm.dead:
+            raise unavailable("the engine process died", "engine_dead")
+        return llm
+
+    def engine_gauges(self) -> EngineGauges | None:
+        llm = self.llm
+        if llm is None:
+            return None
+        return gauges_from_stats(llm.stats())
+
+
+def gauges_from_stats(s: Any) -> EngineGauges:
+    """Adapts the engine client's stats object (AsyncLLM.stats()) to the metrics' gauges."""
+
+    def get(*names: str) -> Any:
+        for name in names:
+            value = getattr(s, name, None)
+            if value is not None:
+                return value
+        return 0
+
+    return EngineGauges(
+        running=int(get("num_running", "running")),
+        waiting=int(get("num_waiting", "waiting")),
+        queued=int(get("num_queued", "queued")),
+        queued_prompt_tokens=int(get("queued_prompt_tokens", "num_queued_prompt_tokens")),
+        kv_cache_usage=float(get("kv_cache_usage")),
+        step_tokens=int(get("step_num_batched_tokens", "step_tokens")),
+        step_seqs=int(get("step_num_seqs", "step_seqs")),
+        preemptions_total=int(get("num_preemptions_total", "preemptions_total")),
+    )

@@ -1,0 +1,190 @@
+"""WebSocket streaming: /v1/completions/ws and /v1/chat/completions/ws.
+
+Protocol (text frames, one JSON value each):
+  client -> server: a request body, exactly as for the HTTP endpoint (`stream` is implied), or
+                    {"type": "cancel"} to stop the request being streamed.
+  server -> client: the same chunk objects as the SSE stream, then the text `[DONE]`; an error is
+                    OpenAI's error object {"error": {...}} (plus "status", the HTTP status it
+                    would have had), then `[DONE]`.
+One request at a time per connection; after `[DONE]` the client may send the next. Closing the
+connection, or a cancel, aborts the request in the engine within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from inferd.errors import InferdError
+from inferd.gateway.errors import APIError, bad_request, to_api_error
+from inferd.gateway.formatting import Kind
+from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.serving import Body, finalize, prepare, start, stream_chunks, token_decoder
+from inferd.gateway.state import GatewayState
+
+router = APIRouter()
+DONE = "[DONE]"
+_CLOSED = None  # put on the inbox when the client goes away
+
+
+@router.websocket("/v1/completions/ws")
+async def completions_ws(ws: WebSocket) -> None:
+    await serve_ws(ws, "completion")
+
+
+@router.websocket("/v1/chat/completions/ws")
+async def chat_completions_ws(ws: WebSocket) -> None:
+    await serve_ws(ws, "chat")
+
+
+async def serve_ws(ws: WebSocket, kind: Kind) -> None:
+    await ws.accept()
+    state: GatewayState = ws.app.state.gateway
+    inbox: asyncio.Queue[tuple[float, Any] | None] = asyncio.Queue()
+    reader = asyncio.create_task(_read(ws, inbox))
+    base_id = ws.scope["state"]["request_id"]
+    try:
+        for seq in range(1 << 62):
+            item = await inbox.get()
+            if item is _CLOSED:
+                return
+            arrival, message = item
+            if isinstance(message, dict) and message.get("type") == "cancel":
+                continue  # nothing running: a late cancel
+            closed = await _one_request(
+                ws, state, kind, inbox, message, arrival, f"{base_id}-{seq}"
+            )
+            if closed:
+                return
+    finally:
+        reader.cancel()
+        with suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _read(ws: WebSocket, inbox: asyncio.Queue[tuple[float, Any] | None]) -> None:
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            arrival = time.monotonic()
+            data = message.get("text") or message.get("bytes") or b""
+            try:
+                inbox.put_nowait((arrival, orjson.loads(data)))
+            except orjson.JSONDecodeError as e:
+                err = bad_request(f"malformed JSON: {e}", None, "invalid_json")
+                inbox.put_nowait((arrival, err))
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        inbox.put_nowait(_CLOSED)
+
+
+async def _send_error(ws: WebSocket, state: GatewayState, err: APIError) -> None:
+    if err.status != 500:
+        state.metrics.reject(err.reason)
+    await ws.send_text(orjson.dumps({**err.body(), "status": err.status}).decode())
+    await ws.send_text(DONE)
+
+
+def _parse(kind: Kind, message: Any) -> Body:
+    if isinstance(message, APIError):
+        raise message
+    if not isinstance(message, dict):
+        raise bad_request("a request must be a JSON object")
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate({**message, "stream": True})
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise bad_request(f"{param}: {first.get('msg')}" if param else str(e), param) from None
+
+
+async def _one_request(
+    ws: WebSocket,
+    state: GatewayState,
+    kind: Kind,
+    inbox: asyncio.Queue[tuple[float, Any] | None],
+    message: Any,
+    arrival: float,
+    request_id: str,
+) -> bool:
+    """Serves one request; True when the client closed the connection meanwhile."""
+    try:
+        body = _parse(kind, message)
+        job = await prepare(state, body, kind, request_id, arrival)
+        decode = token_decoder(state.engine().tokenizer)
+        outputs = await start(state, job)
+    except (APIError, InferdError) as e:
+        await _send_error(ws, state, to_api_error(e))
+        return False
+    state.inflight += 1
+    producer = asyncio.create_task(_produce(ws, stream_chunks(job, decode, outputs)))
+    try:
+        return await _until_done_or_cancel(ws, producer, inbox)
+    finally:
+        state.inflight -= 1
+        with suppress(Exception):
+            await outputs.aclose()
+        finalize(state, job)
+
+
+async def _produce(ws: WebSocket, chunks: Any) -> None:
+    async for chunk in chunks:
+        await ws.send_text(orjson.dumps(chunk).decode())
+    await ws.send_text(DONE)
+
+
+async def _until_done_or_cancel(
+    ws: WebSocket, producer: asyncio.Task[None], inbox: asyncio.Queue[tuple[float, Any] | None]
+) -> bool:
+    """Waits for the stream to end; a cancel or a close stops it (True: the socket is gone).
+    Requests that arrive meanwhile wait in the inbox for their turn."""
+    held: list[tuple[float, Any]] = []
+    outcome = "done"
+    try:
+        while not producer.done():
+            getter = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({producer, getter}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            item = getter.result()
+            if item is _CLOSED:
+                outcome = "closed"
+                break
+            if isinstance(item[1], dict) and item[1].get("type") == "cancel":
+                outcome = "cancel"
+                break
+            held.append(item)
+    finally:
+        for kept in held:
+            inbox.put_nowait(kept)
+    return await _settle(ws, producer, outcome)
+
+
+async def _settle(ws: WebSocket, producer: asyncio.Task[None], outcome: str) -> bool:
+    if outcome == "done":
+        try:
+            producer.result()
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            return True
+        return False
+    producer.cancel()  # closes the chunk stream, which aborts the request in the engine
+    with suppress(asyncio.CancelledError, Exception):
+        await producer
+    if outcome == "closed":
+        return True
+    try:
+        await ws.send_text(DONE)
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return True
+    return False

@@ -1,0 +1,242 @@
+"""Prometheus metrics of the server: one histogram per request stage, engine gauges, counters.
+
+Every name starts with `inferd_` and carries its unit (`_seconds`, `_tokens`, `_ratio`, counters
+end in `_total`). docs/metrics.md lists each one with what it measures.
+
+Hot-path cost: a request touches the histograms once, when it ends (`observe_request`), and the
+engine gauges are read only when /metrics is scraped (`EngineCollector`), so serving pays nothing
+per token for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferd.telemetry.timeline import STAGES, RequestTimeline
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: 0.1 ms .. 10 min. Stage times span from microseconds (validate) to minutes (decode).
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+)
+
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+REJECT_REASONS = (
+    "invalid",
+    "unauthorized",
+    "not_found",
+    "too_large",
+    "queue_full",
+    "queue_timeout",
+    "draining",
+    "not_ready",
+    "engine_dead",
+)
+
+
+def stage_metric_name(stage: str) -> str:
+    """`tokenize` -> `inferd_request_tokenize_seconds` (the histogram of that stage)."""
+    return f"inferd_request_{stage}_seconds"
+
+
+_STAGE_HELP = {
+    "receive": "HTTP body receive, JSON decode and schema validation",
+    "validate": "Semantic request validation (model, sampling parameters, context window)",
+    "tokenize": "Chat template rendering and tokenization",
+    "queue": "Admission queue plus engine waiting, until first scheduled",
+    "prefill": "First scheduled to first token (prompt processing)",
+    "decode": "First token to last token",
+    "detokenize": "Engine-side incremental detokenization, summed over the request",
+    "stream": "Serializing and sending the response or stream chunks",
+}
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """What the engine client reports at scrape time."""
+
+    running: int = 0
+    waiting: int = 0
+    queued: int = 0
+    queued_prompt_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    step_tokens: int = 0
+    step_seqs: int = 0
+    preemptions_total: int = 0
+
+
+# (metric name, help, EngineGauges attribute)
+_ENGINE_GAUGES = (
+    ("inferd_num_requests_running", "Requests in the engine's running batch", "running"),
+    ("inferd_num_requests_waiting", "Requests in the engine waiting to be scheduled", "waiting"),
+    (
+        "inferd_num_requests_queued",
+        "Requests in the admission queue, not yet in the engine",
+        "queued",
+    ),
+    (
+        "inferd_queued_prompt_tokens",
+        "Prompt tokens of the requests in the admission queue",
+        "queued_prompt_tokens",
+    ),
+    ("inferd_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", "kv_cache_usage"),
+    ("inferd_step_tokens", "Tokens computed in the last engine step", "step_tokens"),
+    ("inferd_step_sequences", "Sequences in the last engine step's batch", "step_seqs"),
+)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's gauges when Prometheus scrapes (nothing is kept in between)."""
+
+    def __init__(self, read: Callable[[], EngineGauges | None]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        g = self._read() or EngineGauges()
+        for name, doc, attr in _ENGINE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(g, attr))
+        counter = CounterMetricFamily("inferd_preemptions", "Requests preempted by the scheduler")
+        counter.add_metric([], g.preemptions_total)
+        yield counter
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class ServerMetrics:
+    """The server's registry (its own, so tests and several apps in one process never clash)."""
+
+    def __init__(self, read_engine: Callable[[], EngineGauges | None] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.stages = {
+            s: Histogram(stage_metric_name(s), _STAGE_HELP[s], registry=r, buckets=_LATENCY_BUCKETS)
+            for s in STAGES
+        }
+        self.ttft = Histogram(
+            "inferd_time_to_first_token_seconds",
+            "Request arrival (HTTP) to its first generated token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "inferd_time_per_output_token_seconds",
+            "Decode time divided by output tokens after the first, per request",
+            registry=r,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "inferd_inter_token_latency_seconds",
+            "Time between successive output tokens as the server received them",
+            registry=r,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "inferd_e2e_request_latency_seconds",
+            "Request arrival (HTTP) to its last byte sent",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "inferd_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "inferd_generation_tokens", "Generated tokens of finished requests", registry=r
+        )
+        self.finished = Counter(
+            "inferd_requests_finished",
+            "Finished requests (per choice) by finish reason",
+            ["reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "inferd_requests_rejected",
+            "Requests refused before generating, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        if read_engine is not None:
+            self.watch_engine(read_engine)
+
+    def watch_engine(self, read_engine: Callable[[], EngineGauges | None]) -> None:
+        """Adds the engine gauges, read from `read_engine()` at each scrape."""
+        self.registry.register(EngineCollector(read_engine))
+
+    def observe_request(
+        self,
+        timeline: RequestTimeline,
+        prompt_tokens: int,
+        finish_reasons: Iterator[str] | Iterable[str],
+    ) -> None:
+        """Everything one finished request contributes, at once."""
+        for stage, seconds in timeline.as_dict().items():
+            hist = self.stages.get(stage)
+            if hist is not None:
+                hist.observe(seconds)
+        if timeline.ttft is not None:
+            self.ttft.observe(timeline.ttft)
+        if timeline.e2e is not None:
+            self.e2e.observe(timeline.e2e)
+        tpot = timeline.time_per_output_token
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        for gap in timeline.token_gaps:
+            self.itl.observe(gap)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(timeline.num_output_tokens)
+        for reason in finish_reasons:
+            self.finished.labels(reason if reason in FINISH_REASONS else "error").inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,175 @@
+"""One request's life, stage by stage, with the same stage names as the Prometheus histograms.
+
+    tl = RequestTimeline("req-1", arrival=t_http_start)
+    tl.add("receive", t_handler - t_http_start)
+    with tl.measure("tokenize"):
+        ids = tokenizer.encode(prompt)
+    tl.mark_enqueued()                         # handed to the admission queue
+    ...
+    tl.update_from_engine(output.metrics)      # queue / prefill / decode / detokenize
+    tl.finish()
+    tl.as_dict()  # {"receive": 0.0004, "tokenize": 0.0001, ..., "ttft": 0.021, "e2e": 0.35}
+
+Times are CLOCK_MONOTONIC seconds (`time.monotonic()`), which is system-wide, so the engine
+process's timestamps in RequestOutput.metrics compare directly with the front's.
+
+Engine stages are derived from four instants, merged over every engine request that serves one
+HTTP request (several prompts, or `n` choices): the earliest first-scheduled and first-token times
+and the latest finish time. So `queue` ends when the first of them is scheduled, and `decode`
+ends when the last one finishes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# Stages in the order a request lives through them. `inter_token` is not a stage of one request
+# (it is one sample per generated token), so it has no entry here; see `token_gaps`.
+STAGES = (
+    "receive",  # HTTP receive, JSON decode, schema validation
+    "validate",  # semantic checks (model, sampling params, context window)
+    "tokenize",  # chat template + tokenizer
+    "queue",  # admission queue + engine waiting, until first scheduled
+    "prefill",  # first scheduled -> first token
+    "decode",  # first token -> last token
+    "detokenize",  # engine-side incremental detokenization, summed over steps
+    "stream",  # serializing and sending chunks / the response
+)
+# Not stages: spans over several stages.
+SUMMARIES = ("ttft", "e2e")
+
+
+@dataclass
+class RequestTimeline:
+    request_id: str
+    arrival: float = field(default_factory=time.monotonic)
+    durations: dict[str, float] = field(default_factory=dict)
+    # First start of each stage (for tracing spans); a stage measured in pieces keeps the first.
+    starts: dict[str, float] = field(default_factory=dict)
+    enqueued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    engine_finished: float | None = None
+    finished: float | None = None
+    # Seconds between successive token deliveries seen by the front, per token.
+    token_gaps: list[float] = field(default_factory=list)
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    # Engine request id -> its cumulative detokenization seconds (the latest value reported).
+    detokenize_by_request: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, seconds: float, start: float | None = None) -> None:
+        """Adds `seconds` to `stage` (stages such as `stream` are measured in many pieces)."""
+        self.durations[stage] = self.durations.get(stage, 0.0) + max(seconds, 0.0)
+        if start is not None:
+            self.starts.setdefault(stage, start)
+
+    @contextmanager
+    def measure(self, stage: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add(stage, time.monotonic() - t0, t0)
+
+    def mark_enqueued(self, now: float | None = None) -> None:
+        if self.enqueued is None:
+            self.enqueued = time.monotonic() if now is None else now
+
+    def on_tokens(self, num_new: int, now: float | None = None) -> None:
+        """Records the arrival of `num_new` tokens in the front (one delivery may coalesce
+        several engine steps: the gap is shared evenly among its tokens)."""
+        if num_new <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if self.last_token_at is not None:
+            gap = (now - self.last_token_at) / num_new
+            self.token_gaps.extend([gap] * num_new)
+        elif num_new > 1:
+            self.token_gaps.extend([0.0] * (num_new - 1))
+        self.last_token_at = now
+        self.num_output_tokens += num_new
+
+    def update_from_engine(self, metrics: Mapping[str, float], engine_request_id: str = "") -> None:
+        """Merges one RequestOutput.metrics (engine monotonic instants, and the request's
+        cumulative `detokenize_s`) into the engine stages.
+
+        Idempotent: calling it again with the same metrics changes nothing."""
+        self.first_scheduled = _min(self.first_scheduled, metrics.get("first_scheduled_time"))
+        self.first_token = _min(self.first_token, metrics.get("first_token_time"))
+        self.engine_finished = _max(self.engine_finished, metrics.get("finished_time"))
+        if "detokenize_s" in metrics:
+            self.detokenize_by_request[engine_request_id] = float(metrics["detokenize_s"])
+
+    def finish(self, now: float | None = None) -> None:
+        self.finished = time.monotonic() if now is None else now
+
+    # -- derived ---------------------------------------------------------------------------------
+
+    def engine_stages(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        queue_start = self.enqueued
+        if queue_start is not None and self.first_scheduled is not None:
+            out["queue"] = max(self.first_scheduled - queue_start, 0.0)
+        if self.first_scheduled is not None and self.first_token is not None:
+            out["prefill"] = max(self.first_token - self.first_scheduled, 0.0)
+        if self.first_token is not None and self.engine_finished is not None:
+            out["decode"] = max(self.engine_finished - self.first_token, 0.0)
+        if self.detokenize_by_request:
+            out["detokenize"] = sum(self.detokenize_by_request.values())
+        return out
+
+    def stage_starts(self) -> dict[str, float]:
+        starts = dict(self.starts)
+        starts.setdefault("receive", self.arrival)
+        if self.enqueued is not None:
+            starts.setdefault("queue", self.enqueued)
+        if self.first_scheduled is not None:
+            starts.setdefault("prefill", self.first_scheduled)
+        if self.first_token is not None:
+            starts.setdefault("decode", self.first_token)
+            starts.setdefault("detokenize", self.first_token)
+        return starts
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else max(self.first_token - self.arrival, 0.0)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else max(self.finished - self.arrival, 0.0)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Decode seconds per token after the first (vLLM's TPOT); None with < 2 tokens."""
+        decode = self.engine_stages().get("decode")
+        if decode is None or self.num_output_tokens < 2:
+            return None
+        return decode / (self.num_output_tokens - 1)
+
+    def as_dict(self, now: float | None = None) -> dict[str, float]:
+        """Stage seconds in lifecycle order, then `ttft` and `e2e` (up to `now` when the request
+        has not finished yet). Stages that did not happen are left out."""
+        merged = {**self.durations, **self.engine_stages()}
+        out = {s: round(merged[s], 6) for s in STAGES if s in merged}
+        if self.ttft is not None:
+            out["ttft"] = round(self.ttft, 6)
+        end = self.finished if self.finished is not None else now
+        if end is not None:
+            out["e2e"] = round(max(end - self.arrival, 0.0), 6)
+        return out
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)

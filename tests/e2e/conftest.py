@@ -1,0 +1,116 @@
+"""A real `inferd serve` on a free loopback port, started per module, killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Small limits keep start-up and every request fast on 2 CPU cores.
+SMALL = [
+    "--max-model-len", "256",
+    "--kv-cache-memory", "8MiB",
+    "--max-num-seqs", "4",
+    "--num-threads", "1",
+    "--request-timeout", "60",
+    "--shutdown-timeout", "10",
+    "--max-body-bytes", "65536",
+]  # fmt: skip
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled and labelled samples: `name{labels}` -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def engine_pid(self) -> int:
+        """The engine core: the server's child process running Python."""
+        pids = child_pids(self.proc.pid)
+        for pid in pids:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+                return pid
+        raise AssertionError(f"no engine child among {pids}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(tmp: Path, *extra: str, timeout_s: float = 120.0) -> Server:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "inferd.cli", "serve", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), *SMALL, *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    server = Server(proc, port, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_server(server)
+    raise RuntimeError(f"server not ready in {timeout_s} s:\n{log.read_text()}")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def stop_server(server: Server) -> None:
+    # The engine core is a child; collect it first so no orphan is left holding a core.
+    children = child_pids(server.proc.pid)
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = start_server(tmp_path_factory.mktemp("server"))
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def model_name() -> str:
+    return "inferd-tiny"

@@ -1,0 +1,301 @@
+"""AsyncLLM against a real engine core process on inferd-tiny (random weights).
+
+Two engines, each started once per module: `roomy` (default batching) checks streaming against the
+offline LLM, aborts, deadlines while generating and drain; `narrow` (one sequence at a time, a
+3-request queue, tiny output buffer) checks queue bounds, queue deadlines, priority order, slow
+readers and engine death. Every test runs its coroutine on the engine's own event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.config import AdmissionConfig, EngineConfig
+from inferd.engine.async_client import AsyncLLM
+from inferd.errors import (
+    DrainingError,
+    EngineDeadError,
+    OutputBacklogError,
+    QueueFullError,
+    QueueTimeoutError,
+)
+from inferd.types import RequestOutput
+
+pytestmark = pytest.mark.timeout(120)
+
+T = TypeVar("T")
+KV = 64 << 20
+PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox",
+    "In a hole in the ground there lived",
+    "It was the best of times",
+    "Call me",
+    "All happy families are alike",
+]
+
+
+class Harness:
+    """One AsyncLLM on one event loop, kept for the whole module."""
+
+    def __init__(self, config: EngineConfig, limits: AdmissionConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.llm = self.run(AsyncLLM.start(config, limits))
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, 60))
+
+    def close(self) -> None:
+        self.run(self.llm.shutdown())
+        self.loop.close()
+
+
+def _config(**kw: Any) -> EngineConfig:
+    return EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=KV, **kw)
+
+
+@pytest.fixture(scope="module")
+def roomy() -> Iterator[Harness]:
+    h = Harness(_config(max_num_batched_tokens=256), AdmissionConfig())
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def narrow() -> Iterator[Harness]:
+    limits = AdmissionConfig(
+        max_queued_requests=3,
+        max_queued_tokens=10_000,
+        max_pending_output_tokens=16,
+        min_engine_waiting=0,
+    )
+    h = Harness(_config(max_num_seqs=1), limits)
+    yield h
+    h.close()
+
+
+def _greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+async def _collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+def _joined(deltas: list[RequestOutput]) -> tuple[str, list[int], str | None]:
+    text = "".join(d.outputs[0].text for d in deltas)
+    ids = [t for d in deltas for t in d.outputs[0].token_ids]
+    return text, ids, deltas[-1].outputs[0].finish_reason
+
+
+async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await stream.__anext__()
+
+
+def _long(h: Harness, rid: str, **kw: Any) -> AsyncIterator[RequestOutput]:
+    """A request that runs for the rest of the context window unless stopped."""
+    ids = h.llm.tokenizer.encode("a long story")
+    room = h.llm.info.max_model_len - len(ids)
+    return h.llm.generate(rid, ids, _greedy(room), **kw)
+
+
+# -- roomy ----------------------------------------------------------------------------------------
+
+
+def test_streams_match_offline_greedy(roomy: Harness) -> None:
+    llm = roomy.llm
+    params = _greedy(24, logprobs=2)
+    offline = LLM(dtype="float32", kv_cache_memory=KV, max_num_batched_tokens=256)
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+    del offline
+
+    async def main() -> list[list[RequestOutput]]:
+        streams = [
+            llm.generate(f"m{i}", llm.tokenizer.encode(p), params, prompt=p)
+            for i, p in enumerate(PROMPTS)
+        ]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    results = roomy.run(main())
+    for deltas, want in zip(results, expected, strict=True):
+        text, ids, reason = _joined(deltas)
+        assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+        assert ids == want.outputs[0].token_ids
+        assert text == want.outputs[0].text
+        assert reason == "length"
+        logprobs = [lp for d in deltas for lp in d.outputs[0].logprobs or []]
+        assert len(logprobs) == len(ids)
+        assert deltas[-1].prompt == want.prompt
+        assert deltas[-1].metrics["detokenize_s"] > 0.0
+
+
+def test_closing_the_iterator_aborts_and_frees_blocks(roomy: Harness) -> None:
+    llm = roomy.llm
+
+    async def main() -> None:
+        streams = [_long(roomy, f"abort{i}") for i in range(3)]
+        for s in streams:
+            await _first(s)
+        assert llm.stats().kv_cache_usage > 0.0
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while llm.stats().kv_cache_usage > 0.0 or llm.stats().running:
+            assert time.monotonic() < deadline, llm.stats()
+            await asyncio.sleep(0.01)
+        assert llm.stats().in_flight == 0
+
+    roomy.run(main())
+
+
+def test_running_past_deadline_finishes_with_timeout(roomy: Harness) -> None:
+    async def main() -> list[RequestOutput]:
+        return await _collect(_long(roomy, "deadline", timeout_s=0.3))
+
+    t0 = time.monotonic()
+    deltas = roomy.run(main())
+    _, ids, reason = _joined(deltas)
+    assert reason == "timeout" and ids
+    assert time.monotonic() - t0 < 5
+
+
+def test_abort_by_id(roomy: Harness) -> None:
+    async def main() -> list[RequestOutput]:
+        stream = _long(roomy, "byid")
+        first = await _first(stream)
+        await roomy.llm.abort("byid")
+        return [first, *await _collect(stream)]
+
+    deltas = roomy.run(main())
+    assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "abort"
+
+
+def test_drain_finishes_in_flight_then_refuses(roomy: Harness) -> None:
+    llm = roomy.llm
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        short = asyncio.ensure_future(_collect(llm.generate("d1", [5, 6, 7], _greedy(8))))
+        long = asyncio.ensure_future(_collect(_long(roomy, "d2")))
+        await asyncio.sleep(0.05)
+        await llm.drain(timeout_s=3.0)
+        assert not llm.ready
+        with pytest.raises(DrainingError):
+            await _first(llm.generate("d3", [5, 6, 7], _greedy(4)))
+        return await short, await long
+
+    short, long = roomy.run(main())
+    assert _joined(short)[2] == "length" and len(_joined(short)[1]) == 8
+    assert _joined(long)[2] == "abort"
+
+
+# -- narrow ---------------------------------------------------------------------------------------
+
+
+def test_queue_full_rejects_at_once(narrow: Harness) -> None:
+    llm = narrow.llm
+
+    async def main() -> None:
+        hog = _long(narrow, "hog")
+        await _first(hog)
+        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        reader = asyncio.ensure_future(_collect(hog))
+        queued = [llm.generate(f"q{i}", [5, 6], _greedy(2)) for i in range(3)]
+        tasks = [asyncio.ensure_future(_collect(q)) for q in queued]
+        await asyncio.sleep(0.05)
+        assert llm.stats().queued == 3 and llm.stats().queued_prompt_tokens == 6
+        t0 = time.monotonic()
+        with pytest.raises(QueueFullError) as info:
+            await _first(llm.generate("over", [5, 6], _greedy(2)))
+        assert time.monotonic() - t0 < 0.05
+        assert info.value.retry_after >= 1
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        for t in tasks:
+            assert _joined(await t)[2] == "length"
+
+    narrow.run(main())
+
+
+def test_queue_timeout(narrow: Harness) -> None:
+    async def main() -> None:
+        hog = _long(narrow, "hog2")
+        await _first(hog)
+        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        reader = asyncio.ensure_future(_collect(hog))
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeoutError):
+            await _first(narrow.llm.generate("late", [5, 6], _greedy(2), timeout_s=0.2))
+        assert 0.2 <= time.monotonic() - t0 < 1.0
+        assert narrow.llm.stats().queued == 0
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    narrow.run(main())
+
+
+def test_priority_order(narrow: Harness) -> None:
+    llm = narrow.llm
+    order: list[str] = []
+
+    async def run(rid: str, priority: int) -> None:
+        await _collect(llm.generate(rid, [5, 6, 7], _greedy(3), priority=priority))
+        order.append(rid)
+
+    async def main() -> None:
+        hog = _long(narrow, "hog3")
+        await _first(hog)
+        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        reader = asyncio.ensure_future(_collect(hog))
+        tasks = [asyncio.ensure_future(run(r, p)) for r, p in [("lo1", 1), ("lo2", 1), ("hi", 0)]]
+        await asyncio.sleep(0.05)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await asyncio.gather(*tasks)
+
+    narrow.run(main())
+    assert order == ["hi", "lo1", "lo2"]
+
+
+def test_slow_reader_is_aborted(narrow: Harness) -> None:
+    async def main() -> None:
+        stream = _long(narrow, "slow")
+        await _first(stream)
+        await asyncio.sleep(0.5)  # the engine runs on; 16 unread tokens is the bound
+        with pytest.raises(OutputBacklogError):
+            await _collect(stream)
+        deadline = time.monotonic() + 5
+        while narrow.llm.stats().running:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    narrow.run(main())
+
+
+def test_engine_death_fails_in_flight(narrow: Harness) -> None:
+    llm = narrow.llm
+
+    async def main() -> None:
+        stream = _long(narrow, "doomed")
+        queued = llm.generate("queued", [5, 6], _greedy(2))
+        waiter = asyncio.ensure_future(_first(queued))
+        await _first(stream)
+        proc = llm._proc
+        assert proc is not None and proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(stream), 5)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(waiter, 5)
+        assert llm.dead and not llm.ready
+        with pytest.raises(EngineDeadError):
+            await _first(llm.generate("after", [5, 6], _greedy(2)))
+
+    narrow.run(main())

@@ -1,0 +1,255 @@
+"""The HTTP gateway in-process against a fake engine client: protocol shapes, errors, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from inferd.config import ServerConfig
+from inferd.errors import QueueFullError, QueueTimeoutError
+from inferd.gateway import create_app
+from inferd.sampling.params import SamplingParams
+from inferd.telemetry.timeline import RequestTimeline
+from inferd.types import CompletionOutput, Logprob, RequestOutput
+
+REPLY = "hello world"
+
+
+class ByteTokenizer:
+    """One token per byte (ids 0..255); enough for the gateway, which only encodes/decodes."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+@dataclass
+class Info:
+    max_model_len: int = 64
+    vocab_size: int = 256
+    model_path: str = "/fake"
+
+
+@dataclass
+class FakeLLM:
+    model_name: str = "fake-model"
+    tokenizer: Any = field(default_factory=ByteTokenizer)
+    info: Info = field(default_factory=Info)
+    ready: bool = True
+    dead: bool = False
+    fail_with: Exception | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def stats(self) -> Any:
+        return None
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        timeline: RequestTimeline | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.seen.append({"priority": priority, "timeout_s": timeout_s, "params": params})
+        if self.fail_with is not None:
+            raise self.fail_with
+        limit = min(params.max_tokens or len(REPLY), len(REPLY))
+        for k in range(limit):
+            last = k == limit - 1
+            reason = ("stop" if limit == len(REPLY) else "length") if last else None
+            outs = [_choice(i, REPLY[k], reason, params.logprobs) for i in range(params.n)]
+            metrics = {"first_scheduled_time": 1.0, "first_token_time": 1.5}
+            if last:
+                metrics["finished_time"] = 2.0
+            yield RequestOutput(request_id, prompt, prompt_token_ids, outs, last, metrics)
+
+
+def _choice(i: int, ch: str, reason: str | None, logprobs: int | None) -> CompletionOutput:
+    tid = ord(ch)
+    lps = None
+    if logprobs is not None:
+        alts = {tid: Logprob(-0.5, 1, ch), 120: Logprob(-1.0, 2, "x"), 121: Logprob(-2.0, 3, "y")}
+        lps = [alts]
+    return CompletionOutput(i, ch, [tid], reason, None, lps)
+
+
+def make(llm: FakeLLM | None = None, **server: Any) -> tuple[TestClient, FakeLLM]:
+    fake = llm or FakeLLM()
+    app = create_app(fake, ServerConfig(access_log=False, **server))  # type: ignore[arg-type]
+    return TestClient(app, raise_server_exceptions=False), fake
+
+
+def test_completion_body_usage_and_timings() -> None:
+    c, _ = make()
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == REPLY[:5]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["timings"]["prefill"] == pytest.approx(0.5)
+    assert body["timings"]["decode"] == pytest.approx(0.5)
+    assert r.headers["x-request-id"]
+
+
+def test_batch_prompts_and_n_index_choices() -> None:
+    c, _ = make()
+    r = c.post("/v1/completions", json={"prompt": ["a", "bb"], "n": 2, "max_tokens": 3})
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == 3
+    assert body["usage"]["completion_tokens"] == 12
+
+
+def _events(text: str) -> list[Any]:
+    data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_chat_stream_role_first_usage_last() -> None:
+    c, fake = make()
+    body = {
+        "messages": [{"role": "user", "content": "hey"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "priority": 3,
+        "timeout": 2.5,
+    }
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"])
+    assert text == REPLY
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(REPLY)
+    assert "timings" in events[-1]
+    assert fake.seen[-1]["priority"] == 3 and fake.seen[-1]["timeout_s"] == 2.5
+
+
+def test_logprob_shapes() -> None:
+    c, _ = make()
+    r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "e"] and lp["token_logprobs"] == [-0.5, -0.5]
+    assert lp["text_offset"] == [0, 1] and lp["top_logprobs"][0] == {"h": -0.5}
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+    r = c.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in content] == ["h", "e"]
+    assert [a["token"] for a in content[0]["top_logprobs"]] == ["h", "x"]
+
+
+BAD_BODIES = [
+    b"{oops",
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "max_tokens": "3"}',
+    b'{"prompt": "x", "max_tokens": -1}',
+    b'{"prompt": "x", "max_tokens": 1000}',
+    b'{"prompt": "' + b"y" * 80 + b'"}',
+    b'{"prompt": "\xff\xfe"}',
+    b'{"prompt": ""}',
+    b'{"prompt": [300]}',
+    b'{"prompt": "x", "top_p": 0}',
+    b"[]",
+]
+
+
+@pytest.mark.parametrize("body", BAD_BODIES)
+def test_bad_input_is_400_with_openai_error(body: bytes) -> None:
+    c, _ = make()
+    r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_status_mapping() -> None:
+    c, fake = make(api_keys=("k1",), max_body_bytes=100)
+    auth = {"Authorization": "Bearer k1"}
+    assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert c.get("/health/ready").status_code == 200  # health needs no key
+    r = c.post("/v1/completions", json={"prompt": "x", "model": "other"}, headers=auth)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = c.post("/v1/completions", json={"prompt": "x" * 200}, headers=auth)
+    assert r.status_code == 413
+    assert c.get("/v1/nothing", headers=auth).status_code == 404
+    fake.fail_with = QueueFullError("full", retry_after=2.2)
+    r = c.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+    fake.fail_with = QueueTimeoutError("late")
+    r = c.post("/v1/completions", json={"prompt": "x", "stream": True}, headers=auth)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+
+
+def test_not_ready_and_dead() -> None:
+    c, _ = make(llm=None)  # type: ignore[arg-type]
+    c.app.state.gateway.llm = None  # type: ignore[attr-defined]
+    assert c.get("/health/ready").status_code == 503
+    assert c.get("/health/live").status_code == 200
+    assert c.post("/v1/completions", json={"prompt": "x"}).json()["error"]["code"] == "not_ready"
+    c2, fake = make()
+    fake.dead = True
+    assert c2.get("/v2/health/ready").status_code == 503
+
+
+def test_websocket_stream_and_errors() -> None:
+    c, _ = make()
+    with c.websocket_connect("/v1/completions/ws") as ws:
+        ws.send_text(json.dumps({"prompt": "hi", "max_tokens": 3}))
+        msgs = []
+        while (m := ws.receive_text()) != "[DONE]":
+            msgs.append(json.loads(m))
+        assert "".join(m["choices"][0]["text"] for m in msgs) == REPLY[:3]
+        ws.send_text("{bad")
+        err = json.loads(ws.receive_text())
+        assert err["status"] == 400 and ws.receive_text() == "[DONE]"
+
+
+def test_metrics_exposition() -> None:
+    c, _ = make()
+    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": -2})
+    text = c.get("/metrics").text
+    assert 'inferd_requests_rejected_total{reason="invalid"} 1.0' in text
+    assert "inferd_generation_tokens_total 2.0" in text
+    assert 'inferd_requests_finished_total{reason="length"} 1.0' in text
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_timeline_stages_merge_over_engine_requests() -> None:
+    tl = RequestTimeline("r", arrival=10.0)
+    tl.mark_enqueued(10.1)
+    tl.update_from_engine({"first_scheduled_time": 10.3, "first_token_time": 10.4}, "a")
+    tl.update_from_engine({"first_scheduled_time": 10.2, "first_token_time": 10.5}, "b")
+    tl.update_from_engine({"finished_time": 11.0, "detokenize_s": 0.01}, "a")
+    tl.update_from_engine({"finished_time": 11.5, "detokenize_s": 0.02}, "b")
+    tl.on_tokens(1, 10.4)
+    tl.on_tokens(3, 10.7)
+    tl.finish(12.0)
+    d = tl.as_dict()
+    assert math.isclose(d["queue"], 0.1) and math.isclose(d["prefill"], 0.2)
+    assert math.isclose(d["decode"], 1.1) and math.isclose(d["detokenize"], 0.03)
+    assert math.isclose(d["ttft"], 0.4) and math.isclose(d["e2e"], 2.0)
+    assert [round(g, 6) for g in tl.token_gaps] == [0.1, 0.1, 0.1]
