@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import math
@@ -24,6 +25,7 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -78,6 +80,13 @@ class RequestResult:
         return (self.e2el - self.ttft) / (self.output_tokens - 1)
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One context for every client: building one (what httpx does per client by default) costs
+    ~20 ms of CPU, which a client sharing the machine with the server would take from it."""
+    return ssl.create_default_context()
+
+
 # -- one request ------------------------------------------------------------------------------
 
 
@@ -127,7 +136,8 @@ async def send_request(
     url: str, body: dict[str, Any], run_start: float, timeout_s: float
 ) -> RequestResult:
     res = RequestResult(prompt_len=len(body["prompt"]))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s)) as client:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context())
+    async with client:
         sent = time.perf_counter()
         res.start = sent - run_start
         try:
@@ -135,15 +145,27 @@ async def send_request(
                 if resp.status_code != 200:
                     await resp.aread()
                     raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                async for line in resp.aiter_lines():
-                    chunk = parse_sse_line(line)
-                    if chunk is not None:
-                        record_chunk(res, chunk, time.perf_counter() - sent)
+                await read_events(resp, res, sent)
             res.success = bool(res.chunk_times) and res.output_tokens > 0
             res.error = "" if res.success else "no tokens or no usage chunk"
         except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
             res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+async def read_events(resp: httpx.Response, res: RequestResult, sent: float) -> None:
+    """Feeds every SSE event of `resp` to `res`; events that came in one network read share
+    the time those bytes arrived (an event ends with a blank line)."""
+    buf = b""
+    async for data in resp.aiter_raw():
+        now = time.perf_counter() - sent
+        buf += data
+        *events, buf = buf.split(b"\n\n")
+        for event in events:
+            for line in event.decode().splitlines():
+                chunk = parse_sse_line(line)
+                if chunk is not None:
+                    record_chunk(res, chunk, now)
 
 
 # -- arrivals ---------------------------------------------------------------------------------
@@ -159,12 +181,14 @@ def arrival_gaps(n: int, request_rate: float, seed: int) -> list[float]:
 
 async def run_load(
     url: str, bodies: list[dict[str, Any]], args: argparse.Namespace
-) -> tuple[list[RequestResult], float]:
-    """Sends every body on the arrival schedule; returns results (in workload order) and wall s."""
+) -> tuple[list[RequestResult], float, float]:
+    """Sends every body on the arrival schedule; returns results (in workload order), wall
+    seconds and the client's own CPU seconds (it shares the machine with the server)."""
     limit = args.max_concurrency or len(bodies)
     sem = asyncio.Semaphore(limit)
     bar = tqdm(total=len(bodies), desc="requests", disable=args.no_progress)
     run_start = time.perf_counter()
+    cpu_start = time.process_time()
 
     async def one(body: dict[str, Any]) -> RequestResult:
         async with sem:
@@ -181,7 +205,7 @@ async def run_load(
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - run_start
     bar.close()
-    return list(results), wall
+    return list(results), wall, time.process_time() - cpu_start
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -465,8 +489,8 @@ async def bench_server(
         bodies = [completion_body(r, args.served_model, args.temperature) for r in warmup]
         await asyncio.gather(*(send_request(url, b, time.perf_counter(), 60.0) for b in bodies))
         bodies = [completion_body(r, args.served_model, args.temperature) for r in requests]
-        results, wall = await run_load(url, bodies, args)
-        result["results"], result["wall"] = results, wall
+        results, wall, cpu = await run_load(url, bodies, args)
+        result |= {"results": results, "wall": wall, "client_cpu_s": cpu}
     if args.gateway_overhead > 0:
         result["gateway_overhead"] = await gateway_overhead(url, args)
     return result
@@ -511,8 +535,10 @@ def report_served(
         summary = summarize(results, wall, slos)
         series = tokens_per_second_series(results, wall)
         result["serving"] = summary | {"output_tokens_per_second_1s": series}
+        result["serving"]["client_cpu_s"] = served.get("client_cpu_s")
         result["requests"] = [asdict(r) | {"chunk_times": len(r.chunk_times)} for r in results]
         print_summary(summary)
+        print(f"client CPU: {served.get('client_cpu_s', 0.0):.1f} s over {wall:.1f} s")
         if write_plot(out.with_suffix(".png"), results, series):
             result["plot"] = str(out.with_suffix(".png"))
         if "offline" in result:
