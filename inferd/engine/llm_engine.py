@@ -71,7 +71,7 @@ class LLMEngine:
         arch = ArchConfig.from_json(path / "config.json")
         dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, self.device)
         self.model, self.arch = load_model(
-            path, dtype, self.device, config.model.load_format, config.model.seed
+            path, dtype, self.device, config.model.load_format, config.model.seed, arch
         )
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache)

@@ -88,10 +88,14 @@ def load_model(
     device: torch.device,
     load_format: LoadFormat,
     seed: int,
+    arch: ArchConfig | None = None,
 ) -> tuple[LlamaForCausalLM, ArchConfig]:
-    """Build the model described by `path/config.json` on `device` and fill its weights."""
+    """Build the model described by `path/config.json` on `device` and fill its weights.
+
+    Pass `arch` when the caller has parsed config.json already."""
     t0 = time.perf_counter()
-    arch = ArchConfig.from_json(path / "config.json")
+    if arch is None:
+        arch = ArchConfig.from_json(path / "config.json")
     cls = get_model_class(arch.architecture, arch.source)
     with torch.device(device):
         model = cls(arch, dtype)

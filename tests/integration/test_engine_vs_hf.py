@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
+
 from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
@@ -35,18 +37,7 @@ BASE = dict(
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
-    "llama3-rope": (
-        "LlamaConfig",
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        },
-    ),
+    "llama3-rope": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE_SCALING}),
     "llama-head-dim": ("LlamaConfig", {"head_dim": 32}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),

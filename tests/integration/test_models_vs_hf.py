@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
+
 from inferd.executor.attention import AttentionMetadata, PrefillSpan  # noqa: E402
 from inferd.models.llama import LlamaForCausalLM  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402
@@ -37,19 +39,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "llama-head-dim": ("LlamaConfig", {"head_dim": 32}),
-    "llama3-rope": (
-        "LlamaConfig",
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                # Wavelengths of head_dim 16 fall in all three llama3 bands with 64.
-                "original_max_position_embeddings": 64,
-            }
-        },
-    ),
+    "llama3-rope": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE_SCALING}),
     "linear-rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     # HF recomputes the dynamic-NTK base from the sequence length; inferd fixes it for
     # max_position_embeddings * factor tokens. The two agree at exactly that length: 8 * 2.5 = 20.
