@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # The OpenAI-compatible server on http://0.0.0.0:8000 (default model; pass flags in ARGS).
 serve: $(STAMP)
-	$(BIN)/inferd serve $(ARGS)
+	$(BIN)/inferd serve $(or $(ARGS),inferd-tiny --model-repository examples)
 
 lint: $(STAMP)
 	$(BIN)/ruff check inferd tests bench

@@ -377,9 +377,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class Launched:
+    url: str
+    pid: int
+
+
+def process_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of `pid` ("front") and of its child processes ("children",
+    the engine core), from /proc; empty where /proc is not available."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(p: int) -> tuple[int, float] | None:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+
+    own = stat(pid)
+    if own is None:
+        return {}
+    children = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != pid:
+            st = stat(int(entry.name))
+            if st is not None and st[0] == pid:
+                children += st[1]
+    return {"front": own[1], "children": children}
+
+
 @contextmanager
-def launched_server(server_args: list[str], log_path: Path) -> Iterator[str]:
-    """`inferd serve` on a free loopback port until the block ends; yields its base URL."""
+def launched_server(server_args: list[str], log_path: Path) -> Iterator[Launched]:
+    """`inferd serve` on a free loopback port until the block ends; yields its URL and pid."""
     port = free_port()
     exe = Path(sys.executable).parent / "inferd"
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
@@ -390,7 +420,7 @@ def launched_server(server_args: list[str], log_path: Path) -> Iterator[str]:
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc)
-            yield base
+            yield Launched(base, proc.pid)
         finally:
             stop_server(proc)
 
@@ -481,7 +511,11 @@ def workload(args: argparse.Namespace, seed: int, n: int) -> list[BenchRequest]:
 
 
 async def bench_server(
-    base: str, requests: list[BenchRequest], warmup: list[BenchRequest], args: argparse.Namespace
+    base: str,
+    requests: list[BenchRequest],
+    warmup: list[BenchRequest],
+    args: argparse.Namespace,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     url = f"{base}/v1/completions"
     result: dict[str, Any] = {}
@@ -489,8 +523,12 @@ async def bench_server(
         bodies = [completion_body(r, args.served_model, args.temperature) for r in warmup]
         await asyncio.gather(*(send_request(url, b, time.perf_counter(), 60.0) for b in bodies))
         bodies = [completion_body(r, args.served_model, args.temperature) for r in requests]
+        before = process_cpu_seconds(pid) if pid is not None else {}
         results, wall, cpu = await run_load(url, bodies, args)
+        after = process_cpu_seconds(pid) if pid is not None else {}
         result |= {"results": results, "wall": wall, "client_cpu_s": cpu}
+        if before and after:
+            result["server_cpu_s"] = {k: after[k] - before[k] for k in before}
     if args.gateway_overhead > 0:
         result["gateway_overhead"] = await gateway_overhead(url, args)
     return result
@@ -501,8 +539,8 @@ def serve_phase(
 ) -> dict[str, Any]:
     if not args.launch:
         return asyncio.run(bench_server(args.base_url, requests, warmup, args))
-    with launched_server(args.server_args, log) as base:
-        return asyncio.run(bench_server(base, requests, warmup, args))
+    with launched_server(args.server_args, log) as server:
+        return asyncio.run(bench_server(server.url, requests, warmup, args, server.pid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,7 +576,13 @@ def report_served(
         result["serving"]["client_cpu_s"] = served.get("client_cpu_s")
         result["requests"] = [asdict(r) | {"chunk_times": len(r.chunk_times)} for r in results]
         print_summary(summary)
-        print(f"client CPU: {served.get('client_cpu_s', 0.0):.1f} s over {wall:.1f} s")
+        server_cpu = served.get("server_cpu_s", {})
+        result["serving"]["server_cpu_s"] = server_cpu
+        print(
+            f"CPU over {wall:.1f} s: client {served.get('client_cpu_s', 0.0):.1f} s, server front "
+            f"{server_cpu.get('front', math.nan):.1f} s, engine core "
+            f"{server_cpu.get('children', math.nan):.1f} s"
+        )
         if write_plot(out.with_suffix(".png"), results, series):
             result["plot"] = str(out.with_suffix(".png"))
         if "offline" in result:

@@ -106,11 +106,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from inferd.config import AdmissionConfig, ServerConfig
+    from inferd.config import AdmissionConfig, RepositoryConfig, ServerConfig
     from inferd.serve import serve
 
     if args.model_pos is not None:
         args.model = args.model_pos
+    # With a model repository and no LLM named, the server serves only the repository.
+    serves_llm = args.model is not None or args.model_repository is None
+    if args.model is None:
+        args.model = DEFAULT_MODEL
     admission = AdmissionConfig(
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
@@ -125,9 +129,20 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         served_model_name=args.served_model_name,
-        access_log=not args.disable_access_log,
+        access_log=not (args.disable_access_log or args.disable_telemetry),
+        telemetry=not args.disable_telemetry,
+        grpc_port=None if args.grpc_port < 0 else args.grpc_port,
     )
-    return serve(engine_config(args), admission, server)
+    repository = None
+    if args.model_repository is not None:
+        repository = RepositoryConfig(
+            path=args.model_repository,
+            load_models=tuple(args.load_model or ()),
+            allow_pickle=args.allow_pickle,
+            backend_threads=args.backend_threads,
+        )
+    engine = engine_config(args) if serves_llm else None
+    return serve(engine, admission, server, repository)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -158,6 +173,34 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--disable-access-log", action="store_true")
+    p.add_argument(
+        "--disable-telemetry",
+        action="store_true",
+        help="no per-request timings, stage histograms, traces or access log (to measure them)",
+    )
+    repo = p.add_argument_group("model repository (classic models, Open Inference Protocol)")
+    repo.add_argument(
+        "--model-repository",
+        default=None,
+        metavar="DIR",
+        help="Triton-style repository DIR/<model>/config.yaml; `examples`: the built-in one",
+    )
+    repo.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        help="load only these models at start (repeatable); default: all",
+    )
+    repo.add_argument(
+        "--grpc-port",
+        type=int,
+        default=srv["grpc_port"].default,
+        help="inference.GRPCInferenceService port; -1: no gRPC",
+    )
+    repo.add_argument("--allow-pickle", action="store_true", help="allow loading pickled models")
+    repo.add_argument(
+        "--backend-threads", type=int, default=None, help="intra-op threads per model instance"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve LLMs (OpenAI API) and classic models (KServe v2)")
     add_server_args(srv)
     add_engine_args(srv)
+    srv.set_defaults(model=None)  # resolved in _serve: no LLM when only a repository is given
     srv.set_defaults(func=_serve)
     return parser
 

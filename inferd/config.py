@@ -137,7 +137,8 @@ class ServerConfig(_Frozen):
 
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
-    # Bearer keys accepted on /v1/*; empty: no authentication.
+    # Bearer keys accepted on every inference route (/v1/*, /v2/*; not health, /metrics, docs);
+    # empty: no authentication.
     api_keys: tuple[str, ...] = ()
     # Request bodies over this many bytes get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 2**20, gt=0)
@@ -149,3 +150,25 @@ class ServerConfig(_Frozen):
     served_model_name: str | None = None
     # One JSON line per request on the `inferd.access` logger.
     access_log: bool = True
+    # Per-request telemetry: stage timelines, `timings` in responses, stage histograms, traces.
+    # Off (`--disable-telemetry`) only to measure what it costs; the engine gauges stay.
+    telemetry: bool = True
+    # The Open Inference Protocol's gRPC service (inference.GRPCInferenceService); None: off.
+    # Only started when a model repository is served.
+    grpc_port: int | None = Field(default=8001, ge=0, le=65535)
+    # Largest gRPC message accepted or sent (tensors travel inline).
+    grpc_max_message_bytes: int = Field(default=64 * 2**20, gt=0)
+
+
+class RepositoryConfig(_Frozen):
+    """Classic models served from a Triton-style model repository (`--model-repository`)."""
+
+    # DIR/<model>/config.yaml + DIR/<model>/<version>/; "examples": the built-in example repository.
+    path: str
+    # Models loaded at start; empty: every model in the repository. Others load through
+    # POST /v2/repository/models/{name}/load.
+    load_models: tuple[str, ...] = ()
+    # Unpickling runs arbitrary code: pickled models load only when the operator says so.
+    allow_pickle: bool = False
+    # ONNX Runtime / torch intra-op threads per model instance when its config does not say.
+    backend_threads: int | None = Field(default=None, gt=0)

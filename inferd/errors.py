@@ -49,3 +49,15 @@ class DrainingError(InferdError):
 
 class OutputBacklogError(InferdError):
     """A consumer read too slowly: its unread output passed the bound, so it was aborted."""
+
+
+class ModelNotFoundError(InferdError):
+    """No such model (or version) in the repository (HTTP 404, gRPC NOT_FOUND)."""
+
+
+class ModelNotReadyError(InferdError):
+    """The model exists but is loading, unloading, unloaded or failed (HTTP 503, UNAVAILABLE)."""
+
+
+class ModelConfigError(ModelLoadError):
+    """A model's config.yaml is invalid; the message names the field."""

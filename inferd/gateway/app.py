@@ -4,8 +4,10 @@
     set_engine(app, llm)                         # ...and is attached once it has
     uvicorn.run(app, port=8000)
 
-Routes: openai.py (/v1/*), websocket.py (/v1/*/ws), health.py (/health/*, /v2/health/*,
-/metrics). OpenAPI at /openapi.json.
+Routes: openai.py (/v1/models, completions, chat), embeddings.py (/v1/embeddings, served by the
+model repository), websocket.py (/v1/*/ws), kserve/http.py (the Open Inference Protocol: /v2,
+/v2/models/..., /v2/repository/...), health.py (/health/*, /v2/health/*, /metrics). Errors are
+OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). OpenAPI at /openapi.json.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from inferd.config import ServerConfig
-from inferd.gateway import health, openai, websocket
+from inferd.gateway import embeddings, health, openai, websocket
 from inferd.gateway.errors import install_error_handlers
+from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.telemetry.metrics import ServerMetrics
+from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.tracing import RequestTracer, make_tracer
 
 
@@ -35,13 +39,18 @@ def create_app(
         docs_url="/docs",
         redoc_url=None,
     )
-    state = GatewayState(server=server, metrics=ServerMetrics(), llm=llm)
+    metrics = ServerMetrics()
+    state = GatewayState(
+        server=server, metrics=metrics, model_metrics=ModelMetrics(metrics.registry), llm=llm
+    )
     state.metrics.watch_engine(state.engine_gauges)
     state.tracer = tracer if tracer is not None else make_tracer(server.otlp_traces_endpoint)
     app.state.gateway = state
     app.include_router(openai.router)
     app.include_router(websocket.router)
     app.include_router(health.router)
+    app.include_router(embeddings.router)
+    app.include_router(kserve_http.router)
     install_error_handlers(app, on_reject=state.metrics.reject)
     app.add_middleware(GatewayMiddleware, server=server, on_reject=state.metrics.reject)
     return app

@@ -1,9 +1,16 @@
-"""inferd's error taxonomy -> HTTP status and OpenAI's error body.
+"""inferd's error taxonomy -> HTTP status and each protocol's error body.
+
+OpenAI's, on every path but /v2:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens",
                "code": "invalid_value"}}
 
-Bad input is always a 4xx found before queueing; 500 is reserved for bugs (logged with a traceback).
+The Open Inference Protocol's (KServe v2, what tritonclient parses), on /v2 and /v2/*:
+
+    {"error": "..."}
+
+The status is the same for both. Bad input is always a 4xx found before queueing; 500 is reserved
+for bugs and backend failures (logged with a traceback).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from inferd.errors import (
     EngineDeadError,
     InferdError,
     InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    ModelNotReadyError,
     OutputBacklogError,
     QueueFullError,
     QueueTimeoutError,
@@ -57,13 +67,22 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> Response:
+    def kserve_body(self) -> dict[str, Any]:
+        return {"error": self.message}
+
+    def response(self, kserve: bool = False) -> Response:
+        """`kserve`: the Open Inference Protocol's body (see `is_kserve_path`)."""
         return Response(
-            orjson.dumps(self.body()),
+            orjson.dumps(self.kserve_body() if kserve else self.body()),
             status_code=self.status,
             media_type="application/json",
             headers=self.headers or None,
         )
+
+
+def is_kserve_path(path: str) -> bool:
+    """Paths of the Open Inference Protocol, whose clients expect `{"error": "..."}`."""
+    return path == "/v2" or path.startswith("/v2/")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -109,6 +128,25 @@ def to_api_error(exc: BaseException) -> APIError:
         return unavailable(str(exc) or "the engine process died", "engine_dead")
     if isinstance(exc, OutputBacklogError):
         return APIError(500, str(exc), type="server_error", code="output_backlog", reason="invalid")
+    return _model_error(exc)
+
+
+def _model_error(exc: BaseException) -> APIError:
+    """The classic-model path's errors (model repository, backends)."""
+    if isinstance(exc, ModelNotFoundError):
+        return APIError(
+            404, str(exc), type="not_found_error", code="model_not_found", reason="not_found"
+        )
+    if isinstance(exc, ModelNotReadyError):
+        return unavailable(str(exc) or "the model is not ready", "not_ready")
+    if isinstance(exc, ModelLoadError):
+        # A load the client asked for (POST /v2/repository/models/{m}/load) failed: Triton
+        # answers 400 with the reason, and the old versions stay served.
+        return APIError(400, str(exc), code="model_load_failed", reason="invalid")
+    if isinstance(exc, InferdError):
+        # Raised on purpose but not the client's fault (a backend failing on a batch).
+        message = str(exc) or "internal server error"
+        return APIError(500, message, type="server_error", code="internal_error")
     return APIError(500, "internal server error", type="server_error", code="internal_error")
 
 
@@ -144,15 +182,20 @@ def _http_error(exc: StarletteHTTPException) -> APIError:
 
 
 def install_error_handlers(app: FastAPI, on_reject: Any = None) -> None:
-    """Every error leaves as OpenAI's error JSON. `on_reject(reason)` counts 4xx/503 refusals."""
+    """Every error leaves as OpenAI's error JSON, or KServe's on /v2 paths.
+
+    `on_reject(reason)` counts 4xx/503 refusals."""
 
     def respond(request: Request, err: APIError) -> Response:
         if on_reject is not None and err.status != 500:
             on_reject(err.reason)
-        return err.response()
+        return err.response(kserve=is_kserve_path(request.url.path))
 
     async def api_error(request: Request, exc: Exception) -> Response:
-        return respond(request, to_api_error(exc))
+        err = to_api_error(exc)
+        if err.status == 500:
+            logger.error("%s on %s %s", err.message, request.method, request.url.path, exc_info=exc)
+        return respond(request, err)
 
     async def validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -190,7 +190,8 @@ class Envelope:
     model: str
     kind: Kind
 
-    def response(self, choices: list[Json], use: Json, timings: Json) -> Json:
+    def response(self, choices: list[Json], use: Json) -> Json:
+        """The non-streaming body; serving.encode_response appends `timings`."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
             "id": self.id,
@@ -199,7 +200,6 @@ class Envelope:
             "model": self.model,
             "choices": choices,
             "usage": use,
-            "timings": timings,
         }
 
     def chunk(self, choices: list[Json]) -> Json:

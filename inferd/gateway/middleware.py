@@ -2,9 +2,11 @@
 
 In order: a request id (the client's `X-Request-Id` if it sent a sane one, else a new one;
 returned on the response), the arrival time (the `receive` stage starts here), API-key auth on
-/v1/*, the body size limit (413 before anything parses it), and one JSON access-log line when
-the response is done. Pure ASGI rather than BaseHTTPMiddleware, so streamed responses pass
-through untouched and disconnects still reach the app.
+every inference route (all but health, /metrics and docs), the body size limit (413 before
+anything parses it), and one JSON access-log line when the response is done. Refusals here use
+the error body of the path's protocol (KServe's on /v2/*, OpenAI's elsewhere). Pure ASGI rather
+than BaseHTTPMiddleware, so streamed responses pass through untouched and disconnects still
+reach the app.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferd.config import ServerConfig
-from inferd.gateway.errors import APIError
+from inferd.gateway.errors import APIError, is_kserve_path
 from inferd.telemetry.access_log import AccessRecord, log_access
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -85,7 +87,8 @@ class GatewayMiddleware:
             if error is not None:
                 if self.on_reject is not None:
                     self.on_reject(error.reason)
-                await error.response()(scope, receive, send)
+                kserve = is_kserve_path(scope.get("path", ""))
+                await error.response(kserve)(scope, receive, send)
                 return
             await self.app(scope, receive, send)
         finally:

@@ -20,6 +20,7 @@ from inferd.gateway.serving import (
     Job,
     OutputStream,
     collect,
+    encode_response,
     finalize,
     prepare,
     start,
@@ -45,17 +46,27 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
+    """The LLM (when the server runs one) and the repository's embedding models."""
     state = gateway(request)
-    llm = state.engine()
-    model = {
-        "id": state.model_name,
-        "object": "model",
-        "created": int(state.started),
-        "owned_by": "inferd",
-        "root": getattr(llm.info, "model_path", state.model_name),
-        "max_model_len": llm.info.max_model_len,
-    }
-    return json_response({"object": "list", "data": [model]})
+    data = []
+    if state.serves_llm:
+        llm = state.engine()
+        data.append(
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "inferd",
+                "root": getattr(llm.info, "model_path", state.model_name),
+                "max_model_len": llm.info.max_model_len,
+            }
+        )
+    if state.repository is not None:
+        for name in state.repository.embedding_models():
+            data.append(
+                {"id": name, "object": "model", "created": int(state.started), "owned_by": "inferd"}
+            )
+    return json_response({"object": "list", "data": data})
 
 
 @router.post("/v1/completions", response_model=None)
@@ -118,8 +129,7 @@ async def serve_http(request: Request, body: Body, kind: Kind) -> Response:
     except BaseException:
         await done()
         raise
-    job.timeline.starts.setdefault("stream", time.monotonic())
-    return FinalizingResponse(orjson.dumps(result), done, media_type="application/json")
+    return FinalizingResponse(encode_response(job, result), done, media_type="application/json")
 
 
 def _on_done(
@@ -134,9 +144,8 @@ def _on_done(
         state.inflight -= 1
         with suppress(Exception):
             await outputs.aclose()
-        sent_at = job.timeline.starts.get("stream")
-        if not job.body.stream and sent_at is not None:
-            job.timeline.add("stream", time.monotonic() - sent_at)
+        if job.send_started is not None:
+            job.timeline.add("stream", time.monotonic() - job.send_started)
         finalize(state, job)
         request.state.access_extra = {
             "prompt_tokens": job.prompt_tokens,

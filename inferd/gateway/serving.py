@@ -19,6 +19,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from inferd.errors import InferdError
 from inferd.gateway.errors import APIError, bad_request, model_not_found, to_api_error
 from inferd.gateway.formatting import (
@@ -38,7 +40,7 @@ from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
-from inferd.telemetry.timeline import RequestTimeline
+from inferd.telemetry.timeline import DisabledTimeline, RequestTimeline
 from inferd.types import RequestOutput
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -65,6 +67,8 @@ class Job:
     num_logprobs: int | None
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     finalized: bool = False
+    # Non-streaming: when the encoded body was handed to the server to send.
+    send_started: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -99,15 +103,19 @@ async def prepare(
     state: GatewayState, body: Body, kind: Kind, request_id: str, arrival: float
 ) -> Job:
     llm = state.engine()
-    timeline = RequestTimeline(request_id, arrival=arrival)
+    timeline = new_timeline(state, request_id, arrival)
     now = time.monotonic()
     timeline.add("receive", now - arrival, arrival)
     with timeline.measure("validate"):
         _check_model(state, body)
         params, num_logprobs = _params(body)
     t0 = time.monotonic()
-    # Chat templates and tokenizers run in a thread: HF tokenizers releases the GIL.
-    prompts = await asyncio.to_thread(_tokenize, llm.tokenizer, body)
+    if _has_text(body):
+        # Chat templates and tokenizers run in a thread: HF tokenizers releases the GIL.
+        prompts = await asyncio.to_thread(_tokenize, llm.tokenizer, body)
+    else:
+        # Token-id prompts need no tokenizer: a thread hop would cost more than the copy.
+        prompts = _tokenize(llm.tokenizer, body)
     timeline.add("tokenize", time.monotonic() - t0, t0)
     with timeline.measure("validate"):
         for p in prompts:
@@ -116,6 +124,12 @@ async def prepare(
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     envelope = Envelope(prefix + request_id, created, state.model_name, kind)
     return Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs)
+
+
+def new_timeline(state: GatewayState, request_id: str, arrival: float) -> RequestTimeline:
+    if state.server.telemetry:
+        return RequestTimeline(request_id, arrival=arrival)
+    return DisabledTimeline(request_id, arrival=arrival)
 
 
 def _check_model(state: GatewayState, body: Body) -> None:
@@ -131,6 +145,12 @@ def _params(body: Body) -> tuple[SamplingParams, int | None]:
         if not body.prompts():
             raise bad_request("prompt must not be empty", "prompt")
     return body.sampling_params(max_tokens, num_logprobs), num_logprobs
+
+
+def _has_text(body: Body) -> bool:
+    if isinstance(body, ChatCompletionRequest):
+        return True
+    return any(isinstance(p, str) for p in body.prompts())
 
 
 def _tokenize(tok: Tokenizer, body: Body) -> list[Prompt]:
@@ -318,7 +338,23 @@ async def collect(job: Job, decode: Decode, outputs: OutputStream) -> Json:
         await outputs.aclose()
     want_lp = job.num_logprobs is not None
     choices = [final_choice(job.kind, job.choices[k], want_lp) for k in sorted(job.choices)]
-    return job.envelope.response(choices, job.usage(), job.timeline.as_dict(time.monotonic()))
+    return job.envelope.response(choices, job.usage())
+
+
+def encode_response(job: Job, result: Json) -> bytes:
+    """The non-streaming body with `timings` last, its `stream` stage being this encoding (the
+    send that follows is added to the metric once it is done, see `Job.send_started`)."""
+    t0 = time.monotonic()
+    encoded = orjson.dumps(result)
+    t1 = time.monotonic()
+    job.timeline.add("stream", t1 - t0, t0)
+    timings = job.timeline.as_dict(t1)
+    job.send_started = time.monotonic()
+    if not timings:
+        return encoded
+    # Splice rather than re-encode: the body is already bytes, and `timings` must be measured
+    # after the encode it reports.
+    return encoded[:-1] + b',"timings":' + orjson.dumps(timings) + b"}"
 
 
 async def stream_chunks(job: Job, decode: Decode, outputs: OutputStream) -> AsyncIterator[Json]:
@@ -333,14 +369,14 @@ async def stream_chunks(job: Job, decode: Decode, outputs: OutputStream) -> Asyn
                 continue
             chunk = job.envelope.chunk(choices)
             if job.all_finished and not include_usage:
-                chunk["timings"] = timeline.as_dict(time.monotonic())
+                _add_timings(chunk, timeline)
             t0 = time.monotonic()
             yield chunk
             timeline.add("stream", time.monotonic() - t0, t0)
         if include_usage:
             chunk = job.envelope.chunk([])
             chunk["usage"] = job.usage()
-            chunk["timings"] = timeline.as_dict(time.monotonic())
+            _add_timings(chunk, timeline)
             yield chunk
     except (InferdError, APIError) as e:
         yield to_api_error(e).body()
@@ -348,11 +384,19 @@ async def stream_chunks(job: Job, decode: Decode, outputs: OutputStream) -> Asyn
         await outputs.aclose()
 
 
+def _add_timings(chunk: Json, timeline: RequestTimeline) -> None:
+    timings = timeline.as_dict(time.monotonic())
+    if timings:
+        chunk["timings"] = timings
+
+
 def finalize(state: GatewayState, job: Job) -> None:
     """Records the finished request in metrics and traces; safe to call more than once."""
     if job.finalized:
         return
     job.finalized = True
+    if not state.server.telemetry:
+        return
     timeline = job.timeline
     timeline.finish()
     state.metrics.observe_request(timeline, job.prompt_tokens, job.finish_reasons())

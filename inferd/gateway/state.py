@@ -10,16 +10,20 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from inferd.config import ServerConfig
 from inferd.gateway.errors import unavailable
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics
+from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.timeline import RequestTimeline
 from inferd.telemetry.tracing import RequestTracer
 from inferd.types import RequestOutput
+
+if TYPE_CHECKING:
+    from inferd.repository.manager import ModelRepository
 
 
 class ModelInfo(Protocol):
@@ -62,8 +66,15 @@ class EngineClient(Protocol):
 class GatewayState:
     server: ServerConfig
     metrics: ServerMetrics
+    # Per-model metrics of the repository's models, in the same registry as `metrics`.
+    model_metrics: ModelMetrics
     tracer: RequestTracer | None = None
     llm: EngineClient | None = None
+    # Classic models (--model-repository); None when the server runs without one.
+    repository: ModelRepository | None = None
+    # What the server was started with: readiness waits for each to load.
+    serves_llm: bool = True
+    serves_repository: bool = False
     draining: bool = False
     # HTTP generation requests and WebSocket streams being served right now (drain waits on it).
     inflight: int = 0
@@ -77,8 +88,15 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
+        """Every part the server was started with is up: the LLM and the model repository."""
+        if self.draining:
+            return False
         llm = self.llm
-        return llm is not None and not self.draining and llm.ready and not llm.dead
+        if self.serves_llm and (llm is None or not llm.ready or llm.dead):
+            return False
+        if not self.serves_repository:
+            return True
+        return self.repository is not None and self.repository.ready()
 
     def engine(self) -> EngineClient:
         """The engine, or the 503 that says why there is none to use."""

@@ -173,3 +173,20 @@ def _max(a: float | None, b: float | None) -> float | None:
     if a is None:
         return b
     return a if b is None else max(a, b)
+
+
+class DisabledTimeline(RequestTimeline):
+    """The timeline of a server started with telemetry off (`--disable-telemetry`): it records
+    nothing, so requests pay no per-token bookkeeping and responses carry no `timings`."""
+
+    def add(self, stage: str, seconds: float, start: float | None = None) -> None:
+        return None
+
+    def on_tokens(self, num_new: int, now: float | None = None) -> None:
+        return None
+
+    def update_from_engine(self, metrics: Mapping[str, float], engine_request_id: str = "") -> None:
+        return None
+
+    def as_dict(self, now: float | None = None) -> dict[str, float]:
+        return {}

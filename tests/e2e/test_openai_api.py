@@ -44,8 +44,10 @@ def test_completion_usage_and_timings(server: Server, model_name: str) -> None:
     assert body["usage"]["completion_tokens"] == n_out
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + n_out
     assert body["choices"][0]["text"] == tokens["choices"][0]["text"]
-    for stage in ("receive", "validate", "tokenize", "queue", "prefill", "ttft", "e2e"):
+    stages = ("receive", "validate", "tokenize", "queue", "prefill", "stream", "ttft", "e2e")
+    for stage in stages:
         assert stage in body["timings"]
+    assert list(body)[-1] == "timings"
 
 
 def test_sync_client_chat_stream_matches_non_stream(server: Server, model_name: str) -> None:

@@ -110,6 +110,17 @@ def test_completion_body_usage_and_timings() -> None:
     assert r.headers["x-request-id"]
 
 
+def test_telemetry_off_records_nothing() -> None:
+    c, _ = make(telemetry=False)
+    body = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5}).json()
+    assert "timings" not in body and body["usage"]["completion_tokens"] == 5
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert all("timings" not in e for e in _events(r.text))
+    text = c.get("/metrics").text
+    assert "inferd_request_prefill_seconds_count 0.0" in text
+    assert "inferd_generation_tokens_total 0.0" in text
+
+
 def test_batch_prompts_and_n_index_choices() -> None:
     c, _ = make()
     r = c.post("/v1/completions", json={"prompt": ["a", "bb"], "n": 2, "max_tokens": 3})

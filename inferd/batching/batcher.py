@@ -1,0 +1,397 @@
+"""The dynamic batcher of one model: which queued requests run together, when, and on which
+worker.
+
+    batcher = DynamicBatcher(policy, backends, run=..., done=..., expired=...)
+    batcher.start()                        # in the running event loop
+    batcher.submit(item, rows=2, key=8, priority=1, deadline=t)   # QueueFullError when full
+    # later, on a worker thread:   result = run(backend, [Queued(item), ...])
+    # then, on the event loop:     done([Queued(item), ...], result)
+
+Batch rules (Triton's dynamic batcher), checked per length bucket (`key`): a batch holds at
+most `max_batch_size` rows and is sent at once when the bucket holds that many rows, or when it
+holds at least a preferred batch size (the largest such size caps the batch), or when its
+oldest request has waited `max_delay_s`. Without dynamic batching (or with no batch dimension)
+every request runs alone as soon as a worker is free. Among buckets that are ready, the one
+whose first request has the best (priority, arrival) goes first. Within a bucket the order is
+the AdmissionQueue's: lowest priority value first, FIFO within one value; a batch stops at the
+first request that does not fit, so a big request is never overtaken forever by small ones.
+
+Threading: everything here runs on the event loop except `run`, which runs on one of
+`len(backends)` worker threads with exclusive use of one backend (a backend need not be
+thread-safe). Per batch there is one hop to a worker and one `call_soon_threadsafe` back.
+Nothing sleeps: arrivals and finished batches call `_schedule`, and one loop timer wakes it for
+the next batch delay or queue deadline (deadlines fire even when no batch runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from inferd.admission.queue import AdmissionQueue
+from inferd.errors import QueueFullError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+B = TypeVar("B", bound=Closable)
+
+# Completion rate window for the Retry-After hint of a full queue.
+_RATE_WINDOW = 256
+# A timer may fire a hair before its deadline; treat that as on time instead of re-arming.
+_EPSILON_S = 1e-6
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """When a batch is sent (from the model config; see inferd.batching.pipeline)."""
+
+    max_batch_size: int = 0  # rows per batch
+    dynamic: bool = False  # False: every request runs alone (no dynamic_batching, or no batch dim)
+    max_delay_s: float = 0.0
+    preferred_batch_sizes: tuple[int, ...] = ()  # ascending, each <= max_batch_size
+    max_queue_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_queue_size < 1:
+            raise ValueError("max_queue_size must be >= 1")
+        if self.dynamic and self.max_batch_size < 1:
+            raise ValueError("dynamic batching needs max_batch_size >= 1")
+        usable = sorted({s for s in self.preferred_batch_sizes if 1 <= s <= self.max_batch_size})
+        object.__setattr__(self, "preferred_batch_sizes", tuple(usable))
+
+
+@dataclass(eq=False, slots=True)
+class Queued(Generic[T]):
+    """One accepted request as the batcher sees it. `queue_s`/`batch_s` are set at dispatch."""
+
+    item: T
+    rows: int
+    key: Hashable
+    seq: int  # arrival order across every bucket
+    enqueued: float  # time.monotonic()
+    queue_s: float = 0.0  # enqueued -> a free worker started forming the batch
+    batch_s: float = 0.0  # max(enqueued, formation start) -> batch closed
+
+    @property
+    def request_id(self) -> str:
+        return str(self.seq)
+
+
+class _Bucket(Generic[T]):
+    """Requests of one length bucket: the AdmissionQueue (order, deadlines, row count) plus
+    arrival order, since with priority levels the oldest request need not be first in line."""
+
+    def __init__(self, max_requests: int, max_rows: int) -> None:
+        self.queue: AdmissionQueue[Queued[T]] = AdmissionQueue(max_requests, max_rows)
+        self.arrivals: deque[Queued[T]] = deque()
+        self.forming_since: float | None = None  # a free worker started waiting on this bucket
+
+    def push(self, queued: Queued[T], priority: int, deadline: float | None) -> None:
+        self.queue.push(
+            queued.request_id,
+            queued,
+            num_prompt_tokens=queued.rows,
+            priority=priority,
+            deadline=deadline,
+        )
+        self.arrivals.append(queued)
+
+    def oldest(self) -> Queued[T]:
+        # Entries that left the queue (dispatched, expired, removed) are dropped lazily here;
+        # a rebuild bounds the deque when a starved old request pins stale entries behind it.
+        arrivals, queue = self.arrivals, self.queue
+        while arrivals[0].request_id not in queue:
+            arrivals.popleft()
+        if len(arrivals) > 2 * len(queue) + 64:
+            self.arrivals = deque(q for q in arrivals if q.request_id in queue)
+        return self.arrivals[0]
+
+
+class DynamicBatcher(Generic[T, B, R]):
+    def __init__(
+        self,
+        policy: BatchPolicy,
+        backends: Sequence[B],
+        *,
+        run: Callable[[B, list[Queued[T]]], R],
+        done: Callable[[list[Queued[T]], R | BaseException], None],
+        expired: Callable[[T], None],
+        name: str = "model",
+    ) -> None:
+        if not backends:
+            raise ValueError("a batcher needs at least one backend")
+        self.policy = policy
+        self._backends = list(backends)
+        self._free: list[B] = []
+        self._run = run
+        self._done = done
+        self._expired = expired
+        self._name = name
+        self._buckets: dict[Hashable, _Bucket[T]] = {}
+        self._num_queued = 0
+        self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._schedule_soon = False
+        self._closed = False
+        self._finished: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Binds to the running loop and starts the workers (threads start on first use)."""
+        self._loop = asyncio.get_running_loop()
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self._backends), thread_name_prefix=f"inferd-{self._name}"
+        )
+        self._free = list(self._backends)
+
+    async def close(self) -> list[T]:
+        """Stops batching: returns what was still queued (the caller fails it), closes the free
+        backends, and lets each busy one close when its batch returns. Idempotent."""
+        if self._closed:
+            return []
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        left = [q.item for b in self._buckets.values() for q in _drain(b.queue)]
+        self._buckets.clear()
+        self._num_queued = 0
+        free, self._free = self._free, []
+        await asyncio.gather(*(asyncio.to_thread(_close_quietly, b) for b in free))
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=False)
+        return left
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    @property
+    def num_busy(self) -> int:
+        """Workers running a batch now."""
+        return 0 if self._closed else len(self._backends) - len(self._free)
+
+    def submit(
+        self,
+        item: T,
+        *,
+        rows: int,
+        key: Hashable = 0,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> Queued[T]:
+        """Queues one request (on the loop). Raises QueueFullError (with a Retry-After hint)."""
+        if self._loop is None or self._closed:
+            raise RuntimeError("the batcher is not running")
+        self.check_room()
+        queued = Queued(item, rows, key, next(self._seq), time.monotonic())
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            max_rows = self.policy.max_queue_size * max(1, self.policy.max_batch_size)
+            bucket = self._buckets[key] = _Bucket(self.policy.max_queue_size, max_rows)
+        bucket.push(queued, priority, deadline)
+        self._num_queued += 1
+        # Arrivals of one loop iteration share one scheduling pass (and so can share a batch).
+        if not self._schedule_soon:
+            self._schedule_soon = True
+            self._loop.call_soon(self._schedule)
+        return queued
+
+    def check_room(self, waiting: int = 0) -> None:
+        """QueueFullError (with a Retry-After hint) unless one more request fits, counting
+        `waiting` requests the caller holds for this queue (e.g. still preprocessing)."""
+        if self._num_queued + waiting >= self.policy.max_queue_size:
+            raise QueueFullError(
+                f"model {self._name!r} has {self._num_queued + waiting} requests waiting, "
+                f"its maximum",
+                retry_after=self.retry_after(),
+            )
+
+    def remove(self, queued: Queued[T]) -> bool:
+        """Takes a still-queued request out (its client went away); False if it already left."""
+        bucket = self._buckets.get(queued.key)
+        if bucket is None or bucket.queue.remove(queued.request_id) is None:
+            return False
+        self._num_queued -= 1
+        self._drop_if_empty(queued.key, bucket)
+        return True
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has likely drained, from the recent completion rate."""
+        if len(self._finished) < 2:
+            return 1.0
+        span = self._finished[-1][0] - self._finished[0][0]
+        done = sum(n for _, n in itertools.islice(self._finished, 1, None))
+        rate = done / span if span > 0 else math.inf
+        return float(min(60, max(1, math.ceil(self._num_queued / rate))))
+
+    # -- scheduling (event loop) -------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        self._schedule_soon = False
+        if self._closed:
+            return
+        now = time.monotonic()
+        self._expire(now)
+        due = math.inf
+        while self._free and self._buckets:
+            key, limit, due = self._pick(now)
+            if key is None:
+                break
+            self._dispatch(key, limit, now)
+        self._arm(due if self._free else math.inf)
+
+    def _expire(self, now: float) -> None:
+        for key, bucket in list(self._buckets.items()):
+            for entry in bucket.queue.expire(now + _EPSILON_S):
+                self._num_queued -= 1
+                self._expired(entry.item.item)
+            self._drop_if_empty(key, bucket)
+
+    def _pick(self, now: float) -> tuple[Hashable | None, int, float]:
+        """The ready bucket whose first request ranks best, its row limit, and the earliest
+        time a bucket that is not ready becomes ready by delay."""
+        best: Hashable | None = None
+        best_rank = (math.inf, math.inf)
+        best_limit = 0
+        due = math.inf
+        for key, bucket in self._buckets.items():
+            if bucket.forming_since is None:
+                bucket.forming_since = now
+            limit, ready_at = self._limit(bucket, now)
+            if limit is None:
+                due = min(due, ready_at)
+                continue
+            head = bucket.queue.peek()
+            assert head is not None  # empty buckets are deleted
+            rank = (head.priority, head.item.seq)
+            if rank < best_rank:
+                best, best_rank, best_limit = key, rank, limit
+        return best, best_limit, due
+
+    def _limit(self, bucket: _Bucket[T], now: float) -> tuple[int | None, float]:
+        """(rows the batch may take, now) when the bucket should be sent; (None, when it will
+        be ready) otherwise. A limit of 0 takes exactly one request."""
+        policy = self.policy
+        if not policy.dynamic:
+            return 0, now
+        rows = bucket.queue.num_prompt_tokens
+        if rows >= policy.max_batch_size:
+            return policy.max_batch_size, now
+        preferred = policy.preferred_batch_sizes
+        i = bisect.bisect_right(preferred, rows)
+        if i > 0:
+            return preferred[i - 1], now
+        ready_at = bucket.oldest().enqueued + policy.max_delay_s
+        if now + _EPSILON_S >= ready_at:
+            return policy.max_batch_size, now
+        return None, ready_at
+
+    def _dispatch(self, key: Hashable, limit: int, now: float) -> None:
+        bucket = self._buckets[key]
+        formation = bucket.forming_since if bucket.forming_since is not None else now
+        queue = bucket.queue
+        batch: list[Queued[T]] = []
+        rows = 0
+        while (entry := queue.peek()) is not None:
+            if batch and rows + entry.num_prompt_tokens > limit:
+                break
+            queue.pop()
+            queued = entry.item
+            start = max(queued.enqueued, formation)
+            queued.queue_s = start - queued.enqueued
+            queued.batch_s = now - start
+            batch.append(queued)
+            rows += queued.rows
+        self._num_queued -= len(batch)
+        bucket.forming_since = None
+        self._drop_if_empty(key, bucket)
+        backend = self._free.pop()
+        assert self._pool is not None
+        self._pool.submit(self._work, backend, batch)
+
+    def _drop_if_empty(self, key: Hashable, bucket: _Bucket[T]) -> None:
+        if not len(bucket.queue) and self._buckets.get(key) is bucket:
+            del self._buckets[key]
+
+    def _arm(self, due: float) -> None:
+        """One timer for the next batch delay (only useful with a free worker) or deadline."""
+        for bucket in self._buckets.values():
+            deadline = bucket.queue.next_deadline()
+            if deadline is not None and deadline < due:
+                due = deadline
+        if due == math.inf:
+            return
+        timer = self._timer
+        if timer is not None and not timer.cancelled() and timer.when() <= due:
+            return  # an earlier wake-up is armed; it re-arms for this one
+        if timer is not None:
+            timer.cancel()
+        assert self._loop is not None
+        self._timer = self._loop.call_at(due, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._schedule()
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def _work(self, backend: B, batch: list[Queued[T]]) -> None:
+        """Worker thread: one batch on one backend, then one hop back to the loop."""
+        result: R | BaseException
+        try:
+            result = self._run(backend, batch)
+        except BaseException as exc:  # delivered to every request of the batch by `done`
+            result = exc
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._finish, backend, batch, result)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            _close_quietly(backend)
+
+    def _finish(self, backend: B, batch: list[Queued[T]], result: R | BaseException) -> None:
+        self._finished.append((time.monotonic(), len(batch)))
+        if self._closed:
+            assert self._loop is not None
+            self._loop.run_in_executor(None, _close_quietly, backend)
+        else:
+            self._free.append(backend)
+        try:
+            self._done(batch, result)
+        finally:
+            self._schedule()
+
+
+def _drain(queue: AdmissionQueue[Queued[T]]) -> list[Queued[T]]:
+    out = []
+    while (entry := queue.pop()) is not None:
+        out.append(entry.item)
+    return out
+
+
+def _close_quietly(backend: Any) -> None:
+    try:
+        backend.close()
+    except Exception:  # closing is best effort; the model is going away either way
+        logger.exception("closing a backend failed")

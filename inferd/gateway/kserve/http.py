@@ -1,0 +1,241 @@
+"""The Open Inference Protocol (KServe v2) over HTTP, with Triton's extensions.
+
+    GET  /v2                                          server metadata
+    GET  /v2/models                                   ready models (KServe Python's listing)
+    GET  /v2/models/{m}[/versions/{v}]                model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready          200 {"ready": true} | 400 {"ready": false}
+    GET  /v2/models/{m}[/versions/{v}]/config         Triton-style model configuration
+    POST /v2/models/{m}[/versions/{v}]/infer          JSON or JSON + binary tensors
+    POST /v2/repository/index                         [{"name","version","state","reason"}]
+    POST /v2/repository/models/{m}/load | /unload
+
+(/v2/health/* lives in health.py.) Errors leave as `{"error": "..."}` (errors.py picks the body
+by path): 400 bad input, 404 unknown model/version, 429 + Retry-After queue full, 503 not
+ready/queue timeout/draining, 500 backend failures only.
+
+Bodies are read raw (never parsed by FastAPI): the binary extension puts tensors after the JSON.
+The `receive` stage runs from the request's arrival (the middleware) to the decoded
+InferRequest; `stream` from the start of encoding to the last byte handed to the server.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from inferd.errors import DrainingError, InvalidRequestError, ModelNotFoundError, ModelNotReadyError
+from inferd.gateway.errors import APIError
+from inferd.gateway.kserve import codec
+from inferd.gateway.kserve.metadata import server_metadata
+from inferd.gateway.openai import FinalizingResponse
+from inferd.gateway.state import GatewayState
+from inferd.tensors import InferRequest, InferResponse
+
+if TYPE_CHECKING:
+    from inferd.repository.manager import ModelRepository
+
+router = APIRouter(tags=["kserve-v2"])
+_MODEL = "/v2/models/{model}"
+_VERSION = "/v2/models/{model}/versions/{version}"
+
+
+def gateway(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def repository(state: GatewayState) -> ModelRepository:
+    """The model repository, or 404 when the server runs without one."""
+    repo = state.repository
+    if repo is None:
+        raise ModelNotFoundError(
+            "this server serves no model repository (start it with --model-repository DIR)"
+        )
+    return repo
+
+
+def _target(request: Request) -> tuple[str, str]:
+    params = request.path_params
+    return str(params["model"]), str(params.get("version", ""))
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status, media_type=codec.JSON_TYPE)
+
+
+@router.get("/v2")
+async def metadata() -> Response:
+    return _json(server_metadata())
+
+
+@router.get("/v2/models")
+async def list_models(request: Request) -> Response:
+    repo = gateway(request).repository
+    return _json({"models": [] if repo is None else repo.model_names()})
+
+
+@router.get(_MODEL)
+@router.get(_VERSION)
+async def model_metadata(request: Request) -> Response:
+    model, version = _target(request)
+    return _json(repository(gateway(request)).metadata(model, version))
+
+
+@router.get(_MODEL + "/ready")
+@router.get(_VERSION + "/ready")
+async def model_ready(request: Request) -> Response:
+    """KServe: 200 when ready, a 4xx when not (400, as Triton answers); an unknown model or
+    version is 404."""
+    state = gateway(request)
+    model, version = _target(request)
+    try:
+        ready = repository(state).get(model, version).ready and not state.draining
+    except ModelNotReadyError:
+        ready = False
+    return _json({"name": model, "ready": ready}, 200 if ready else 400)
+
+
+@router.get(_MODEL + "/config")
+@router.get(_VERSION + "/config")
+async def model_config(request: Request) -> Response:
+    model, version = _target(request)
+    return _json(repository(gateway(request)).config_dict(model, version))
+
+
+@router.post(_MODEL + "/infer")
+@router.post(_VERSION + "/infer")
+async def infer(request: Request) -> Response:
+    state = gateway(request)
+    if state.draining:
+        raise DrainingError("the server is shutting down")
+    model, version = _target(request)
+    repo = repository(state)
+    body = await _read_body(request, state)
+    arrival = float(getattr(request.state, "arrival", time.monotonic()))
+    # get -> decode -> infer with no await in between: a reload swapping versions cannot
+    # stop the version picked here before the request is admitted to it.
+    served = repo.get(model, version)
+    infer_request = _decode(request, body, repo, model, served.version)
+    infer_request.arrival = arrival
+    receive_s = time.monotonic() - arrival
+    state.inflight += 1
+    try:
+        response = await served.infer(infer_request)
+        response.timings = {"receive": receive_s, **response.timings}
+        encode_start = time.monotonic()
+        encoded = codec.encode_response(response, infer_request)
+        return _respond(request, state, encoded, response, encode_start)
+    except BaseException:
+        state.inflight -= 1
+        raise
+
+
+async def _read_body(request: Request, state: GatewayState) -> bytes:
+    body = await request.body()
+    try:
+        return codec.decompress(
+            body, request.headers.get("content-encoding"), state.server.max_body_bytes
+        )
+    except codec.BodyTooLargeError as e:
+        raise APIError(413, str(e), code="request_too_large", reason="too_large") from None
+
+
+def _decode(
+    request: Request, body: bytes, repo: ModelRepository, model: str, version: str
+) -> InferRequest:
+    header_length = request.headers.get(codec.HEADER_LENGTH)
+    if codec.is_raw_request(header_length):
+        spec = codec.raw_input_spec(repo.config_dict(model, version))
+        return codec.decode_raw_request(body, spec, model, version)
+    return codec.decode_request(body, header_length, model, version)
+
+
+def _respond(
+    request: Request,
+    state: GatewayState,
+    encoded: codec.EncodedResponse,
+    response: InferResponse,
+    encode_start: float,
+) -> Response:
+    body, headers = encoded.body, dict(encoded.headers)
+    encoding = codec.choose_encoding(request.headers.get("accept-encoding"))
+    if encoding is not None and len(body) >= codec.MIN_COMPRESS_BYTES:
+        body = codec.compress(body, encoding)
+        headers["Content-Encoding"] = encoding
+
+    async def done() -> None:
+        state.inflight -= 1
+        stream_s = time.monotonic() - encode_start
+        state.model_metrics.observe_gateway(
+            response.model_name, response.timings["receive"], stream_s
+        )
+        request.state.access_extra = {
+            "model": response.model_name,
+            "model_version": response.model_version,
+            "timings": {**response.timings, "stream": stream_s},
+        }
+
+    out = FinalizingResponse(body, done, media_type=encoded.media_type)
+    out.headers.update(headers)
+    return out
+
+
+@router.post("/v2/repository/index")
+async def repository_index(request: Request) -> Response:
+    """Body optional: `{"ready": true}` lists only the models that are ready."""
+    doc = await _optional_json(request)
+    ready_only = doc.get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise InvalidRequestError("'ready' must be true or false", "ready")
+    repo = gateway(request).repository
+    entries = [] if repo is None else repo.index()
+    if ready_only:
+        entries = [e for e in entries if e.get("state") == "READY"]
+    return _json(entries)
+
+
+@router.post("/v2/repository/models/{model}/load")
+async def load_model(request: Request) -> Response:
+    """Reloads the model from disk. Triton's `config` / `file:` parameters (a config or files
+    sent inline) are refused: they would silently not apply."""
+    state = gateway(request)
+    if state.draining:
+        raise DrainingError("the server is shutting down")
+    doc = await _optional_json(request)
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidRequestError("'parameters' must be an object", "parameters")
+    inline = [k for k in params if k == "config" or k.startswith("file:")]
+    if inline:
+        raise InvalidRequestError(
+            f"loading with {inline} is not supported: edit the model's config.yaml and files "
+            "in the repository, then load"
+        )
+    await repository(state).load(request.path_params["model"])
+    return _json({})
+
+
+@router.post("/v2/repository/models/{model}/unload")
+async def unload_model(request: Request) -> Response:
+    """`unload_dependents` and other parameters are accepted and have no effect (inferd has no
+    ensembles, so nothing depends on a model)."""
+    await _optional_json(request)
+    await repository(gateway(request)).unload(request.path_params["model"])
+    return _json({})
+
+
+async def _optional_json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequestError(f"the request is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise InvalidRequestError("the request must be a JSON object")
+    return doc

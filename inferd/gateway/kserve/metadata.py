@@ -1,0 +1,36 @@
+"""Server metadata of the Open Inference Protocol, shared by the HTTP routes and gRPC.
+
+`EXTENSIONS` lists only what inferd implements, so a client probing for an extension (shared
+memory, statistics, sequences) learns up front that it is absent instead of failing later:
+- binary_tensor_data: the HTTP binary tensor extension (gRPC always carries raw tensors)
+- classification: `classification: k` on a requested output
+- model_repository: POST /v2/repository/index, .../models/{m}/load and /unload
+- model_configuration: GET /v2/models/{m}[/versions/{v}]/config
+- parameters: the request parameters `priority`, `timeout` and `binary_data_output`
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+SERVER_NAME = "inferd"
+EXTENSIONS = (
+    "binary_tensor_data",
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "parameters",
+)
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("inferd")
+    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "0.0.0"
+
+
+def server_metadata() -> dict[str, Any]:
+    """`{"name": "inferd", "version": "0.1.0", "extensions": [...]}` (GET /v2)."""
+    return {"name": SERVER_NAME, "version": server_version(), "extensions": list(EXTENSIONS)}

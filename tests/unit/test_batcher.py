@@ -1,0 +1,305 @@
+"""DynamicBatcher: batch formation, priorities, deadlines, bounds, workers (faked backends).
+
+The fake backend's `run` records each batch it is given; a request named "gate" blocks its
+worker until the test opens the gate, which makes "the worker is busy" deterministic instead
+of a matter of sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections.abc import Callable, Coroutine, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from inferd.batching.batcher import BatchPolicy, DynamicBatcher, Queued
+from inferd.errors import QueueFullError, QueueTimeoutError
+
+LONG = 30.0  # a batch delay no test waits for: a batch sent anyway was sent by another rule
+
+
+def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 20))
+
+    return run
+
+
+@dataclass(eq=False)
+class FakeBackend:
+    closed: bool = False
+    active: int = 0
+    max_active: int = 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Ran:
+    names: list[str]
+    started: float
+    thread: str
+    queue_s: list[float]
+    batch_s: list[float]
+
+
+@dataclass
+class Harness:
+    policy: BatchPolicy
+    workers: int = 1
+    fail_on: str | None = None
+    meet: threading.Barrier | None = None
+    gate: threading.Event = field(default_factory=threading.Event)
+    ran: list[Ran] = field(default_factory=list)
+    futures: dict[str, asyncio.Future[list[str]]] = field(default_factory=dict)
+    submitted: dict[str, float] = field(default_factory=dict)
+    handles: dict[str, Queued[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.backends = [FakeBackend() for _ in range(self.workers)]
+        self.batcher: DynamicBatcher[str, FakeBackend, list[str]] = DynamicBatcher(
+            self.policy, self.backends, run=self.run, done=self.done, expired=self.expired
+        )
+        self.batcher.start()
+
+    # Worker thread.
+    def run(self, backend: FakeBackend, batch: list[Queued[str]]) -> list[str]:
+        names = [q.item for q in batch]
+        with self.lock:
+            backend.active += 1
+            backend.max_active = max(backend.max_active, backend.active)
+            self.ran.append(
+                Ran(
+                    names,
+                    time.monotonic(),
+                    threading.current_thread().name,
+                    [q.queue_s for q in batch],
+                    [q.batch_s for q in batch],
+                )
+            )
+        try:
+            if any(n.startswith("gate") for n in names):
+                assert self.gate.wait(10)
+            if self.meet is not None:
+                self.meet.wait(10)
+            if self.fail_on in names:
+                raise RuntimeError("poisoned batch")
+            return names
+        finally:
+            with self.lock:
+                backend.active -= 1
+
+    # Event loop.
+    def done(self, batch: list[Queued[str]], result: list[str] | BaseException) -> None:
+        for queued in batch:
+            future = self.futures[queued.item]
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def expired(self, name: str) -> None:
+        self.futures[name].set_exception(QueueTimeoutError(name))
+
+    def submit(
+        self,
+        name: str,
+        *,
+        rows: int = 1,
+        key: Hashable = 0,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> asyncio.Future[list[str]]:
+        future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+        self.futures[name] = future
+        self.submitted[name] = time.monotonic()
+        self.handles[name] = self.batcher.submit(
+            name, rows=rows, key=key, priority=priority, deadline=deadline
+        )
+        return future
+
+    async def wait_running(self, name: str) -> None:
+        while not any(name in r.names for r in self.ran):
+            await asyncio.sleep(0.005)
+
+    def batches(self) -> list[list[str]]:
+        return [r.names for r in self.ran]
+
+
+def dynamic(max_batch_size: int = 8, delay: float = LONG, **kw: Any) -> BatchPolicy:
+    return BatchPolicy(max_batch_size=max_batch_size, dynamic=True, max_delay_s=delay, **kw)
+
+
+@async_test
+async def test_full_batch_is_sent_at_once() -> None:
+    h = Harness(dynamic(4))
+    results = await asyncio.gather(*(h.submit(n) for n in "abcd"))
+    assert h.batches() == [["a", "b", "c", "d"]]
+    assert results[0] == ["a", "b", "c", "d"]
+
+
+@async_test
+async def test_largest_preferred_size_is_sent_at_once() -> None:
+    h = Harness(dynamic(8, preferred_batch_sizes=(2, 4)), workers=2)
+    futures = [h.submit(n) for n in "abcdefg"]  # 7 rows: 4 (largest <= 7), then 2 of the 3 left
+    await asyncio.gather(*futures[:6])
+    assert h.batches() == [["a", "b", "c", "d"], ["e", "f"]]
+    assert h.batcher.num_queued == 1 and not futures[6].done()
+    # One more request makes 2 rows: a preferred size again.
+    await asyncio.gather(futures[6], h.submit("h"))
+    assert h.batches()[-1] == ["g", "h"]
+
+
+@async_test
+async def test_partial_batch_waits_for_the_oldest_requests_delay() -> None:
+    h = Harness(dynamic(8, delay=0.3))
+    first = h.submit("a")
+    await asyncio.sleep(0.1)
+    await asyncio.gather(first, h.submit("b"))
+    assert h.batches() == [["a", "b"]]
+    waited = h.ran[0].started - h.submitted["a"]
+    assert 0.29 <= waited < 5
+    # The time went to batch formation (a worker was free all along), not to the queue.
+    assert h.ran[0].queue_s[0] < 0.2 and h.ran[0].queue_s[0] + h.ran[0].batch_s[0] >= 0.29
+
+
+@async_test
+async def test_the_oldest_request_not_the_first_in_line_sets_the_delay() -> None:
+    h = Harness(dynamic(8, delay=0.6))
+    low = h.submit("low", priority=2)
+    await asyncio.sleep(0.5)
+    high = h.submit("high", priority=1)  # first in line now, but 0.5 s younger
+    await asyncio.gather(low, high)
+    assert h.batches() == [["high", "low"]]
+    # Sent when "low" had waited 0.6 s; waiting on "high" would have taken until 1.1 s.
+    assert 0.59 <= h.ran[0].started - h.submitted["low"] < 1.0
+
+
+@async_test
+async def test_without_dynamic_batching_each_request_runs_alone() -> None:
+    h = Harness(BatchPolicy(max_batch_size=8, dynamic=False))
+    await asyncio.gather(*(h.submit(n, rows=2) for n in "abc"))
+    assert h.batches() == [["a"], ["b"], ["c"]]
+
+
+@async_test
+async def test_rows_count_and_a_batch_stops_at_the_first_request_that_does_not_fit() -> None:
+    h = Harness(dynamic(4, delay=0.0))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    rest = [h.submit("r3", rows=3), h.submit("r2", rows=2), h.submit("r1", rows=1)]
+    rest.append(h.submit("s1", rows=1))
+    await asyncio.sleep(0.02)
+    h.gate.set()
+    await asyncio.gather(gate, *rest)
+    assert h.batches() == [["gate"], ["r3"], ["r2", "r1", "s1"]]
+
+
+@async_test
+async def test_priority_first_then_fifo() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    order = [("lo1", 2), ("hi1", 1), ("lo2", 2), ("hi2", 1)]
+    rest = [h.submit(n, priority=p) for n, p in order]
+    await asyncio.sleep(0.02)
+    h.gate.set()
+    await asyncio.gather(gate, *rest)
+    assert h.batches() == [["gate"], ["hi1"], ["hi2"], ["lo1"], ["lo2"]]
+
+
+@async_test
+async def test_deadline_fires_while_no_batch_runs() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    late = h.submit("late", deadline=time.monotonic() + 0.1)
+    with pytest.raises(QueueTimeoutError):
+        await late  # the only worker is still blocked: a timer, not a dispatch, failed it
+    assert not gate.done() and h.batcher.num_queued == 0
+    h.gate.set()
+    await gate
+    assert h.batches() == [["gate"]]
+
+
+@async_test
+async def test_full_queue_rejects_with_a_retry_hint() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False, max_queue_size=2))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    queued = [h.submit("a"), h.submit("b")]
+    with pytest.raises(QueueFullError) as info:
+        h.submit("c")
+    assert info.value.retry_after >= 1
+    h.gate.set()
+    await asyncio.gather(gate, *queued)
+    await h.submit("c")  # room again
+
+
+@async_test
+async def test_instances_run_batches_concurrently_one_backend_each() -> None:
+    h = Harness(BatchPolicy(max_batch_size=4, dynamic=False), workers=3)
+    h.meet = threading.Barrier(3)  # only passes if three batches run at the same time
+    await asyncio.gather(*(h.submit(n) for n in "abc"))
+    assert len({r.thread for r in h.ran}) == 3
+    assert all(b.max_active == 1 for b in h.backends)
+
+
+@async_test
+async def test_length_buckets_are_batched_separately() -> None:
+    h = Harness(dynamic(2), workers=2)
+    await asyncio.gather(
+        h.submit("a", key=4), h.submit("b", key=8), h.submit("c", key=4), h.submit("d", key=8)
+    )
+    assert sorted(h.batches()) == [["a", "c"], ["b", "d"]]
+
+
+@async_test
+async def test_removed_request_never_runs() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    h.submit("gone")
+    assert h.batcher.remove(h.handles["gone"])
+    assert not h.batcher.remove(h.handles["gone"]) and h.batcher.num_queued == 0
+    h.gate.set()
+    await gate
+    await asyncio.sleep(0.02)
+    assert h.batches() == [["gate"]]
+
+
+@async_test
+async def test_a_failing_run_reaches_done() -> None:
+    h = Harness(dynamic(2), fail_on="b")
+    with pytest.raises(RuntimeError, match="poisoned"):
+        await asyncio.gather(h.submit("a"), h.submit("b"))
+
+
+@async_test
+async def test_close_returns_the_queue_and_closes_every_backend() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False), workers=2)
+    gates = [h.submit("gate1"), h.submit("gate2")]
+    await h.wait_running("gate1")
+    await h.wait_running("gate2")
+    h.submit("q1")
+    h.submit("q2")
+    assert await h.batcher.close() == ["q1", "q2"]
+    with pytest.raises(RuntimeError):
+        h.submit("late")
+    assert not any(b.closed for b in h.backends)  # both are running a batch
+    h.gate.set()
+    await asyncio.gather(*gates)  # a running batch still completes
+    for _ in range(500):
+        if all(b.closed for b in h.backends):
+            break
+        await asyncio.sleep(0.01)
+    assert all(b.closed for b in h.backends)
+    assert h.batches() == [["gate1"], ["gate2"]]
