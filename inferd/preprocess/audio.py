@@ -67,14 +67,8 @@ class AudioMfccStep:
 
     def __call__(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         name = self.options.input
-        array = self.ctx.take(tensors, name)
-        if array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
-            raise InvalidRequestError(
-                f"input {name!r}: expected shape [n] or [n, 1] (one WAV file per row), got "
-                f"{list(array.shape)}",
-                name,
-            )
-        features = [self.features(item) for item in array.reshape(-1)]
+        rows = self.ctx.take_rows(tensors, name, "WAV file")
+        features = [self.features(item) for item in rows]
         out = {k: v for k, v in tensors.items() if k != name}
         out[self.options.output] = self._stack(features)
         return out

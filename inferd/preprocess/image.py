@@ -83,7 +83,7 @@ class ImageStep:
 
     def __call__(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         name = self.options.input
-        blobs = _blobs(self.ctx.take(tensors, name), name)
+        blobs = _blobs(self.ctx.take_rows(tensors, name, "encoded image"), name)
         images = [self.pixels(decode_image(b, name, self.options.max_pixels)) for b in blobs]
         batch = np.stack(images) if images else self._empty()
         batch = (batch * np.float32(self.options.scale) - self._mean) / self._std  # [n, H, W, C]
@@ -110,15 +110,9 @@ class ImageStep:
         return np.zeros((0, height, width, len(self._mean)), dtype=np.float32)
 
 
-def _blobs(array: np.ndarray, name: str) -> list[bytes]:
-    if array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
-        raise InvalidRequestError(
-            f"input {name!r}: expected shape [n] or [n, 1] (one encoded image per row), got "
-            f"{list(array.shape)}",
-            name,
-        )
+def _blobs(rows: np.ndarray, name: str) -> list[bytes]:
     blobs = []
-    for item in array.reshape(-1):
+    for item in rows:
         if not isinstance(item, bytes | bytearray | np.bytes_):
             raise InvalidRequestError(f"input {name!r}: expected BYTES (encoded images)", name)
         blobs.append(bytes(item))

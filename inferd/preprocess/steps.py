@@ -72,6 +72,18 @@ class StepContext:
             raise InvalidRequestError(message, name)
         raise ModelConfigError(message)
 
+    def take_rows(self, tensors: Mapping[str, np.ndarray], name: str, what: str) -> np.ndarray:
+        """A BYTES input holding one `what` (an encoded image, a text, a WAV file) per row:
+        shape [n] or [n, 1], returned flat."""
+        array = self.take(tensors, name)
+        if array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
+            raise InvalidRequestError(
+                f"input {name!r}: expected shape [n] or [n, 1] (one {what} per row), got "
+                f"{list(array.shape)}",
+                name,
+            )
+        return array.reshape(-1)
+
 
 Factory = Callable[[Any, StepContext], Step]
 

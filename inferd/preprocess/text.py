@@ -73,7 +73,8 @@ class TokenizeStep:
             self.tokenizer.enable_truncation(options.max_length)
 
     def __call__(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        texts = decode_texts(self.ctx.take(tensors, self.options.input), self.options.input)
+        name = self.options.input
+        texts = decode_texts(self.ctx.take_rows(tensors, name, "text"), name)
         encodings = self.tokenizer.encode_batch(texts)
         lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
         width = int(lengths.max(initial=0))
@@ -92,16 +93,10 @@ class TokenizeStep:
         return out
 
 
-def decode_texts(array: np.ndarray, name: str) -> list[str]:
-    """BYTES [n] or [n, 1] -> n strings (UTF-8; a `str` element passes through)."""
-    if array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
-        raise InvalidRequestError(
-            f"input {name!r}: expected shape [n] or [n, 1] (one text per row), got "
-            f"{list(array.shape)}",
-            name,
-        )
+def decode_texts(rows: np.ndarray, name: str) -> list[str]:
+    """BYTES elements -> strings (UTF-8; a `str` element passes through)."""
     texts = []
-    for item in array.reshape(-1):
+    for item in rows:
         if isinstance(item, bytes | bytearray | np.bytes_):
             try:
                 texts.append(bytes(item).decode("utf-8"))

@@ -22,7 +22,7 @@ from inferd.telemetry.timeline import STAGES, RequestTimeline
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds: 0.1 ms .. 10 min. Stage times span from microseconds (validate) to minutes (decode).
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.0001,
     0.00025,
     0.0005,
@@ -45,7 +45,7 @@ _LATENCY_BUCKETS = (
     300.0,
     600.0,
 )
-_TOKEN_LATENCY_BUCKETS = (
+_TOKENLATENCY_BUCKETS = (
     0.0005,
     0.001,
     0.0025,
@@ -154,32 +154,32 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.stages = {
-            s: Histogram(stage_metric_name(s), _STAGE_HELP[s], registry=r, buckets=_LATENCY_BUCKETS)
+            s: Histogram(stage_metric_name(s), _STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
             for s in STAGES
         }
         self.ttft = Histogram(
             "inferd_time_to_first_token_seconds",
             "Request arrival (HTTP) to its first generated token",
             registry=r,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
         )
         self.tpot = Histogram(
             "inferd_time_per_output_token_seconds",
             "Decode time divided by output tokens after the first, per request",
             registry=r,
-            buckets=_TOKEN_LATENCY_BUCKETS,
+            buckets=_TOKENLATENCY_BUCKETS,
         )
         self.itl = Histogram(
             "inferd_inter_token_latency_seconds",
             "Time between successive output tokens as the server received them",
             registry=r,
-            buckets=_TOKEN_LATENCY_BUCKETS,
+            buckets=_TOKENLATENCY_BUCKETS,
         )
         self.e2e = Histogram(
             "inferd_e2e_request_latency_seconds",
             "Request arrival (HTTP) to its last byte sent",
             registry=r,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
         )
         self.prompt_tokens = Counter(
             "inferd_prompt_tokens", "Prompt tokens of finished requests", registry=r

@@ -18,6 +18,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from inferd.telemetry.metrics import LATENCY_BUCKETS
+
 MODEL_STAGES = (
     "receive",
     "validate",
@@ -44,28 +46,8 @@ _STAGE_HELP = {
     "postprocess": "Postprocessing steps (softmax, pooling, NMS, classification labels)",
     "stream": "Encoding and sending the response",
 }
-# Microseconds (tiny tabular models) to a minute (large batches on CPU).
-_BUCKETS = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# The latency buckets of the LLM stages, plus 50 µs for tiny tabular models.
+_BUCKETS = (0.00005, *LATENCY_BUCKETS)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 

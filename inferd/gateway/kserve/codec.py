@@ -81,7 +81,7 @@ def decode_request(
     `header_length`: the Inference-Header-Content-Length header (None when absent).
     """
     json_part, binary = _split(body, header_length)
-    doc = _parse_json(json_part)
+    doc = parse_json_object(json_part)
     cursor = _Cursor(binary)
     inputs = _decode_inputs(doc.get("inputs"), cursor)
     cursor.finish()
@@ -113,7 +113,8 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes | memoryview, 
     return view[:n], view[n:]
 
 
-def _parse_json(data: bytes | memoryview) -> dict[str, Any]:
+def parse_json_object(data: bytes | memoryview) -> dict[str, Any]:
+    """A JSON object, or InvalidRequestError (400) for anything else."""
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as e:

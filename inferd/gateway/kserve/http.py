@@ -230,12 +230,4 @@ async def unload_model(request: Request) -> Response:
 
 async def _optional_json(request: Request) -> dict[str, Any]:
     body = await request.body()
-    if not body.strip():
-        return {}
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise InvalidRequestError(f"the request is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequestError("the request must be a JSON object")
-    return doc
+    return codec.parse_json_object(body) if body.strip() else {}
