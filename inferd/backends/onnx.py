@@ -1,7 +1,8 @@
 """ONNX Runtime backend: one InferenceSession per instance.
 
 Threads: `parameters.intra_op_threads` / `inter_op_threads` from config.yaml, else the server's
-BackendOptions, else ONNX Runtime's default (all cores). With several instances on a small
+BackendOptions, else ONNX Runtime's default (all cores); `parameters.allow_spinning: 1` lets
+idle pool threads spin (off by default: they would take the cores the event loop needs). With several instances on a small
 machine, set them: two instances each using every core fight over the same cores.
 Device: `parameters.device: cuda` puts CUDAExecutionProvider first (CPU stays as the fallback
 for ops CUDA lacks); asking for CUDA where onnxruntime has no CUDA provider fails the load.
@@ -75,6 +76,12 @@ def _session_options(config: ModelRepoConfig, options: BackendOptions) -> ort.Se
         so.intra_op_num_threads = intra
     if inter is not None:
         so.inter_op_num_threads = inter
+    # ONNX Runtime's pool threads spin between ops by default. In a server they share the cores
+    # with the event loop (HTTP, JSON, tokenizing): spinning starves them, so it is off unless
+    # the config asks for it (`allow_spinning: 1`, for a machine with cores to spare).
+    spin = str(config.parameters.get("allow_spinning", "0")).lower() in ("1", "true", "yes")
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "1" if spin else "0")
     return so
 
 

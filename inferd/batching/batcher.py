@@ -86,8 +86,11 @@ class Queued(Generic[T]):
     key: Hashable
     seq: int  # arrival order across every bucket
     enqueued: float  # time.monotonic()
-    queue_s: float = 0.0  # enqueued -> a free worker started forming the batch
-    batch_s: float = 0.0  # max(enqueued, formation start) -> batch closed
+    # Its wait, split in two: `batch_s` inside its batch's window (max_queue_delay from the
+    # batch's oldest request: the cost of the batching policy), `queue_s` the rest (every
+    # instance was busy).
+    queue_s: float = 0.0
+    batch_s: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -101,7 +104,6 @@ class _Bucket(Generic[T]):
     def __init__(self, max_requests: int, max_rows: int) -> None:
         self.queue: AdmissionQueue[Queued[T]] = AdmissionQueue(max_requests, max_rows)
         self.arrivals: deque[Queued[T]] = deque()
-        self.forming_since: float | None = None  # a free worker started waiting on this bucket
 
     def push(self, queued: Queued[T], priority: int, deadline: float | None) -> None:
         self.queue.push(
@@ -277,8 +279,6 @@ class DynamicBatcher(Generic[T, B, R]):
         best_limit = 0
         due = math.inf
         for key, bucket in self._buckets.items():
-            if bucket.forming_since is None:
-                bucket.forming_since = now
             limit, ready_at = self._limit(bucket, now)
             if limit is None:
                 due = min(due, ready_at)
@@ -310,7 +310,9 @@ class DynamicBatcher(Generic[T, B, R]):
 
     def _dispatch(self, key: Hashable, limit: int, now: float) -> None:
         bucket = self._buckets[key]
-        formation = bucket.forming_since if bucket.forming_since is not None else now
+        policy = self.policy
+        # The batching window closes max_delay after the batch's oldest request arrived.
+        window_end = bucket.oldest().enqueued + policy.max_delay_s if policy.dynamic else -math.inf
         queue = bucket.queue
         batch: list[Queued[T]] = []
         rows = 0
@@ -319,13 +321,11 @@ class DynamicBatcher(Generic[T, B, R]):
                 break
             queue.pop()
             queued = entry.item
-            start = max(queued.enqueued, formation)
-            queued.queue_s = start - queued.enqueued
-            queued.batch_s = now - start
+            queued.batch_s = max(0.0, min(now, window_end) - queued.enqueued)
+            queued.queue_s = now - queued.enqueued - queued.batch_s
             batch.append(queued)
             rows += queued.rows
         self._num_queued -= len(batch)
-        bucket.forming_since = None
         self._drop_if_empty(key, bucket)
         backend = self._free.pop()
         assert self._pool is not None

@@ -6,9 +6,11 @@ The same stage vocabulary as the LLM path where the concept is the same (`receiv
     receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
             -> compute_output -> postprocess -> stream
 
-`batch` is batch formation (waiting for the batch to fill or its delay to pass), the three
-`compute_*` stages are Triton's (concatenate/pad, backend call, split back). Batch size and
-padding ratio are histograms per executed batch; requests are counted by outcome.
+`batch` is batch formation: the part of a request's wait inside its batch's window (the
+max_queue_delay that starts with the batch's oldest request); `queue` is the rest of the wait
+(every instance busy). The three `compute_*` stages are Triton's (concatenate/pad, backend
+call, split back). Batch size and padding ratio are histograms per executed batch; requests are
+counted by outcome.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ _STAGE_HELP = {
     "receive": "HTTP/gRPC body receive and tensor decode",
     "validate": "Input tensors checked against the model config",
     "preprocess": "Preprocessing steps (tokenize, image decode/resize, audio features)",
-    "queue": "Queued until a worker started forming the batch the request ran in",
-    "batch": "Batch formation: waiting for the batch to fill or max_queue_delay to pass",
+    "queue": "Waiting for a free model instance (the wait beyond the batching window)",
+    "batch": "Batch formation: the wait inside the batching window (max_queue_delay)",
     "compute_input": "Concatenating and padding the batch's inputs",
     "infer": "The backend's forward pass over the whole batch",
     "compute_output": "Splitting the batch's outputs back per request",

@@ -172,6 +172,23 @@ async def test_partial_batch_waits_for_the_oldest_requests_delay() -> None:
 
 
 @async_test
+async def test_wait_for_a_busy_instance_is_queue_not_batch() -> None:
+    h = Harness(dynamic(8, delay=0.05))
+    gate = h.submit("gate")
+    await h.wait_running("gate")
+    waiting = h.submit("a")
+    await asyncio.sleep(0.3)  # far past the 50 ms window: the instance is the hold-up
+    h.gate.set()
+    await asyncio.gather(gate, waiting)
+    batch_s, queue_s = h.ran[1].batch_s[0], h.ran[1].queue_s[0]
+    assert batch_s == pytest.approx(0.05, abs=0.01)
+    assert queue_s >= 0.24
+    unbatched = Harness(BatchPolicy(max_batch_size=8, dynamic=False))
+    await unbatched.submit("b")
+    assert unbatched.ran[0].batch_s == [0.0]
+
+
+@async_test
 async def test_the_oldest_request_not_the_first_in_line_sets_the_delay() -> None:
     h = Harness(dynamic(8, delay=0.6))
     low = h.submit("low", priority=2)
