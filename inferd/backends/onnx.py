@@ -2,8 +2,9 @@
 
 Threads: `parameters.intra_op_threads` / `inter_op_threads` from config.yaml, else the server's
 BackendOptions, else ONNX Runtime's default (all cores); `parameters.allow_spinning: 1` lets
-idle pool threads spin (off by default: they would take the cores the event loop needs). With several instances on a small
-machine, set them: two instances each using every core fight over the same cores.
+idle pool threads spin (off by default: they would take the cores the event loop needs). With
+several instances on a small machine, set the counts: two instances each using every core fight
+over the same cores.
 Device: `parameters.device: cuda` puts CUDAExecutionProvider first (CPU stays as the fallback
 for ops CUDA lacks); asking for CUDA where onnxruntime has no CUDA provider fails the load.
 """
