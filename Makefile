@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The OpenAI-compatible server on http://0.0.0.0:8000 (default model; pass flags in ARGS).
+# The server on http://0.0.0.0:8000 (gRPC :8001): inferd-tiny plus the example model repository;
+# ARGS="..." replaces those arguments.
 serve: $(STAMP)
 	$(BIN)/inferd serve $(or $(ARGS),inferd-tiny --model-repository examples)
 
