@@ -175,6 +175,41 @@ def plain_server(model_dir: Path, threads: int, log: Path) -> Iterator[str]:
             proc.wait(30)
 
 
+def compute_ceiling(model_dir: Path, texts: list[str], threads: int) -> dict[str, float]:
+    """What batching can gain on this machine at best: the model alone (ONNX Runtime, no server,
+    no client), the same sentences run one at a time vs in batches of 64 sorted by length (the
+    least padding possible). Serving cannot beat the ratio of the two rates."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(str(model_dir / "model.onnx"), opts)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.enable_truncation(256)
+    encoded = [e.ids for e in tok.encode_batch(texts)]
+
+    def run(rows: list[list[int]]) -> None:
+        width = max(len(r) for r in rows)
+        ids = np.zeros((len(rows), width), np.int64)
+        mask = np.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+        sess.run(None, {"input_ids": ids, "attention_mask": mask})
+
+    run(encoded[:8])  # warm up
+    t0 = time.perf_counter()
+    for r in encoded:
+        run([r])
+    single = len(encoded) / (time.perf_counter() - t0)
+    ordered = sorted(encoded, key=len)
+    t0 = time.perf_counter()
+    for i in range(0, len(ordered), 64):
+        run(ordered[i : i + 64])
+    batched = len(encoded) / (time.perf_counter() - t0)
+    return {"single_rps": single, "batched_64_rps": batched, "ratio": batched / single}
+
+
 def batch_sizes(base: str) -> dict[str, float]:
     """Mean executed batch size per model from /metrics (inferd_model_batch_rows histogram)."""
     text = httpx.get(f"{base}/metrics", timeout=10).text
@@ -213,6 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     report_line(name, c, r)
             results["mean_batch_rows"] = batch_sizes(base)
         model_dir = max((examples / MODEL).glob("[0-9]*"), key=lambda p: int(p.name))
+        results["compute_ceiling"] = compute_ceiling(model_dir, texts[:512], args.threads)
+        print(
+            "model alone (ONNX Runtime):",
+            {k: round(v, 2) for k, v in results["compute_ceiling"].items()},
+        )
         with plain_server(model_dir, args.threads, log_dir / "batching_plain.log") as base:
             for c in args.clients:
                 r = asyncio.run(
