@@ -3,7 +3,7 @@ worker.
 
     batcher = DynamicBatcher(policy, backends, run=..., done=..., expired=...)
     batcher.start()                        # in the running event loop
-    batcher.submit(item, rows=2, key=8, priority=1, deadline=t)   # QueueFullError when full
+    batcher.submit(item, rows=2, key=8, length=7, priority=1, deadline=t)  # QueueFullError
     # later, on a worker thread:   result = run(backend, [Queued(item), ...])
     # then, on the event loop:     done([Queued(item), ...], result)
 
@@ -15,6 +15,16 @@ every request runs alone as soon as a worker is free. Among buckets that are rea
 whose first request has the best (priority, arrival) goes first. Within a bucket the order is
 the AdmissionQueue's: lowest priority value first, FIFO within one value; a batch stops at the
 first request that does not fit, so a big request is never overtaken forever by small ones.
+
+Cross-bucket filling: a batch sent from one bucket with rows to spare takes requests of other
+buckets of the same `group` (closest length first; within a bucket in its own order, stopping
+at the first that does not fit) while its padding ratio stays <= `max_padding_ratio`. Buckets
+keep padding low when there is enough traffic to fill a batch from one bucket; when there is
+not, one batch padded a little costs less than several small batches run back to back (a
+backend call has a large fixed cost), and no request waits behind its neighbours' batches.
+The ratio is padded / total elements with every request counted as `rows` x `length` padded to
+the batch's longest `length`: exact for inputs with one variable dim (token ids [n, L]), as the
+pipeline computes it.
 
 Threading: everything here runs on the event loop except `run`, which runs on one of
 `len(backends)` worker threads with exclusive use of one backend (a backend need not be
@@ -67,10 +77,13 @@ class BatchPolicy:
     max_delay_s: float = 0.0
     preferred_batch_sizes: tuple[int, ...] = ()  # ascending, each <= max_batch_size
     max_queue_size: int = 1024
+    max_padding_ratio: float = 0.0  # cross-bucket filling bound; 0: a batch is one bucket
 
     def __post_init__(self) -> None:
         if self.max_queue_size < 1:
             raise ValueError("max_queue_size must be >= 1")
+        if not 0.0 <= self.max_padding_ratio < 1.0:
+            raise ValueError("max_padding_ratio must be in [0, 1)")
         if self.dynamic and self.max_batch_size < 1:
             raise ValueError("dynamic batching needs max_batch_size >= 1")
         usable = sorted({s for s in self.preferred_batch_sizes if 1 <= s <= self.max_batch_size})
@@ -86,6 +99,7 @@ class Queued(Generic[T]):
     key: Hashable
     seq: int  # arrival order across every bucket
     enqueued: float  # time.monotonic()
+    length: int = 0  # longest variable dim (0: none), for the padding ratio of a batch
     # Its wait, split in two: `batch_s` inside its batch's window (max_queue_delay from the
     # batch's oldest request: the cost of the batching policy), `queue_s` the rest (every
     # instance was busy).
@@ -101,9 +115,10 @@ class _Bucket(Generic[T]):
     """Requests of one length bucket: the AdmissionQueue (order, deadlines, row count) plus
     arrival order, since with priority levels the oldest request need not be first in line."""
 
-    def __init__(self, max_requests: int, max_rows: int) -> None:
+    def __init__(self, max_requests: int, max_rows: int, group: Hashable) -> None:
         self.queue: AdmissionQueue[Queued[T]] = AdmissionQueue(max_requests, max_rows)
         self.arrivals: deque[Queued[T]] = deque()
+        self.group = group  # buckets of one group may share a batch
 
     def push(self, queued: Queued[T], priority: int, deadline: float | None) -> None:
         self.queue.push(
@@ -124,6 +139,28 @@ class _Bucket(Generic[T]):
         if len(arrivals) > 2 * len(queue) + 64:
             self.arrivals = deque(q for q in arrivals if q.request_id in queue)
         return self.arrivals[0]
+
+
+@dataclass(slots=True)
+class _Shape:
+    """Rows and elements of a forming batch, for its padding ratio: a request counts as
+    `rows` x `length` elements, padded to the batch's longest `length`."""
+
+    rows: int = 0
+    elements: int = 0
+    longest: int = 0
+
+    def add(self, queued: Queued[Any]) -> None:
+        self.rows += queued.rows
+        self.elements += queued.rows * queued.length
+        self.longest = max(self.longest, queued.length)
+
+    def ratio_with(self, queued: Queued[Any]) -> float:
+        """The padding ratio once `queued` joins: padded / total elements."""
+        total = (self.rows + queued.rows) * max(self.longest, queued.length)
+        if total == 0:
+            return 0.0
+        return 1.0 - (self.elements + queued.rows * queued.length) / total
 
 
 class DynamicBatcher(Generic[T, B, R]):
@@ -200,18 +237,24 @@ class DynamicBatcher(Generic[T, B, R]):
         *,
         rows: int,
         key: Hashable = 0,
+        length: int = 0,
+        group: Hashable = None,
         priority: int = 0,
         deadline: float | None = None,
     ) -> Queued[T]:
-        """Queues one request (on the loop). Raises QueueFullError (with a Retry-After hint)."""
+        """Queues one request (on the loop). Raises QueueFullError (with a Retry-After hint).
+
+        `key` is its length bucket; `length` its longest variable dim (0: none, then it never
+        joins another bucket's batch); `group` which buckets may share a batch (the requests of
+        one key share one group)."""
         if self._loop is None or self._closed:
             raise RuntimeError("the batcher is not running")
         self.check_room()
-        queued = Queued(item, rows, key, next(self._seq), time.monotonic())
+        queued = Queued(item, rows, key, next(self._seq), time.monotonic(), length)
         bucket = self._buckets.get(key)
         if bucket is None:
             max_rows = self.policy.max_queue_size * max(1, self.policy.max_batch_size)
-            bucket = self._buckets[key] = _Bucket(self.policy.max_queue_size, max_rows)
+            bucket = self._buckets[key] = _Bucket(self.policy.max_queue_size, max_rows, group)
         bucket.push(queued, priority, deadline)
         self._num_queued += 1
         # Arrivals of one loop iteration share one scheduling pass (and so can share a batch).
@@ -311,25 +354,70 @@ class DynamicBatcher(Generic[T, B, R]):
     def _dispatch(self, key: Hashable, limit: int, now: float) -> None:
         bucket = self._buckets[key]
         policy = self.policy
-        # The batching window closes max_delay after the batch's oldest request arrived.
-        window_end = bucket.oldest().enqueued + policy.max_delay_s if policy.dynamic else -math.inf
-        queue = bucket.queue
+        window_start = bucket.oldest().enqueued
         batch: list[Queued[T]] = []
-        rows = 0
-        while (entry := queue.peek()) is not None:
-            if batch and rows + entry.num_prompt_tokens > limit:
-                break
-            queue.pop()
-            queued = entry.item
+        shape = _Shape()
+        self._take(key, bucket, limit, batch, shape, math.inf)
+        if policy.dynamic and policy.max_padding_ratio > 0 and shape.longest > 0:
+            self._fill(key, bucket.group, limit, batch, shape)
+            # A request taken from another bucket may be older than this bucket's oldest.
+            window_start = min(window_start, min(q.enqueued for q in batch))
+        # The batching window closes max_delay after the batch's oldest request arrived.
+        window_end = window_start + policy.max_delay_s if policy.dynamic else -math.inf
+        for queued in batch:
             queued.batch_s = max(0.0, min(now, window_end) - queued.enqueued)
             queued.queue_s = now - queued.enqueued - queued.batch_s
-            batch.append(queued)
-            rows += queued.rows
-        self._num_queued -= len(batch)
-        self._drop_if_empty(key, bucket)
         backend = self._free.pop()
         assert self._pool is not None
         self._pool.submit(self._work, backend, batch)
+
+    def _take(
+        self,
+        key: Hashable,
+        bucket: _Bucket[T],
+        limit: int,
+        batch: list[Queued[T]],
+        shape: _Shape,
+        max_ratio: float,
+    ) -> None:
+        """Moves requests from `bucket` into `batch` in the bucket's order until the first one
+        that would pass `limit` rows (an empty batch takes one anyway) or `max_ratio`."""
+        queue = bucket.queue
+        taken = 0
+        while (entry := queue.peek()) is not None:
+            queued = entry.item
+            if batch and shape.rows + queued.rows > limit:
+                break
+            if shape.ratio_with(queued) > max_ratio + _EPSILON_S:
+                break
+            queue.pop()
+            batch.append(queued)
+            shape.add(queued)
+            taken += 1
+        self._num_queued -= taken
+        self._drop_if_empty(key, bucket)
+
+    def _fill(
+        self,
+        key: Hashable,
+        group: Hashable,
+        limit: int,
+        batch: list[Queued[T]],
+        shape: _Shape,
+    ) -> None:
+        """Fills the rows `batch` has to spare from the other buckets of its group, closest
+        length first, while the padding ratio stays <= max_padding_ratio."""
+        candidates = []
+        for other_key, other in self._buckets.items():
+            head = other.queue.peek()
+            if other_key == key or other.group != group or head is None or head.item.length < 1:
+                continue
+            candidates.append((abs(head.item.length - shape.longest), head.item.seq, other_key))
+        for _, _, other_key in sorted(candidates):
+            if shape.rows >= limit:
+                break
+            other = self._buckets[other_key]
+            self._take(other_key, other, limit, batch, shape, self.policy.max_padding_ratio)
 
     def _drop_if_empty(self, key: Hashable, bucket: _Bucket[T]) -> None:
         if not len(bucket.queue) and self._buckets.get(key) is bucket:

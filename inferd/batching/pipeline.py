@@ -17,8 +17,10 @@ those that fail alone get the error (InvalidRequestError stays a 400; anything e
 BackendError, a 500).
 
 Variable-length inputs (a -1 dim beyond the batch dim): requests are bucketed by the next power
-of two of their longest variable dim, so the requests of one batch differ at most 2x in length;
-the batch is padded with zeros to its longest request and the padding ratio is reported.
+of two of their longest variable dim, so the requests of one bucket differ at most 2x in length.
+A batch with rows to spare also takes requests of other buckets while its padding ratio stays
+<= dynamic_batching.max_padding_ratio (see inferd.batching.batcher). The batch is padded with
+zeros to its longest request and the padding ratio is reported.
 Postprocess steps see the request's rows of the *padded* inputs, so mean pooling weighs by an
 attention_mask of the same length as the hidden states.
 """
@@ -90,6 +92,8 @@ class _Work:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)  # model inputs
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # `__` tensors
     key: Hashable = 0  # length bucket
+    length: int = 0  # longest variable dim (0: none)
+    group: Hashable = None  # which buckets may share a batch (None: all)
     num_tokens: int | None = None
     queued: Queued[_Work] | None = None
     result: InferResponse | BaseException | None = None  # set on the worker thread
@@ -233,7 +237,7 @@ class ServedModel:
                 self._pre_pool.submit(self._prepare, work)
             else:
                 work.tensors, work.extras = _split_private(request.inputs)
-                work.key = self._bucket_key(work.tensors)
+                self._place(work)
                 self._enqueue(work)
             return await future
         except asyncio.CancelledError:
@@ -273,7 +277,13 @@ class ServedModel:
             return
         try:
             work.queued = self._batcher.submit(
-                work, rows=work.rows, key=work.key, priority=work.priority, deadline=work.deadline
+                work,
+                rows=work.rows,
+                key=work.key,
+                length=work.length,
+                group=work.group,
+                priority=work.priority,
+                deadline=work.deadline,
             )
         except QueueFullError as exc:
             work.future.set_exception(exc)
@@ -325,7 +335,7 @@ class ServedModel:
                 tensors = step(tensors)
             work.tensors, work.extras = _split_private(tensors)
             self._check_rows(work)
-            work.key = self._bucket_key(work.tensors)
+            self._place(work)
             work.num_tokens = _num_tokens(work.extras)
         except Exception as exc:
             error = _step_error("preprocess", exc)
@@ -350,19 +360,23 @@ class ServedModel:
                     f"request of {work.rows} rows"
                 )
 
-    def _bucket_key(self, tensors: Mapping[str, np.ndarray]) -> Hashable:
-        """Requests of one key may share a batch: the same input names, lengths within 2x."""
+    def _place(self, work: _Work) -> None:
+        """Sets the request's length bucket (key: lengths within 2x), its length, and its group:
+        requests may share a batch only with the same input names (optional inputs)."""
         length = 0
         for name, dims in self._variable.items():
-            array = tensors.get(name)
+            array = work.tensors.get(name)
             if array is not None:
                 for d in dims:
                     if d < array.ndim and array.shape[d] > length:
                         length = array.shape[d]
         bucket = 1 << (length - 1).bit_length() if length > 1 else length
+        work.length = length
         if self._keyed_by_names:
-            return bucket, frozenset(tensors)
-        return bucket
+            work.group = frozenset(work.tensors)
+            work.key = bucket, work.group
+        else:
+            work.key = bucket
 
     # -- one batch (worker thread) -----------------------------------------------------------
 
@@ -544,6 +558,7 @@ def batch_policy(config: ModelRepoConfig, limits: QueueLimits) -> BatchPolicy:
         max_delay_s=config.batch_delay_s,
         preferred_batch_sizes=db.preferred_batch_sizes if db is not None else (),
         max_queue_size=max_queue,
+        max_padding_ratio=db.max_padding_ratio if db is not None else 0.0,
     )
 
 

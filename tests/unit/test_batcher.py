@@ -115,6 +115,8 @@ class Harness:
         *,
         rows: int = 1,
         key: Hashable = 0,
+        length: int = 0,
+        group: Hashable = None,
         priority: int = 0,
         deadline: float | None = None,
     ) -> asyncio.Future[list[str]]:
@@ -122,7 +124,13 @@ class Harness:
         self.futures[name] = future
         self.submitted[name] = time.monotonic()
         self.handles[name] = self.batcher.submit(
-            name, rows=rows, key=key, priority=priority, deadline=deadline
+            name,
+            rows=rows,
+            key=key,
+            length=length,
+            group=group,
+            priority=priority,
+            deadline=deadline,
         )
         return future
 
@@ -132,6 +140,20 @@ class Harness:
 
     def batches(self) -> list[list[str]]:
         return [r.names for r in self.ran]
+
+    def submit_len(self, name: str, length: int, **kw: Any) -> asyncio.Future[list[str]]:
+        """A request whose longest variable dim is `length`, in its power-of-two bucket."""
+        return self.submit(name, key=1 << (length - 1).bit_length(), length=length, **kw)
+
+    async def hold(self) -> asyncio.Future[list[str]]:
+        """Occupies the (single) worker until `gate` opens, so requests pile up meanwhile."""
+        gate = self.submit("gate")
+        await self.wait_running("gate")
+        return gate
+
+    async def release(self, gate: asyncio.Future[list[str]], *rest: Any) -> None:
+        self.gate.set()
+        await asyncio.gather(gate, *rest)
 
 
 def dynamic(max_batch_size: int = 8, delay: float = LONG, **kw: Any) -> BatchPolicy:
@@ -320,3 +342,89 @@ async def test_close_returns_the_queue_and_closes_every_backend() -> None:
         await asyncio.sleep(0.01)
     assert all(b.closed for b in h.backends)
     assert h.batches() == [["gate1"], ["gate2"]]
+
+
+# -- cross-bucket filling ------------------------------------------------------------------------
+
+
+def filling(max_batch_size: int = 8, ratio: float = 0.4, delay: float = 0.0) -> BatchPolicy:
+    return dynamic(max_batch_size, delay=delay, max_padding_ratio=ratio)
+
+
+@async_test
+async def test_a_batch_with_room_takes_other_buckets_while_padding_stays_under_the_bound() -> None:
+    h = Harness(filling(8, ratio=0.4))
+    gate = await h.hold()
+    rest = [h.submit_len("a30", 30), h.submit_len("b14", 14), h.submit_len("c12", 12)]
+    # a30 alone: 0; + b14: 1 - 44/60 = 0.27; + c12: 1 - 56/90 = 0.38 <= 0.4.
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a30", "b14", "c12"]]
+    assert h.batcher.num_queued == 0 and not h.batcher.remove(h.handles["b14"])
+
+
+@async_test
+async def test_no_request_joins_when_padding_would_pass_the_bound() -> None:
+    h = Harness(filling(8, ratio=0.4))
+    gate = await h.hold()
+    # a30 + s5 would be 1 - 35/60 = 0.42: s5 stays, and m7 behind it in its bucket waits too
+    # (a bucket is taken in its own order, up to the first request that does not fit).
+    rest = [h.submit_len("a30", 30), h.submit_len("s5", 5), h.submit_len("m7", 7)]
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a30"], ["s5", "m7"]]
+
+
+@async_test
+async def test_max_padding_ratio_zero_keeps_each_bucket_alone() -> None:
+    h = Harness(filling(8, ratio=0.0))
+    gate = await h.hold()
+    rest = [h.submit_len("a30", 30), h.submit_len("b29", 29), h.submit_len("c14", 14)]
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a30", "b29"], ["c14"]]
+
+
+@async_test
+async def test_the_closest_bucket_fills_first_and_groups_never_mix() -> None:
+    h = Harness(filling(2, ratio=0.45))
+    gate = await h.hold()
+    rest = [
+        h.submit_len("a32", 32),
+        # Closest, but with other inputs: its own bucket and group (as the pipeline keys it).
+        h.submit("x30", key=(32, "other inputs"), length=30, group="other inputs"),
+        h.submit_len("far60", 60),  # 1 - 92/120 = 0.23 would fit, but is farther than 16
+        h.submit_len("near16", 16),  # 1 - 48/64 = 0.25
+    ]
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a32", "near16"], ["x30"], ["far60"]]
+
+
+@async_test
+async def test_filling_keeps_priority_order_within_a_bucket() -> None:
+    h = Harness(filling(2, ratio=0.4))
+    gate = await h.hold()
+    rest = [
+        h.submit_len("a30", 30, priority=1),
+        h.submit_len("lo14", 14, priority=2),
+        h.submit_len("hi13", 13, priority=1),  # later, but first in its bucket's order
+    ]
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a30", "hi13"], ["lo14"]]
+
+
+@async_test
+async def test_a_filled_request_splits_its_wait_from_its_own_arrival() -> None:
+    h = Harness(filling(8, ratio=0.4, delay=0.05))
+    gate = await h.hold()
+    old = h.submit_len("old14", 14, priority=2)
+    await asyncio.sleep(0.1)
+    new = h.submit_len("new30", 30, priority=1)  # ranks first: its bucket goes, old14 fills
+    await asyncio.sleep(0.2)
+    await h.release(gate, old, new)
+    ran = h.ran[1]
+    assert ran.names == ["new30", "old14"]
+    # The batch's window opened when old14 (its oldest request) arrived and closed 50 ms
+    # later, before new30 even arrived: new30's whole wait was for the instance.
+    batch_s = dict(zip(ran.names, ran.batch_s, strict=True))
+    queue_s = dict(zip(ran.names, ran.queue_s, strict=True))
+    assert batch_s["old14"] == pytest.approx(0.05, abs=0.01)
+    assert batch_s["new30"] == 0.0
+    assert queue_s["old14"] >= 0.24 and queue_s["new30"] >= 0.15
