@@ -186,6 +186,7 @@ def compute_ceiling(model_dir: Path, texts: list[str], threads: int) -> dict[str
     opts.intra_op_num_threads = threads
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), opts)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_padding()  # its tokenizer.json pads to 128; the batches below pad themselves
     tok.enable_truncation(256)
     encoded = [e.ids for e in tok.encode_batch(texts)]
 

@@ -6,7 +6,8 @@
 
 Every request is a streaming `/v1/completions` call with `prompt` as token ids (bench/common.py's
 seeded make_workload), `max_tokens` = its output length, `ignore_eos` and
-`stream_options.include_usage`, sent over its own httpx.AsyncClient. Metrics follow vLLM's
+`stream_options.include_usage`, sent over its own aiohttp session (aiohttp as vLLM's client: the
+client shares the server's cores, and httpx costs ~0.8 ms more per request). Metrics follow
 `vllm bench serve`: TTFT = send -> first chunk with choices; ITL = gaps between later chunks with
 choices; E2EL = send -> last chunk with choices; TPOT = (E2EL - TTFT) / (output tokens - 1), output
 tokens from `usage`. `--launch` starts `inferd serve` on a free loopback port (`--server-args` are
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import gc
 import json
 import math
@@ -25,7 +25,6 @@ import os
 import shlex
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 from common import (
@@ -78,13 +78,6 @@ class RequestResult:
         if self.output_tokens <= 1:
             return None
         return (self.e2el - self.ttft) / (self.output_tokens - 1)
-
-
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    """One context for every client: building one (what httpx does per client by default) costs
-    ~20 ms of CPU, which a client sharing the machine with the server would take from it."""
-    return ssl.create_default_context()
 
 
 # -- one request ------------------------------------------------------------------------------
@@ -135,29 +128,31 @@ def record_chunk(res: RequestResult, chunk: dict[str, Any], now: float) -> None:
 async def send_request(
     url: str, body: dict[str, Any], run_start: float, timeout_s: float
 ) -> RequestResult:
+    """One streaming request on its own connection (aiohttp, as `vllm bench serve`: its
+    per-request cost is a fraction of httpx's, and the client shares the server's cores)."""
     res = RequestResult(prompt_len=len(body["prompt"]))
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), verify=_ssl_context())
-    async with client:
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
         sent = time.perf_counter()
         res.start = sent - run_start
         try:
-            async with client.stream("POST", url, json=body) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+            async with session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    text = await resp.text()
+                    raise RuntimeError(f"HTTP {resp.status}: {text[:200]}")
                 await read_events(resp, res, sent)
             res.success = bool(res.chunk_times) and res.output_tokens > 0
             res.error = "" if res.success else "no tokens or no usage chunk"
-        except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
+        except (aiohttp.ClientError, TimeoutError, RuntimeError, json.JSONDecodeError) as e:
             res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-async def read_events(resp: httpx.Response, res: RequestResult, sent: float) -> None:
+async def read_events(resp: aiohttp.ClientResponse, res: RequestResult, sent: float) -> None:
     """Feeds every SSE event of `resp` to `res`; events that came in one network read share
     the time those bytes arrived (an event ends with a blank line)."""
     buf = b""
-    async for data in resp.aiter_raw():
+    async for data in resp.content.iter_any():
         now = time.perf_counter() - sent
         buf += data
         *events, buf = buf.split(b"\n\n")
@@ -297,15 +292,20 @@ async def gateway_overhead(url: str, args: argparse.Namespace) -> dict[str, Any]
         max_output_len=1,
     )
     client_ms, server_ms, engine_ms = [], [], []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout)) as client:
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    headers = {"content-type": "application/json"}
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as client:
         for req in tqdm(make_workload(spec), desc="gateway", disable=args.no_progress):
             body = completion_body(req, args.served_model, args.temperature) | {"stream": False}
             del body["stream_options"]
+            data = json.dumps(body).encode()
             t0 = time.perf_counter()
-            resp = await client.post(url, json=body)
+            async with client.post(url, data=data) as resp:
+                raw = await resp.read()
             client_ms.append((time.perf_counter() - t0) * 1000.0)
-            resp.raise_for_status()
-            timings = resp.json()["timings"]
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {raw[:200]!r}")
+            timings = json.loads(raw)["timings"]
             engine_ms.append(sum(timings.get(s, 0.0) for s in ENGINE_STAGES) * 1000.0)
             server_ms.append(timings.get("e2e", math.nan) * 1000.0)
     overhead = np.asarray(client_ms) - np.asarray(engine_ms)
