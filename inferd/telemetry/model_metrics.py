@@ -15,8 +15,10 @@ counted by outcome.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -62,6 +64,78 @@ class ModelObserver(Protocol):
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None: ...
 
 
+@dataclass
+class _Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += int(seconds * 1e9)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+# Triton's inference_stats fields -> the stages each one sums.
+_TRITON_DURATIONS = {
+    "queue": ("queue", "batch"),
+    "compute_input": ("compute_input",),
+    "compute_infer": ("infer",),
+    "compute_output": ("compute_output",),
+}
+
+
+@dataclass
+class ModelStats:
+    """Triton's statistics extension for one model: cumulative counts and nanoseconds.
+
+    `success`/`fail`: requests and their time inside the model pipeline (validate through
+    postprocess); `queue` includes batch formation; the compute durations count each request
+    with its batch's time, as Triton does. `inference_count` is rows executed,
+    `execution_count` batches executed."""
+
+    success: _Duration = field(default_factory=_Duration)
+    fail: _Duration = field(default_factory=_Duration)
+    durations: dict[str, _Duration] = field(
+        default_factory=lambda: {k: _Duration() for k in _TRITON_DURATIONS}
+    )
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+
+    def on_request(self, timings: Mapping[str, float], outcome: str) -> None:
+        total = sum(v for k, v in timings.items() if k not in ("receive", "stream"))
+        (self.success if outcome == "success" else self.fail).add(total)
+        if outcome != "success":
+            return
+        for name, stages in _TRITON_DURATIONS.items():
+            self.durations[name].add(sum(timings.get(s, 0.0) for s in stages))
+
+    def on_batch(self, size: int) -> None:
+        self.execution_count += 1
+        self.inference_count += size
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def as_triton(self, name: str, version: str) -> dict[str, Any]:
+        inference_stats: dict[str, Any] = {
+            "success": self.success.as_dict(),
+            "fail": self.fail.as_dict(),
+        }
+        inference_stats |= {k: d.as_dict() for k, d in self.durations.items()}
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": inference_stats,
+            # Per-batch-size compute times are not kept (batch sizes are in the
+            # inferd_model_batch_rows histogram), so none are claimed here.
+            "batch_stats": [],
+        }
+
+
 def model_stage_metric_name(stage: str) -> str:
     """`infer` -> `inferd_model_infer_seconds`."""
     return f"inferd_model_{stage}_seconds"
@@ -101,6 +175,7 @@ class ModelMetrics:
             ["model", "outcome"],
             registry=registry,
         )
+        self._stats: dict[str, ModelStats] = {}
 
     def observe_request(self, model: str, timings: Mapping[str, float], outcome: str) -> None:
         for stage, seconds in timings.items():
@@ -108,10 +183,22 @@ class ModelMetrics:
             if hist is not None:
                 hist.labels(model).observe(seconds)
         self.requests.labels(model, outcome if outcome in OUTCOMES else "error").inc()
+        self._stats.setdefault(model, ModelStats()).on_request(timings, outcome)
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None:
         self.batch_size.labels(model).observe(size)
         self.padding.labels(model).observe(padding_ratio)
+        self._stats.setdefault(model, ModelStats()).on_batch(size)
+
+    def statistics(self, models: Iterable[tuple[str, str]]) -> dict[str, Any]:
+        """Triton's statistics JSON (`GET /v2/models[/{m}]/stats`, gRPC ModelStatistics) for
+        (name, version) pairs; a model that has served nothing reports zeros."""
+        return {
+            "model_stats": [
+                self._stats.get(name, ModelStats()).as_triton(name, version)
+                for name, version in models
+            ]
+        }
 
     def observe_gateway(self, model: str, receive_s: float, stream_s: float) -> None:
         """The protocol layer's own stages (the pipeline measures everything in between)."""

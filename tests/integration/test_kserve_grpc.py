@@ -142,13 +142,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     thread.start()
 
     async def start() -> tuple[GatewayState, GrpcServer]:
-        repository = ModelRepository(root)
-        await repository.start()
         metrics = ServerMetrics()
+        model_metrics = ModelMetrics(metrics.registry)
+        repository = ModelRepository(root, observer=model_metrics)
+        await repository.start()
         state = GatewayState(
             server=ServerConfig(access_log=False),
             metrics=metrics,
-            model_metrics=ModelMetrics(metrics.registry),
+            model_metrics=model_metrics,
             repository=repository,
             serves_llm=False,
         )
@@ -296,8 +297,22 @@ def test_errors_map_to_status_codes(served: Served) -> None:
     assert bad_output.value.status() == "StatusCode.INVALID_ARGUMENT"
 
     with pytest.raises(InferenceServerException) as stats:
-        served.client.get_inference_statistics("classifier")
-    assert stats.value.status() == "StatusCode.UNIMPLEMENTED"
+        served.client.get_inference_statistics("no-such-model")
+    assert stats.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_model_statistics(served: Served) -> None:
+    x = np.zeros((2, 4), dtype=np.float32)
+    before = served.client.get_inference_statistics("classifier", as_json=True)
+    served.client.infer("classifier", [_input("x", x, "FP32")])
+    after = served.client.get_inference_statistics("classifier", as_json=True)
+    (old,), (new,) = before["model_stats"], after["model_stats"]
+    assert new["name"] == "classifier" and new["version"]
+    # JSON from protobuf: uint64 fields come as strings; missing ones are zero.
+    success = int(new["inference_stats"]["success"]["count"])
+    assert success == int(old["inference_stats"].get("success", {}).get("count", 0)) + 1
+    assert int(new["inference_count"]) >= int(old.get("inference_count", 0)) + 2
+    assert int(new["inference_stats"]["compute_infer"]["ns"]) > 0
 
 
 def _model_infer(served: Served) -> Any:

@@ -290,6 +290,25 @@ def test_tritonclient_sees_400_for_a_wrong_datatype(client: triton.InferenceServ
     assert "x" in info.value.message()
 
 
+def test_statistics_extension(client: triton.InferenceServerClient) -> None:
+    before = client.get_inference_statistics("classifier")["model_stats"][0]
+    x = np.zeros((3, 4), dtype=np.float32)
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    client.infer("classifier", [inp])
+    (after,) = client.get_inference_statistics("classifier")["model_stats"]
+    assert after["name"] == "classifier"
+    success = after["inference_stats"]["success"]
+    assert success["count"] == before["inference_stats"]["success"]["count"] + 1
+    assert success["ns"] > before["inference_stats"]["success"]["ns"]
+    assert after["inference_count"] == before["inference_count"] + 3
+    assert after["execution_count"] >= before["execution_count"] + 1
+    everything = client.get_inference_statistics()["model_stats"]
+    assert "classifier" in {m["name"] for m in everything}
+    with pytest.raises(InferenceServerException):
+        client.get_inference_statistics("no-such-model")
+
+
 def test_unknown_model_and_version_are_404(client: triton.InferenceServerClient) -> None:
     for model, version in (("nope", ""), ("classifier", "3")):
         with pytest.raises(InferenceServerException) as info:

@@ -46,7 +46,7 @@ from inferd.errors import (
     QueueTimeoutError,
 )
 from inferd.gateway.kserve.codec import MAX_RANK
-from inferd.gateway.kserve.metadata import server_metadata
+from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.kserve.proto import SERVICE_NAME
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.kserve.proto import model_config_pb2 as mc
@@ -367,11 +367,12 @@ class InferenceService:
         config = self._repository().config_dict(request.name, request.version)
         return pb.ModelConfigResponse(config=triton_config(config))
 
-    async def model_statistics(self, _: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
-        raise RpcStatusError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "model statistics are served as Prometheus metrics on the HTTP port's /metrics",
-        )
+    async def model_statistics(
+        self, request: pb.ModelStatisticsRequest
+    ) -> pb.ModelStatisticsResponse:
+        targets = stats_targets(self._repository(), request.name, request.version)
+        stats = self.state.model_metrics.statistics(targets)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         arrival = time.monotonic()

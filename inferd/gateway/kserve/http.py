@@ -5,6 +5,7 @@
     GET  /v2/models/{m}[/versions/{v}]                model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready          200 {"ready": true} | 400 {"ready": false}
     GET  /v2/models/{m}[/versions/{v}]/config         Triton-style model configuration
+    GET  /v2/models[/{m}[/versions/{v}]]/stats        Triton's statistics extension
     POST /v2/models/{m}[/versions/{v}]/infer          JSON or JSON + binary tensors
     POST /v2/repository/index                         [{"name","version","state","reason"}]
     POST /v2/repository/models/{m}/load | /unload
@@ -30,7 +31,7 @@ from starlette.responses import Response
 from inferd.errors import DrainingError, InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from inferd.gateway.errors import APIError
 from inferd.gateway.kserve import codec
-from inferd.gateway.kserve.metadata import server_metadata
+from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.openai import FinalizingResponse
 from inferd.gateway.state import GatewayState
 from inferd.tensors import InferRequest, InferResponse
@@ -76,6 +77,21 @@ async def metadata() -> Response:
 async def list_models(request: Request) -> Response:
     repo = gateway(request).repository
     return _json({"models": [] if repo is None else repo.model_names()})
+
+
+# Declared before the /v2/models/{model} routes, which would otherwise take "stats" as a name.
+@router.get("/v2/models/stats")
+async def all_statistics(request: Request) -> Response:
+    state = gateway(request)
+    return _json(state.model_metrics.statistics(stats_targets(repository(state), "", "")))
+
+
+@router.get(_MODEL + "/stats")
+@router.get(_VERSION + "/stats")
+async def model_statistics(request: Request) -> Response:
+    state = gateway(request)
+    model, version = _target(request)
+    return _json(state.model_metrics.statistics(stats_targets(repository(state), model, version)))
 
 
 @router.get(_MODEL)
