@@ -191,7 +191,13 @@ def resolve_repository(path: str) -> Path:
     if path == EXAMPLES:
         from inferd.repository.examples import ensure_example_repository
 
-        return ensure_example_repository()
+        try:
+            return ensure_example_repository()
+        except ImportError as e:
+            raise ModelLoadError(
+                f"building the example repository needs the `examples` extra ({e.name} is "
+                "missing): pip install 'inferd[examples]'"
+            ) from e
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ModelLoadError(f"--model-repository {path!r} is not a directory")
