@@ -100,6 +100,7 @@ class _Stream:
 
     request_id: str
     prompt: str | None
+    prompt_token_ids: list[int] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: RequestOutput | None = None
     pending_tokens: int = 0
@@ -368,7 +369,7 @@ class AsyncLLM:
         except QueueFullError as e:
             e.retry_after = self._retry_after()
             raise
-        stream = _Stream(request_id, prompt)
+        stream = _Stream(request_id, prompt, message.prompt_token_ids)
         self._streams[request_id] = stream
         self._pump_wake.set()
         return stream
@@ -399,8 +400,11 @@ class AsyncLLM:
             stream.timeline.update_from_engine(out.metrics, stream.request_id)
         if out.finished:
             self._finish_times.append(time.monotonic())
+        # The engine core sends neither the prompt nor its ids back (the front has both).
         if out.prompt is None:
             out.prompt = stream.prompt
+        if not out.prompt_token_ids:
+            out.prompt_token_ids = stream.prompt_token_ids
 
     def _release(self, stream: _Stream) -> None:
         """The generator is done (finished, failed, closed or cancelled)."""

@@ -185,6 +185,11 @@ class EngineCore:
         self.send(outputs)
 
     def send(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            # The front holds each request's prompt; sending it with every step's delta would
+            # cost both processes an encode/decode of every prompt id per step.
+            out.prompt_token_ids = []
+            out.prompt = None
         event: EngineCoreEvent = EngineOutputs(
             outputs=outputs, stats=self.stats(), rejected=self.rejected
         )
