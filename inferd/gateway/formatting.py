@@ -193,17 +193,13 @@ class Envelope:
     def response(self, choices: list[Json], use: Json) -> Json:
         """The non-streaming body; serving.encode_response appends `timings`."""
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": use,
-        }
+        return self._body(obj, choices) | {"usage": use}
 
     def chunk(self, choices: list[Json]) -> Json:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return self._body(obj, choices)
+
+    def _body(self, obj: str, choices: list[Json]) -> Json:
         return {
             "id": self.id,
             "object": obj,

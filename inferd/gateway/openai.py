@@ -163,25 +163,29 @@ async def _sse(chunks: AsyncIterator[Json]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-class FinalizingResponse(Response):
-    """A response that runs `on_done` once it was sent, or failed to be."""
+class _Finalizing:
+    """Runs `on_done` once the response was sent, or failed to be, however it ended."""
 
+    on_done: Callable[[], Awaitable[None]]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)  # type: ignore[misc]
+        finally:
+            await self.on_done()
+
+
+class FinalizingResponse(_Finalizing, Response):
     def __init__(
         self, content: bytes, on_done: Callable[[], Awaitable[None]], media_type: str
     ) -> None:
         super().__init__(content, media_type=media_type)
         self.on_done = on_done
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_done()
 
-
-class FinalizingStreamingResponse(StreamingResponse):
-    """A stream that runs `on_done` when it ends however it ends: done, client gone (the
-    iterator may never have started, so `on_done` must close the engine streams), or error."""
+class FinalizingStreamingResponse(_Finalizing, StreamingResponse):
+    """A stream ends done, client gone (the iterator may never have started, so `on_done` must
+    close the engine streams), or in error: `on_done` runs in every case."""
 
     def __init__(
         self,
@@ -191,9 +195,3 @@ class FinalizingStreamingResponse(StreamingResponse):
     ) -> None:
         super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self.on_done = on_done
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_done()

@@ -46,6 +46,23 @@ class TokenDecoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class TextBuffer:
+    """Text appended piece by piece and read now and then: joined only when read, so a long
+    generation costs O(n) instead of O(n^2) string concatenation."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+
+    def append(self, piece: str) -> None:
+        self._pieces.append(piece)
+
+    @property
+    def value(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output ids into text deltas.
 
@@ -68,14 +85,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         self._held_calls = 0
-        self._pieces: list[str] = []
+        self._text = TextBuffer()
 
     @property
     def text(self) -> str:
         """All text emitted so far."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self._text.value
 
     def add_tokens(self, ids: Sequence[int]) -> str:
         """Appends output ids; returns the text they finalize (possibly "")."""
@@ -108,7 +123,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(0, self._read_offset)
         self._held_calls = 0
-        self._pieces.append(delta)
+        self._text.append(delta)
         return delta
 
     def _prompt_window(self, prompt: Sequence[int]) -> list[int]:

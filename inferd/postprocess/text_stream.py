@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferd.postprocess.detokenizer import IncrementalDetokenizer, TokenDecoder
+from inferd.postprocess.detokenizer import IncrementalDetokenizer, TextBuffer, TokenDecoder
 from inferd.postprocess.stop_checker import StopChecker
 
 
@@ -37,13 +37,11 @@ class TextStream:
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._checker = StopChecker(stop, include_stop_str_in_output) if stop else None
-        self._pieces: list[str] = []
+        self._text = TextBuffer()
 
     @property
     def text(self) -> str:
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return self._text.value
 
     @property
     def stop(self) -> str | None:
@@ -76,4 +74,4 @@ class TextStream:
 
     def _append(self, text: str) -> None:
         if text:
-            self._pieces.append(text)
+            self._text.append(text)

@@ -12,7 +12,8 @@ later part fails, so a failed load leaks no sessions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,56 +174,64 @@ def build_model(
     observer: ModelObserver | None,
 ) -> ServedModel:
     """One version of a model, not yet started. ModelConfigError/ModelLoadError on failure."""
+    with _naming_the_file(model_dir):
+        config, backends = _open_backends(config, version_dir, options)
+        try:
+            return _served(
+                name, version, config, backends, model_dir, version_dir, limits, observer
+            )
+        except BaseException:
+            close_all(backends)
+            raise
+
+
+@contextmanager
+def _naming_the_file(model_dir: Path) -> Iterator[None]:
+    # Field paths mean nothing without the file; messages from the config parser have it.
     where = f"{model_dir.name}/{CONFIG_FILE}"
     try:
-        return _build(name, version, config, model_dir, version_dir, options, limits, observer)
+        yield
     except ModelConfigError as e:
-        # Field paths mean nothing without the file; messages from the config parser have it.
         if str(e).startswith(where):
             raise
         raise ModelConfigError(f"{where}: {e}") from e
 
 
-def _build(
+def _served(
     name: str,
     version: str,
     config: ModelRepoConfig,
+    backends: list[Backend],
     model_dir: Path,
     version_dir: Path,
-    options: BackendOptions,
     limits: QueueLimits,
     observer: ModelObserver | None,
 ) -> ServedModel:
-    config, backends = _open_backends(config, version_dir, options)
-    try:
-        pre, post = _python_steps(backends[0])
-        check_config(config, backends[0], python_steps=bool(pre or post))
-        _check_embedding(config)
-        pre += build_steps(
-            config.preprocess, stage="preprocess", model_dir=model_dir, version_dir=version_dir
+    pre, post = _python_steps(backends[0])
+    check_config(config, backends[0], python_steps=bool(pre or post))
+    _check_embedding(config)
+    pre += build_steps(
+        config.preprocess, stage="preprocess", model_dir=model_dir, version_dir=version_dir
+    )
+    # The python class's postprocess runs last: after config steps such as softmax.
+    post = (
+        build_steps(
+            config.postprocess,
+            stage="postprocess",
+            model_dir=model_dir,
+            version_dir=version_dir,
         )
-        # The python class's postprocess runs last: after config steps such as softmax.
-        post = (
-            build_steps(
-                config.postprocess,
-                stage="postprocess",
-                model_dir=model_dir,
-                version_dir=version_dir,
-            )
-            + post
-        )
-        labels = _labels(config, model_dir, version_dir)
-        return ServedModel(
-            name,
-            version,
-            config,
-            backends,
-            preprocess=pre,
-            postprocess=post,
-            labels=labels,
-            observer=observer,
-            limits=limits,
-        )
-    except BaseException:
-        close_all(backends)
-        raise
+        + post
+    )
+    labels = _labels(config, model_dir, version_dir)
+    return ServedModel(
+        name,
+        version,
+        config,
+        backends,
+        preprocess=pre,
+        postprocess=post,
+        labels=labels,
+        observer=observer,
+        limits=limits,
+    )

@@ -45,7 +45,7 @@ LATENCY_BUCKETS = (
     300.0,
     600.0,
 )
-_TOKENLATENCY_BUCKETS = (
+_TOKEN_LATENCY_BUCKETS = (
     0.0005,
     0.001,
     0.0025,
@@ -167,13 +167,13 @@ class ServerMetrics:
             "inferd_time_per_output_token_seconds",
             "Decode time divided by output tokens after the first, per request",
             registry=r,
-            buckets=_TOKENLATENCY_BUCKETS,
+            buckets=_TOKEN_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
             "inferd_inter_token_latency_seconds",
             "Time between successive output tokens as the server received them",
             registry=r,
-            buckets=_TOKENLATENCY_BUCKETS,
+            buckets=_TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = Histogram(
             "inferd_e2e_request_latency_seconds",

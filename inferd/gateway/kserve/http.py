@@ -61,7 +61,7 @@ def repository(state: GatewayState) -> ModelRepository:
 
 def _target(request: Request) -> tuple[str, str]:
     params = request.path_params
-    return str(params["model"]), str(params.get("version", ""))
+    return str(params.get("model", "")), str(params.get("version", ""))
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -79,16 +79,12 @@ async def list_models(request: Request) -> Response:
     return _json({"models": [] if repo is None else repo.model_names()})
 
 
-# Declared before the /v2/models/{model} routes, which would otherwise take "stats" as a name.
+# "/v2/models/stats" is declared before the /v2/models/{model} routes, which would otherwise
+# take "stats" as a model name.
 @router.get("/v2/models/stats")
-async def all_statistics(request: Request) -> Response:
-    state = gateway(request)
-    return _json(state.model_metrics.statistics(stats_targets(repository(state), "", "")))
-
-
 @router.get(_MODEL + "/stats")
 @router.get(_VERSION + "/stats")
-async def model_statistics(request: Request) -> Response:
+async def statistics(request: Request) -> Response:
     state = gateway(request)
     model, version = _target(request)
     return _json(state.model_metrics.statistics(stats_targets(repository(state), model, version)))
