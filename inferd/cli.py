@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from inferd.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
 from inferd.errors import InferdError
@@ -124,8 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = ServerConfig(
         host=args.host,
         port=args.port,
-        api_keys=tuple(args.api_key or ()),
-        max_body_bytes=args.max_body_bytes,
+        **_security(args),
         shutdown_timeout_s=args.shutdown_timeout,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         served_model_name=args.served_model_name,
@@ -145,6 +145,81 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine, admission, server, repository)
 
 
+def _security(args: argparse.Namespace) -> dict[str, Any]:
+    """Keys, limits, TLS and connection bounds. --max-body-bytes, when given, bounds gRPC
+    messages too (unless --grpc-max-message-bytes says otherwise); left out, both keep their
+    defaults (4 MiB HTTP, 64 MiB gRPC)."""
+    from inferd.config import ServerConfig, read_environment
+
+    env_key = read_environment().api_key
+    out: dict[str, Any] = {
+        "api_keys": (*(args.api_key or ()), *((env_key,) if env_key else ())),
+        "api_key_file": args.api_key_file,
+        "rate_limit_rpm": args.rate_limit_rpm,
+        "rate_limit_tpm": args.rate_limit_tpm,
+        "rate_limit_concurrency": args.rate_limit_concurrency,
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "read_timeout_s": args.read_timeout,
+        "limit_concurrency": args.limit_concurrency,
+    }
+    grpc_bytes = args.grpc_max_message_bytes or args.max_body_bytes
+    if args.max_body_bytes is not None:
+        out["max_body_bytes"] = args.max_body_bytes
+    if grpc_bytes is not None:
+        out["grpc_max_message_bytes"] = grpc_bytes
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise InferdError("--ssl-keyfile and --ssl-certfile must be given together")
+    assert set(out) <= set(ServerConfig.model_fields)
+    return out
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """Keys, per-key limits, TLS and hostile-connection bounds (docs/configuration.md)."""
+    from inferd.config import ServerConfig
+
+    srv = ServerConfig.model_fields
+    g = p.add_argument_group("security (keys, limits, TLS, connections)")
+    g.add_argument("--api-key", action="append", help="accepted Bearer key, admin (repeatable)")
+    g.add_argument(
+        "--api-key-file", default=None, help="keys, one a line: KEY [admin] [name=] [rpm=] ..."
+    )
+    g.add_argument("--rate-limit-rpm", type=int, default=None, help="requests/min per key")
+    g.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens/min per key")
+    g.add_argument(
+        "--rate-limit-concurrency", type=int, default=None, help="requests at once per key"
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM), HTTP and gRPC")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA bundle: require client certs")
+    g.add_argument(
+        "--timeout-keep-alive", type=float, default=srv["timeout_keep_alive"].default
+    )
+    g.add_argument(
+        "--read-timeout",
+        type=float,
+        default=None,
+        help="seconds a request's headers and body may take to arrive (default: no limit)",
+    )
+    g.add_argument(
+        "--limit-concurrency", type=int, default=None, help="HTTP connections at once (503 over)"
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=_bytes,
+        default=None,
+        help=f"request body bound, HTTP and gRPC (default {srv['max_body_bytes'].default})",
+    )
+    g.add_argument(
+        "--grpc-max-message-bytes",
+        type=_bytes,
+        default=None,
+        help="gRPC message bound (default: --max-body-bytes when given, else 64 MiB)",
+    )
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server flags, vLLM's names where the concept is the same."""
     from inferd.config import AdmissionConfig, ServerConfig
@@ -153,7 +228,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
     p.add_argument("--host", default=srv["host"].default)
     p.add_argument("--port", type=int, default=srv["port"].default)
-    p.add_argument("--api-key", action="append", help="accepted Bearer key (repeatable)")
     p.add_argument("--max-queued-requests", type=int, default=adm["max_queued_requests"].default)
     p.add_argument("--max-queued-tokens", type=int, default=adm["max_queued_tokens"].default)
     p.add_argument(
@@ -169,7 +243,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="requests the engine may hold waiting beyond its free slots (the rest queue in front)",
     )
     p.add_argument("--shutdown-timeout", type=float, default=srv["shutdown_timeout_s"].default)
-    p.add_argument("--max-body-bytes", type=_bytes, default=srv["max_body_bytes"].default)
     p.add_argument("--otlp-traces-endpoint", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--disable-access-log", action="store_true")
@@ -220,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser("serve", help="serve LLMs (OpenAI API) and classic models (KServe v2)")
     add_server_args(srv)
+    add_security_args(srv)
     add_engine_args(srv)
     srv.set_defaults(model=None)  # resolved in _serve: no LLM when only a repository is given
     srv.set_defaults(func=_serve)

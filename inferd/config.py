@@ -99,6 +99,8 @@ class Environment(_Frozen):
 
     cache_dir: Path
     hf_offline: bool
+    # INFERD_API_KEY: one more admin key (like vLLM's VLLM_API_KEY); None when unset or empty.
+    api_key: str | None = None
 
     @field_validator("cache_dir")
     @classmethod
@@ -111,6 +113,7 @@ def read_environment() -> Environment:
     return Environment(
         cache_dir=Path(os.environ.get("INFERD_CACHE_DIR", str(default_cache))),
         hf_offline=os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"),
+        api_key=os.environ.get("INFERD_API_KEY") or None,
     )
 
 
@@ -138,8 +141,27 @@ class ServerConfig(_Frozen):
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, le=65535)
     # Bearer keys accepted on every inference route (/v1/*, /v2/*; not health, /metrics, docs);
-    # empty: no authentication.
+    # empty (and no api_key_file): no authentication. These keys (--api-key, INFERD_API_KEY)
+    # have the admin scope.
     api_keys: tuple[str, ...] = ()
+    # More keys, one per line with optional scope, name and limits (docs/api.md).
+    api_key_file: str | None = None
+    # Per-key limits for keys that do not set their own; None: unlimited.
+    rate_limit_rpm: int | None = Field(default=None, gt=0)  # requests per minute
+    rate_limit_tpm: int | None = Field(default=None, gt=0)  # prompt + completion tokens
+    rate_limit_concurrency: int | None = Field(default=None, gt=0)  # requests at once
+    # TLS for HTTP and gRPC (both use the same key and certificate); None: plain text.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # CA bundle for client certificates: given, clients must present one it signed (mTLS).
+    ssl_ca_certs: str | None = None
+    # Idle seconds before a keep-alive connection is closed (uvicorn's default).
+    timeout_keep_alive: float = Field(default=5.0, gt=0)
+    # Seconds a request's headers and body may take to arrive (slow clients are cut off);
+    # None: no limit.
+    read_timeout_s: float | None = Field(default=None, gt=0)
+    # HTTP connections (and requests) at once; over it new ones get 503. None: no cap.
+    limit_concurrency: int | None = Field(default=None, gt=0)
     # Request bodies over this many bytes get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 2**20, gt=0)
     # After SIGTERM: seconds in-flight requests may take to finish before they are aborted.

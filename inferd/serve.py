@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,14 +61,7 @@ async def run_server(
     state = gateway_state(app)
     state.serves_llm = engine is not None
     state.serves_repository = repository is not None
-    config = uvicorn.Config(
-        app,
-        host=server.host,
-        port=server.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn.Config(app, **uvicorn_options(server))
     http = _Server(config)
     http_task = asyncio.create_task(http.serve())
     stop = asyncio.Event()
@@ -97,6 +91,29 @@ async def run_server(
     if state.tracer is not None:
         state.tracer.shutdown()
     return code
+
+
+def uvicorn_options(server: ServerConfig) -> dict[str, Any]:
+    """uvicorn.Config's keywords: address, TLS, connection bounds (docs/configuration.md)."""
+    options: dict[str, Any] = {
+        "host": server.host,
+        "port": server.port,
+        "log_config": None,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": server.timeout_keep_alive,
+        "limit_concurrency": server.limit_concurrency,
+        "ssl_keyfile": server.ssl_keyfile,
+        "ssl_certfile": server.ssl_certfile,
+        "ssl_ca_certs": server.ssl_ca_certs,
+    }
+    if server.ssl_ca_certs is not None and server.ssl_certfile is not None:
+        options["ssl_cert_reqs"] = ssl.CERT_REQUIRED  # a CA given: clients must show a cert
+    if server.read_timeout_s is not None:
+        from inferd.gateway.connection import read_timeout_protocol
+
+        options["http"] = read_timeout_protocol(server.read_timeout_s)
+    return options
 
 
 @dataclass

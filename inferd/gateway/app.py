@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from inferd.config import ServerConfig
 from inferd.gateway import embeddings, health, openai, websocket
+from inferd.gateway.auth import Guard
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
@@ -52,7 +53,11 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(kserve_http.router)
     install_error_handlers(app, on_reject=state.metrics.reject)
-    app.add_middleware(GatewayMiddleware, server=server, on_reject=state.metrics.reject)
+    guard = Guard.from_config(server, metrics)  # built here: a bad key file fails at start
+    app.add_middleware(
+        GatewayMiddleware, server=server, on_reject=state.metrics.reject, guard=guard
+    )
+    state.guard = guard
     return app
 
 

@@ -1,9 +1,11 @@
 """The pure-ASGI wrapper every HTTP request and WebSocket goes through.
 
 In order: a request id (the client's `X-Request-Id` if it sent a sane one, else a new one;
-returned on the response), the arrival time (the `receive` stage starts here), API-key auth on
-every inference route (all but health, /metrics and docs), the body size limit (413 before
-anything parses it), and one JSON access-log line when the response is done. Refusals here use
+returned on the response), the arrival time (the `receive` stage starts here), API-key auth,
+scope and per-key limits on every inference route (all but health, /metrics and docs; see
+auth.py: 401, 403 on admin routes, 429 with Retry-After, x-ratelimit-* on every response), the
+body size limit (413 before anything parses it), and one JSON access-log line when the response
+is done. Refusals here use
 the error body of the path's protocol (KServe's on /v2/*, OpenAI's elsewhere). Pure ASGI rather
 than BaseHTTPMiddleware, so streamed responses pass through untouched and disconnects still
 reach the app.
@@ -11,7 +13,6 @@ reach the app.
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
 import uuid
@@ -20,11 +21,14 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from inferd.config import ServerConfig
+from inferd.gateway.auth import Admission, Guard, Refusal
 from inferd.gateway.errors import APIError, is_kserve_path
 from inferd.telemetry.access_log import AccessRecord, log_access
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _OPEN_PATHS = ("/health", "/v2/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+# Routes that change server state: they need a key with the admin scope.
+_ADMIN_RE = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -45,12 +49,37 @@ def _needs_auth(path: str) -> bool:
     return not path.startswith(_OPEN_PATHS)
 
 
+def _refused(refusal: Refusal) -> APIError:
+    return APIError(
+        refusal.status,
+        refusal.message,
+        type=refusal.error_type,
+        code=refusal.code,
+        reason=refusal.reason,
+        headers=dict(refusal.headers),
+    )
+
+
+def _tokens_used(scope: Scope) -> int:
+    """Prompt + completion tokens the route reported (completions, chat, WebSocket)."""
+    extra = scope["state"].get("access_extra", {})
+    return int(extra.get("prompt_tokens", 0) or 0) + int(extra.get("completion_tokens", 0) or 0)
+
+
 class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, server: ServerConfig, on_reject: Any = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        server: ServerConfig,
+        on_reject: Any = None,
+        guard: Guard | None = None,
+    ) -> None:
+        """`guard`: the API keys and their limits; None builds one from `server` (None when
+        it names no keys: no authentication)."""
         self.app = app
         self.server = server
         self.on_reject = on_reject
-        self._keys = [k.encode() for k in server.api_keys]
+        self.guard = guard if guard is not None else Guard.from_config(server, None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -65,11 +94,22 @@ class GatewayMiddleware:
         await self._http(scope, receive, send)
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._authorized(scope):
-            await self.app(scope, receive, send)
+        """One WebSocket connection is one admitted request of its key (it holds one
+        concurrency slot while open); the tokens of its requests are charged at the end."""
+        try:
+            admission = self._admit(scope)
+        except Refusal as refusal:
+            if self.on_reject is not None:
+                self.on_reject(refusal.reason)
+            await receive()  # websocket.connect
+            code = 1013 if refusal.status == 429 else 1008  # 1013: try again later
+            await send({"type": "websocket.close", "code": code, "reason": refusal.message})
             return
-        await receive()  # websocket.connect
-        await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if admission is not None:
+                admission.done(_tokens_used(scope))
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         record = AccessRecord(
@@ -79,9 +119,10 @@ class GatewayMiddleware:
             client=_client(scope),
             arrival=scope["state"]["arrival"],
         )
-        send = self._wrap_send(send, record)
+        admission: Admission | None = None
         try:
-            error = self._precheck(scope)
+            admission, error = self._precheck(scope)
+            send = self._wrap_send(send, record, admission)
             if error is None:
                 receive, error = await self._limit_body(scope, receive)
             if error is not None:
@@ -92,11 +133,13 @@ class GatewayMiddleware:
                 return
             await self.app(scope, receive, send)
         finally:
+            if admission is not None:
+                admission.done(_tokens_used(scope))
             if self.server.access_log:
                 record.extra = scope["state"].get("access_extra", {})
                 log_access(record)
 
-    def _wrap_send(self, send: Send, record: AccessRecord) -> Send:
+    def _wrap_send(self, send: Send, record: AccessRecord, admission: Admission | None) -> Send:
         request_id = record.request_id.encode()
 
         async def wrapped(message: Message) -> None:
@@ -104,6 +147,8 @@ class GatewayMiddleware:
                 record.status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id))
+                if admission is not None:
+                    headers += [(k.encode(), v.encode()) for k, v in admission.headers()]
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
                 record.bytes_out += len(message.get("body", b""))
@@ -111,29 +156,23 @@ class GatewayMiddleware:
 
         return wrapped
 
-    def _authorized(self, scope: Scope) -> bool:
-        if not self._keys or not _needs_auth(scope.get("path", "")):
-            return True
-        auth = _header(scope, b"authorization") or ""
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        given = token.strip().encode()
-        return any(hmac.compare_digest(given, k) for k in self._keys)
+    def _admit(self, scope: Scope) -> Admission | None:
+        """The request's admission under its key; None when no key is needed. Raises Refusal."""
+        path = scope.get("path", "")
+        if self.guard is None or not _needs_auth(path):
+            return None
+        auth = _header(scope, b"authorization")
+        return self.guard.admit(auth, admin=bool(_ADMIN_RE.match(path)))
 
-    def _precheck(self, scope: Scope) -> APIError | None:
-        if not self._authorized(scope):
-            return APIError(
-                401,
-                "invalid or missing API key (send Authorization: Bearer <key>)",
-                type="authentication_error",
-                code="invalid_api_key",
-                reason="unauthorized",
-            )
+    def _precheck(self, scope: Scope) -> tuple[Admission | None, APIError | None]:
+        try:
+            admission = self._admit(scope)
+        except Refusal as refusal:
+            return None, _refused(refusal)
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
-            return _too_large(self.server.max_body_bytes)
-        return None
+            return admission, _too_large(self.server.max_body_bytes)
+        return admission, None
 
     async def _limit_body(self, scope: Scope, receive: Receive) -> tuple[Receive, APIError | None]:
         """Reads the whole body (bounded) and replays it; later receives (disconnect) pass

@@ -23,6 +23,7 @@ from inferd.telemetry.tracing import RequestTracer
 from inferd.types import RequestOutput
 
 if TYPE_CHECKING:
+    from inferd.gateway.auth import Guard
     from inferd.repository.manager import ModelRepository
 
 
@@ -72,6 +73,8 @@ class GatewayState:
     llm: EngineClient | None = None
     # Classic models (--model-repository); None when the server runs without one.
     repository: ModelRepository | None = None
+    # API keys, scopes and per-key limits (gRPC applies them too); None: no authentication.
+    guard: Guard | None = None
     # What the server was started with: readiness waits for each to load.
     serves_llm: bool = True
     serves_repository: bool = False

@@ -135,6 +135,14 @@ async def _one_request(
         with suppress(Exception):
             await outputs.aclose()
         finalize(state, job)
+        _add_usage(ws, job.prompt_tokens, job.completion_tokens)
+
+
+def _add_usage(ws: WebSocket, prompt_tokens: int, completion_tokens: int) -> None:
+    """The connection's token totals, which the middleware charges to its API key."""
+    extra = ws.scope["state"].setdefault("access_extra", {})
+    extra["prompt_tokens"] = extra.get("prompt_tokens", 0) + prompt_tokens
+    extra["completion_tokens"] = extra.get("completion_tokens", 0) + completion_tokens
 
 
 async def _produce(ws: WebSocket, chunks: Any) -> None:

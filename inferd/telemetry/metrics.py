@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -75,6 +75,8 @@ REJECT_REASONS = (
     "draining",
     "not_ready",
     "engine_dead",
+    "forbidden",
+    "rate_limited",
 )
 
 
@@ -199,12 +201,49 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self._add_key_metrics(r)
         for reason in FINISH_REASONS:
             self.finished.labels(reason)
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         if read_engine is not None:
             self.watch_engine(read_engine)
+
+    def _add_key_metrics(self, r: CollectorRegistry) -> None:
+        """Per API key, labelled by the key's name (never the key itself)."""
+        self.key_requests = Counter(
+            "inferd_api_key_requests", "Requests admitted per API key", ["key"], registry=r
+        )
+        self.key_tokens = Counter(
+            "inferd_api_key_tokens",
+            "Prompt plus completion tokens charged per API key",
+            ["key"],
+            registry=r,
+        )
+        self.key_rate_limited = Counter(
+            "inferd_api_key_rate_limited",
+            "Requests refused with 429 per API key, by the limit that refused them",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.key_running = Gauge(
+            "inferd_api_key_requests_running",
+            "Admitted requests of an API key not yet finished",
+            ["key"],
+            registry=r,
+        )
+
+    def key_admitted(self, key: str) -> None:
+        self.key_requests.labels(key).inc()
+        self.key_running.labels(key).inc()
+
+    def key_done(self, key: str, tokens: int) -> None:
+        self.key_running.labels(key).dec()
+        if tokens > 0:
+            self.key_tokens.labels(key).inc(tokens)
+
+    def key_limited(self, key: str, limit: str) -> None:
+        self.key_rate_limited.labels(key, limit).inc()
 
     def watch_engine(self, read_engine: Callable[[], EngineGauges | None]) -> None:
         """Adds the engine gauges, read from `read_engine()` at each scrape."""

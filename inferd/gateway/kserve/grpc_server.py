@@ -46,6 +46,7 @@ from inferd.errors import (
     QueueTimeoutError,
 )
 from inferd.gateway.kserve.codec import MAX_RANK
+from inferd.gateway.kserve.grpc_security import add_port, interceptors
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.kserve.proto import SERVICE_NAME
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
@@ -616,7 +617,9 @@ async def start_grpc_server(
             # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind
             # quietly and take half the connections. Fail loudly instead.
             ("grpc.so_reuseport", 0),
-        ]
+        ],
+        # API keys, scopes and per-key limits, as on HTTP (grpc_security.py).
+        interceptors=interceptors(state.guard, state.metrics.reject),
     )
     service = InferenceService(state)
     server.add_generic_rpc_handlers(
@@ -626,7 +629,7 @@ async def start_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, state.server)  # TLS when --ssl-certfile is given
     except RuntimeError as err:  # grpcio raises this, older versions returned 0
         raise OSError(f"gRPC server could not bind {address}: {err}") from None
     if bound == 0:
