@@ -34,6 +34,7 @@ from inferd.config import ServerConfig
 from inferd.gateway import create_app
 from inferd.gateway.state import GatewayState
 from inferd.repository.manager import ModelRepository
+from inferd.serve import uvicorn_options
 
 LABELS = ["cat", "dog", "bird"]
 WEIGHTS = np.array(
@@ -213,13 +214,15 @@ class LiveServer:
 @contextlib.contextmanager
 def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
     """The app with `root` as its model repository and no LLM, on a free port."""
-    app = create_app(None, ServerConfig(access_log=False, **server))
+    config = ServerConfig(access_log=False, **server)
+    app = create_app(None, config)
     state: GatewayState = app.state.gateway
     state.serves_llm = False
     port = free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
+    # The server's own uvicorn options (TLS, timeouts, connection bounds) on a test port.
+    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port}
+    del options["log_config"]
+    uv = uvicorn.Server(uvicorn.Config(app, **options, log_level="warning", lifespan="off"))
     loops: list[asyncio.AbstractEventLoop] = []
     failures: list[BaseException] = []
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
 from inferd.config import ServerConfig
 from inferd.errors import QueueFullError, QueueTimeoutError
@@ -264,3 +265,30 @@ def test_timeline_stages_merge_over_engine_requests() -> None:
     assert math.isclose(d["decode"], 1.1) and math.isclose(d["detokenize"], 0.03)
     assert math.isclose(d["ttft"], 0.4) and math.isclose(d["e2e"], 2.0)
     assert [round(g, 6) for g in tl.token_gaps] == [0.1, 0.1, 0.1]
+
+
+def test_per_key_token_limit_and_scopes_on_the_openai_routes(tmp_path: Any) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a name=alice tpm=10 concurrency=4\n")
+    c, _ = make(api_key_file=str(keys))
+    auth = {"Authorization": "Bearer sk-a"}
+    ws_path = "/v1/completions/ws"
+    body = {"prompt": "hi", "max_tokens": 5}  # 2 prompt + 5 completion tokens
+    first = c.post("/v1/completions", json=body, headers=auth)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-limit-tokens"] == "10"
+    assert first.headers["x-ratelimit-remaining-tokens"] == "10"  # charged when it ends
+    assert c.post("/v1/completions", json=body, headers=auth).status_code == 200
+    r = c.post("/v1/completions", json=body, headers=auth)  # 14 of 10 spent: in debt
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+    # The same key on the WebSocket: refused at the handshake.
+    with pytest.raises(WebSocketDisconnect) as closed, c.websocket_connect(ws_path, headers=auth):
+        pass
+    assert closed.value.code == 1013  # try again later
+    metrics = c.get("/metrics").text
+    assert 'inferd_api_key_tokens_total{key="alice"} 14.0' in metrics
+    assert 'inferd_api_key_requests_running{key="alice"} 0.0' in metrics

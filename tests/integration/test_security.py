@@ -1,0 +1,271 @@
+"""Keys, scopes, per-key limits, TLS and slow clients, against a live server with real clients:
+httpx and the `openai` client over HTTPS with a CA file, tritonclient.grpc over TLS, and raw
+TLS sockets for the slow client. Certificates are made here, at test time."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from kserve_server import LiveServer, serve, write_repository
+from openai import OpenAI
+from tritonclient.utils import InferenceServerException
+
+from inferd.cli import _security, build_parser
+from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
+
+pytestmark = pytest.mark.integration
+
+KEYS = """
+sk-user   name=user
+sk-ops    admin name=ops
+sk-slow   name=limited rpm=2
+"""
+READ_TIMEOUT_S = 1.0
+MAX_BODY = 65536
+USER = {"Authorization": "Bearer sk-user"}
+OPS = {"Authorization": "Bearer sk-ops"}
+
+
+@dataclass
+class Certs:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def make_certs(folder: Path) -> Certs:
+    """A CA, and a server certificate it signs for 127.0.0.1 and localhost (PEM files)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(_name("inferd test CA"))
+        .issuer_name(_name("inferd test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("localhost"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    out = Certs(folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
+    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.key.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return out
+
+
+@dataclass
+class Secure:
+    live: LiveServer
+    grpc: GrpcServer
+    certs: Certs
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.live.port}"
+
+    def trust(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.certs.ca))
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, verify=self.trust(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
+    tmp = tmp_path_factory.mktemp("secure")
+    certs = make_certs(tmp)
+    (tmp / "keys").write_text(KEYS)
+    root = write_repository(tmp / "repo")
+    with serve(
+        root,
+        api_key_file=str(tmp / "keys"),
+        ssl_keyfile=str(certs.key),
+        ssl_certfile=str(certs.cert),
+        read_timeout_s=READ_TIMEOUT_S,
+        max_body_bytes=MAX_BODY,
+        grpc_max_message_bytes=MAX_BODY,
+    ) as live:
+        grpc_server = live.call(start_grpc_server(live.state, "127.0.0.1", 0))
+        try:
+            yield Secure(live, grpc_server, certs)
+        finally:
+            live.call(stop_grpc_server(grpc_server, 1.0))
+
+
+def _infer_body() -> dict[str, object]:
+    x = [[0.1, 0.2, 0.3, 0.4]]
+    return {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": x}]}
+
+
+def test_https_keys_and_scopes(secure: Secure) -> None:
+    with secure.client() as c:
+        r = c.post("/v2/models/classifier/infer", json=_infer_body())
+        assert r.status_code == 401 and set(r.json()) == {"error"}  # KServe's error body
+        r = c.post("/v2/models/classifier/infer", json=_infer_body(), headers=USER)
+        assert r.status_code == 200, r.text
+        assert "x-ratelimit-limit-requests" not in r.headers  # no limit set for this key
+        r = c.post("/v2/repository/models/classifier/unload", headers=USER)
+        assert r.status_code == 403 and "admin" in r.json()["error"]
+        assert c.post("/v2/repository/models/classifier/load", headers=OPS).status_code == 200
+        assert c.get("/v2/health/ready").status_code == 200  # probes need no key
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
+        httpx.get(f"http://127.0.0.1:{secure.live.port}/v2/health/live", timeout=5)
+    with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
+        httpx.get(f"{secure.url}/v2/health/live", timeout=5)
+
+
+def test_openai_client_over_tls(secure: Secure) -> None:
+    http = httpx.Client(verify=secure.trust())
+    client = OpenAI(base_url=f"{secure.url}/v1", api_key="sk-user", http_client=http)
+    out = client.embeddings.create(model="embedder", input=["hello there"])
+    assert len(out.data[0].embedding) == 8
+
+
+def test_rate_limit_429_with_openai_headers(secure: Secure) -> None:
+    limited = {"Authorization": "Bearer sk-slow"}
+    with secure.client() as c:
+        codes = [c.get("/v2/models/classifier", headers=limited) for _ in range(3)]
+        assert [r.status_code for r in codes] == [200, 200, 429]
+        assert codes[0].headers["x-ratelimit-limit-requests"] == "2"
+        assert codes[1].headers["x-ratelimit-remaining-requests"] == "0"
+        refused = codes[2]
+        assert set(refused.json()) == {"error"}
+        assert 1 <= int(refused.headers["retry-after"]) <= 30  # one request per 30 s
+        assert refused.headers["x-ratelimit-reset-requests"].endswith("s")
+        r = c.post("/v1/embeddings", json={"model": "embedder", "input": "x"}, headers=limited)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+        metrics = c.get("/metrics").text
+    assert 'inferd_api_key_rate_limited_total{key="limited",limit="requests"} 2.0' in metrics
+    assert 'inferd_requests_rejected_total{reason="rate_limited"}' in metrics
+    assert "sk-slow" not in metrics
+
+
+def _triton(secure: Secure) -> triton.InferenceServerClient:
+    return triton.InferenceServerClient(
+        f"127.0.0.1:{secure.grpc.port}", ssl=True, root_certificates=str(secure.certs.ca)
+    )
+
+
+def _input(x: np.ndarray) -> triton.InferInput:
+    inp = triton.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return inp
+
+
+def test_grpc_over_tls_with_keys_and_scopes(secure: Secure) -> None:
+    client = _triton(secure)
+    assert client.is_server_live()  # open, like /v2/health
+    x = np.ones((1, 4), dtype=np.float32)
+    with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
+        client.infer("classifier", [_input(x)])
+    result = client.infer("classifier", [_input(x)], headers={"authorization": "Bearer sk-user"})
+    assert result.as_numpy("probs").shape == (1, 3)
+    with pytest.raises(InferenceServerException, match="PERMISSION_DENIED"):
+        client.unload_model("classifier", headers={"authorization": "Bearer sk-user"})
+    client.load_model("classifier", headers={"authorization": "Bearer sk-ops"})
+    big = np.ones((1, MAX_BODY // 4 + 16), dtype=np.float32)  # over --max-body-bytes
+    with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED"):
+        client.infer("classifier", [_input(big)], headers={"authorization": "Bearer sk-user"})
+    client.close()
+
+
+def test_grpc_plain_channel_is_refused(secure: Secure) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{secure.grpc.port}")
+    with channel, pytest.raises(grpc.FutureTimeoutError):
+        grpc.channel_ready_future(channel).result(timeout=2)
+
+
+def _tls_socket(secure: Secure) -> ssl.SSLSocket:
+    raw = socket.create_connection(("127.0.0.1", secure.live.port), timeout=10)
+    return secure.trust().wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def test_slow_client_is_cut_off_at_the_read_timeout(secure: Secure) -> None:
+    """Slowloris: one header byte at a time. The server closes the connection once the request
+    has not arrived within --read-timeout, long before the client would have finished."""
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"
+    sock = _tls_socket(secure)
+    sent = 0
+    closed = False
+    started = time.monotonic()
+    try:
+        for byte in request:
+            sock.sendall(bytes([byte]))
+            sent += 1
+            sock.settimeout(0.25)  # also the pace: about four bytes a second
+            try:
+                closed = sock.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except (ssl.SSLError, OSError):
+                closed = True
+            if closed:
+                break
+    except (ssl.SSLError, OSError):
+        closed = True  # the write failed: the server had closed the connection
+    finally:
+        sock.close()
+    assert closed and sent < len(request), f"still open after {sent} bytes"
+    # The bound is the timeout itself, plus slack for a loaded machine; the pace alone would
+    # have taken over a minute to send the whole request.
+    assert time.monotonic() - started < READ_TIMEOUT_S + 10
+    with secure.client() as c:  # and the server still serves
+        assert c.get("/v2/health/live").status_code == 200
+
+
+def test_a_whole_request_is_not_cut_off(secure: Secure) -> None:
+    """A keep-alive connection whose requests arrive whole stays usable past the timeout."""
+    with secure.client() as c:
+        assert c.get("/v2/health/live").status_code == 200
+        time.sleep(READ_TIMEOUT_S + 0.5)  # idle but under the 5 s keep-alive
+        assert c.get("/v2/health/live").status_code == 200
+
+
+def test_max_body_bytes_bounds_grpc_messages_too() -> None:
+    parse = build_parser().parse_args
+    args = parse(["serve", "--max-body-bytes", "1MiB"])
+    assert _security(args)["grpc_max_message_bytes"] == 2**20
+    args = parse(["serve", "--max-body-bytes", "1MiB", "--grpc-max-message-bytes", "8MiB"])
+    assert _security(args)["grpc_max_message_bytes"] == 8 * 2**20
+    assert "grpc_max_message_bytes" not in _security(parse(["serve"]))  # the default stays
