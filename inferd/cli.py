@@ -31,6 +31,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, or e.g. 2GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV cache element type; auto: the model dtype",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu_kernel", "torch"],
+        help="auto: the native CPU kernel when it builds, else PyTorch",
+    )
     sched = SchedulerConfig.model_fields
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
@@ -56,6 +68,8 @@ _ENGINE_ARGS = (
     "kv_cache_memory",
     "gpu_memory_utilization",
     "enable_prefix_caching",
+    "kv_cache_dtype",
+    "attention_backend",
     "max_num_batched_tokens",
     "max_num_seqs",
     "policy",

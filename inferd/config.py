@@ -18,6 +18,9 @@ DEFAULT_MODEL = "inferd-tiny"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+KVCacheDType = Literal["auto", "float32", "bfloat16"]
+# "auto": the native CPU kernel where it builds (inferd/executor/kernels), else PyTorch.
+AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 
 
 class _Frozen(BaseModel):
@@ -45,6 +48,12 @@ class CacheConfig(_Frozen):
     kv_cache_memory: int | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
+    # Element type of the KV pool; "auto": the model dtype. bfloat16 halves the bytes attention
+    # reads per step (and doubles the blocks a budget holds) at bf16's rounding of K and V.
+    kv_cache_dtype: KVCacheDType = "auto"
+    # How attention reads the paged cache: "cpu_kernel" (fails at start if it cannot build),
+    # "torch" (gather + SDPA, the CUDA path), "auto" (the kernel on CPU when available).
+    attention_backend: AttentionBackend = "auto"
 
 
 class SchedulerConfig(_Frozen):
@@ -99,6 +108,8 @@ class Environment(_Frozen):
 
     cache_dir: Path
     hf_offline: bool
+    # INFERD_DISABLE_KERNELS=1: never build or load native kernels (the PyTorch path runs).
+    disable_kernels: bool = False
     # INFERD_API_KEY: one more admin key (like vLLM's VLLM_API_KEY); None when unset or empty.
     api_key: str | None = None
 
@@ -108,11 +119,16 @@ class Environment(_Frozen):
         return v.expanduser()
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
 def read_environment() -> Environment:
     default_cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "inferd"
     return Environment(
         cache_dir=Path(os.environ.get("INFERD_CACHE_DIR", str(default_cache))),
-        hf_offline=os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"),
+        hf_offline=_flag("HF_HUB_OFFLINE"),
+        disable_kernels=_flag("INFERD_DISABLE_KERNELS"),
         api_key=os.environ.get("INFERD_API_KEY") or None,
     )
 

@@ -5,9 +5,16 @@ sequence (B of them), then each prefill chunk. K/V for token t are written to ca
 `slot_mapping[t]` (slot = block_id * block_size + offset), then every query attends to its own
 sequence's cached K/V.
 
-KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), so one
-block of one layer is a contiguous [block_size, H_kv, D] tile and a block-table gather copies whole
-tiles.
+KV cache layout, per layer: [2, num_blocks + 1, block_size, num_kv_heads, head_dim] (K then V; the
+extra block is the CUDA-graph scratch block), so one block of one layer is a contiguous
+[block_size, H_kv, D] tile. The cache's dtype may differ from the model's (`--kv-cache-dtype`).
+
+Two ways to read it:
+- the native CPU kernel (`meta.paged`, inferd/executor/kernels): decode rows and prefill chunks
+  with a cached prefix, K/V read in place through the block table; plain prefill chunks (no
+  cached prefix) stay on SDPA over the chunk's own K/V, which needs no cache read at all;
+- PyTorch (CUDA, or no kernel): decode rows in length groups and prefixed chunks gather whole
+  tiles with index_select, then SDPA with a padding / causal mask.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from inferd.executor.kernels import PagedAttentionKernel, PagedBatch
 
 
 @dataclass
@@ -42,6 +51,9 @@ class AttentionMetadata:
     # by length so one short sequence does not pay for the longest one's padding.
     decode_groups: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Native-kernel path: the decode rows and prefixed chunks, read in place (decode_groups is
+    # then empty and prefills holds only plain chunks).
+    paged: PagedBatch | None = None
 
 
 class PagedAttention(nn.Module):
@@ -55,12 +67,16 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.kv_cache: Tensor = torch.empty(0)
+        self.kernel: PagedAttentionKernel | None = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         # q: [T, Hq, D]  k, v: [T, Hkv, D]  ->  out: [T, Hq, D]
         if self.kv_cache.numel():
             _write_kv(self.kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        if meta.paged is not None:
+            assert self.kernel is not None, "a paged batch needs the native kernel"
+            self.kernel(out, q.contiguous(), self.kv_cache, meta.paged, self.scale)
         start = 0
         for block_table, mask in meta.decode_groups:
             n = block_table.shape[0]
@@ -81,15 +97,15 @@ class PagedAttention(nn.Module):
         # [B * nb, bs, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
         flat = block_table.flatten()
         shape = (b, -1, self.num_kv_heads, self.head_dim)
-        k = self.kv_cache[0].index_select(0, flat).view(shape).transpose(1, 2)
-        v = self.kv_cache[1].index_select(0, flat).view(shape).transpose(1, 2)
+        k = _as(self.kv_cache[0].index_select(0, flat), q).view(shape).transpose(1, 2)
+        v = _as(self.kv_cache[1].index_select(0, flat), q).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan) -> Tensor:
         if span.context_slots is not None:
-            k = self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots)
-            v = self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots)
+            k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots), q)
+            v = _as(self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots), q)
         # [S, H, D] -> [1, H, S, D]
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         o = F.scaled_dot_product_attention(
@@ -105,5 +121,10 @@ class PagedAttention(nn.Module):
 
 
 def _write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, k)
-    kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, v)
+    kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, _as(k, kv_cache))
+    kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, _as(v, kv_cache))
+
+
+def _as(x: Tensor, like: Tensor) -> Tensor:
+    """x in like's dtype (a cache dtype other than the model's); no copy when they agree."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
+from inferd.executor import kernels
 from inferd.executor.attention import AttentionMetadata, PrefillSpan
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models.config import ArchConfig
@@ -56,7 +57,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = cache.block_size
-        self.num_blocks = _num_kv_blocks(arch, cache, dtype, device)
+        self.kv_dtype = kv_cache_dtype(cache, dtype)
+        self.num_blocks = _num_kv_blocks(arch, cache, self.kv_dtype, device)
         # One block more than the block manager hands out: the scratch block that padded rows of a
         # CUDA-graph decode batch write to.
         kv_shape = (
@@ -66,9 +68,15 @@ class ModelRunner:
             arch.num_key_value_heads,
             arch.head_dim,
         )
-        self.kv_caches = [_zeros(kv_shape, dtype, device) for _ in range(arch.num_hidden_layers)]
+        self.kv_caches = [
+            _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
+        ]
+        self.attn_kernel = kernels.select(
+            cache.attention_backend, device, dtype, self.kv_dtype, arch.head_dim
+        )
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv
+            attn.kernel = self.attn_kernel
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
@@ -128,9 +136,14 @@ class ModelRunner:
         bs = self.block_size
         slots: list[int] = [c.block_ids[c.start // bs] * bs + c.start % bs for c in decode]
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=len(decode))
-        meta.decode_groups = self._decode_groups(decode)
+        if self.attn_kernel is not None:
+            meta.paged = self._paged_batch(decode, prefill)
+        else:
+            meta.decode_groups = self._decode_groups(decode)
         for c in prefill:
-            meta.prefills.append(self._prefill_span(c, len(ids), slots))
+            span = self._prefill_span(c, len(ids), slots)
+            if span is not None:
+                meta.prefills.append(span)
             ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = decode + prefill
@@ -177,13 +190,47 @@ class ModelRunner:
             i = j
         return groups
 
-    def _prefill_span(self, c: ScheduledChunk, query_start: int, slots: list[int]) -> PrefillSpan:
+    def _paged_batch(
+        self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]
+    ) -> kernels.PagedBatch | None:
+        """Kernel metadata for decode rows and prefill chunks with a cached prefix (in batch order:
+        decode rows first, then prefill chunks; plain chunks are skipped but counted)."""
+        starts: list[int] = []
+        chunks: list[ScheduledChunk] = []
+        row = 0
+        for c in decode + prefill:
+            if c.num_tokens == 1 or c.start > 0:
+                starts.append(row)
+                chunks.append(c)
+            row += c.num_tokens
+        if not chunks:
+            return None
+        bs = self.block_size
+        ctx = np.array([c.start + c.num_tokens for c in chunks], dtype=np.int32)
+        nbs = (ctx + bs - 1) // bs
+        table = np.zeros((len(chunks), int(nbs.max())), dtype=np.int32)
+        for r, c in enumerate(chunks):
+            table[r, : nbs[r]] = c.block_ids[: nbs[r]]
+        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int32)
+        return kernels.PagedBatch(
+            block_tables=torch.from_numpy(table),
+            q_start=torch.from_numpy(np.array(starts, dtype=np.int32)),
+            q_len=torch.from_numpy(q_len),
+            ctx_len=torch.from_numpy(ctx),
+        )
+
+    def _prefill_span(
+        self, c: ScheduledChunk, query_start: int, slots: list[int]
+    ) -> PrefillSpan | None:
+        """The chunk's SDPA span (None when the native kernel serves it); appends its slots."""
         bs = self.block_size
         end = c.start + c.num_tokens
         blocks = np.asarray(c.block_ids[: (end + bs - 1) // bs], dtype=np.int64)
         pos = np.arange(end)
         ctx_slots = blocks[pos // bs] * bs + pos % bs
         slots.extend(ctx_slots[c.start :].tolist())
+        if c.start > 0 and self.attn_kernel is not None:
+            return None
         span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
         if c.start > 0:
             # Queries are the last num_tokens positions; query i sees keys 0 .. start + i.
@@ -231,7 +278,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: `cache.kv_cache_dtype`, or the model dtype for "auto"."""
+    if cache.kv_cache_dtype == "auto":
+        return dtype
+    kv_dtype: torch.dtype = getattr(torch, cache.kv_cache_dtype)
+    return kv_dtype
+
+
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers; dtype is the KV cache dtype."""
     per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
     return per_token * block_size * dtype.itemsize
 

@@ -1,0 +1,386 @@
+// Paged attention over the flat, padding-free batch, reading K/V in place from the block table.
+//
+// Built by inferd/executor/kernels/__init__.py into a plain shared library (no torch headers) and
+// called through ctypes. Threads come from OpenMP; the library links libgomp.so.1, which resolves
+// to the copy torch has already loaded, so the kernel shares torch's thread pool (no second pool
+// spinning against it on a 2-core machine).
+//
+// Layouts (row-major, contiguous):
+//   q, out     [T, Hq, D]                      float32 or bfloat16 (the model dtype)
+//   kv_cache   [2, NB, block_size, Hkv, D]     float32 or bfloat16 (K then V)
+//   tables     [S, table_stride] int32         block ids of each sequence
+//   q_start, q_len, ctx_len  [S] int32         sequence s owns queries [q_start, q_start + q_len)
+//                                              of the flat batch and ctx_len keys in the cache
+// Query j of sequence s (0 <= j < q_len) sees keys [0, ctx_len - q_len + j]: decode is q_len = 1,
+// a prefill chunk with a cached prefix is q_len = L.
+//
+// Work item = (sequence, kv head, query tile, key split). The G = Hq / Hkv query heads sharing a
+// KV head are G rows of one item, so each K/V row is read once per item (GQA without copies). A
+// query tile holds at most kMaxRows rows. When there are few items (one long stream), keys are
+// split too and the splits' partial softmax states are merged afterwards.
+//
+// Per item: keys go in tiles of kKeyTile; a tile is gathered from its blocks into fp32 scratch
+// (L1-resident), scores for every row are computed, then the online-softmax update (running max
+// m, running sum l, unnormalised accumulator acc) in fp32.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#ifndef __AVX512F__
+#error "paged_attention.cpp needs AVX-512F (the loader falls back to the PyTorch path)"
+#endif
+
+namespace {
+
+constexpr int kKeyTile = 32;
+constexpr int kMaxRows = 64;
+constexpr int kMinSplitKeys = 128;
+constexpr int kMaxSplits = 64;
+// Query-key pairs (times query heads) under which one thread does the whole call.
+constexpr int64_t kMinParallelWork = 16384;
+constexpr float kNegInf = -INFINITY;
+
+enum DType : int { kF32 = 0, kBF16 = 1 };
+
+// ---- conversions -------------------------------------------------------------------------------
+inline __m512 load16(const void* p, int dtype) {
+  if (dtype == kF32) return _mm512_loadu_ps(p);
+  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline void store_row(void* dst, const float* src, int d, int dtype) {
+  if (dtype == kF32) {
+    std::memcpy(dst, src, sizeof(float) * d);
+    return;
+  }
+  auto* o = static_cast<uint16_t*>(dst);
+  for (int i = 0; i < d; ++i) o[i] = f32_to_bf16(src[i]);
+}
+
+// exp for x <= 0 (scores minus the running max); exactly 0 below -87.
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// ---- problem description -----------------------------------------------------------------------
+struct Problem {
+  void* out;
+  const void* q;
+  int act_dtype;
+  const char* k_cache;
+  const char* v_cache;
+  int kv_dtype;
+  int block_size, num_heads, num_kv_heads, head_dim;
+  const int32_t* tables;
+  int table_stride;
+  const int32_t* q_start;
+  const int32_t* q_len;
+  const int32_t* ctx_len;
+  float scale;
+};
+
+struct Item {
+  int seq, head, j0, j1;  // queries [j0, j1) of the sequence
+  int k0, k1;             // keys [k0, k1)
+  int64_t scratch;        // float offset of this split's partial state; -1: write out directly
+};
+
+struct Merge {
+  int seq, head, j0, j1, splits;
+  int64_t scratch;  // first split's partial state; splits follow each other
+};
+
+inline int rows_per_query_tile(int g) { return std::max(1, kMaxRows / g); }
+
+// ---- one work item -----------------------------------------------------------------------------
+template <int NC>
+struct Kernel {
+  static constexpr int D = NC * 16;
+
+  // Gather keys [t0, t0 + n) of one head into fp32 [n][D] scratch.
+  static void gather(const Problem& p, const char* cache, int seq, int head, int t0, int n,
+                     float* dst) {
+    const int esz = p.kv_dtype == kF32 ? 4 : 2;
+    const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
+    const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
+    for (int i = 0; i < n; ++i) {
+      int t = t0 + i;
+      int64_t slot = static_cast<int64_t>(table[t / p.block_size]) * p.block_size + t % p.block_size;
+      const char* src = cache + slot * tok_stride + static_cast<int64_t>(head) * D * esz;
+      for (int c = 0; c < NC; ++c)
+        _mm512_storeu_ps(dst + i * D + c * 16, load16(src + c * 16 * esz, p.kv_dtype));
+    }
+  }
+
+  // Online softmax over keys [it.k0, it.k1) for rows of queries [it.j0, it.j1) x G heads.
+  // acc [R][D], m [R], l [R] are the item's state (unnormalised).
+  static void run_item(const Problem& p, const Item& it, float* acc, float* m, float* l) {
+    const int g = p.num_heads / p.num_kv_heads;
+    const int nq = it.j1 - it.j0;
+    const int rows = nq * g;
+    const int qlen = p.q_len[it.seq];
+    const int ctx = p.ctx_len[it.seq];
+    alignas(64) float qbuf[kMaxRows * D];
+    alignas(64) float kbuf[kKeyTile * D];
+    alignas(64) float vbuf[kKeyTile * D];
+    alignas(64) float sc[kMaxRows * kKeyTile];
+    int limit[kMaxRows];  // last key index (inclusive) each row may see
+    const int esz = p.act_dtype == kF32 ? 4 : 2;
+    const __m512 vscale = _mm512_set1_ps(p.scale);
+    for (int j = 0; j < nq; ++j) {
+      int64_t tok = p.q_start[it.seq] + it.j0 + j;
+      for (int h = 0; h < g; ++h) {
+        int r = j * g + h;
+        const char* src = static_cast<const char*>(p.q) +
+                          ((tok * p.num_heads) + static_cast<int64_t>(it.head) * g + h) * D * esz;
+        for (int c = 0; c < NC; ++c)
+          _mm512_store_ps(qbuf + r * D + c * 16,
+                          _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
+        limit[r] = ctx - qlen + it.j0 + j;
+        m[r] = kNegInf;
+        l[r] = 0.0f;
+      }
+    }
+    std::memset(acc, 0, sizeof(float) * rows * D);
+
+    for (int t0 = it.k0; t0 < it.k1; t0 += kKeyTile) {
+      const int n = std::min(kKeyTile, it.k1 - t0);
+      gather(p, p.k_cache, it.seq, it.head, t0, n, kbuf);
+      gather(p, p.v_cache, it.seq, it.head, t0, n, vbuf);
+      for (int r = 0; r < rows; ++r) scores_row(qbuf + r * D, kbuf, n, t0, limit[r], sc + r * kKeyTile);
+      for (int r = 0; r < rows; ++r)
+        update_row(sc + r * kKeyTile, vbuf, n, acc + r * D, m + r, l + r);
+    }
+  }
+
+  static void scores_row(const float* qr, const float* kbuf, int n, int t0, int lim, float* s) {
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
+    const int valid = std::min(n, lim - t0 + 1);  // keys past the row's limit are masked
+    int i = 0;
+    for (; i < valid; ++i) {
+      const float* k = kbuf + i * D;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(k));
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_load_ps(k + c * 16), a);
+      s[i] = _mm512_reduce_add_ps(a);
+    }
+    for (; i < n; ++i) s[i] = kNegInf;
+  }
+
+  static void update_row(float* s, const float* vbuf, int n, float* acc, float* m, float* l) {
+    float mx = *m;
+    for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+    if (mx == kNegInf) return;  // no visible key in this tile
+    const float alpha = *m == kNegInf ? 0.0f : std::exp(*m - mx);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      __mmask16 k = static_cast<__mmask16>(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_mask_loadu_ps(vmx, k, s + i), vmx));
+      e = _mm512_maskz_mov_ps(k, e);
+      _mm512_mask_storeu_ps(s + i, k, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = mx;
+    __m512 a[NC];
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
+    for (int i = 0; i < n; ++i) {
+      const __m512 pi = _mm512_set1_ps(s[i]);
+      const float* v = vbuf + i * D;
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_load_ps(v + c * 16), a[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+  }
+};
+
+void write_rows(const Problem& p, int seq, int head, int j0, int j1, const float* acc,
+                const float* l) {
+  const int g = p.num_heads / p.num_kv_heads;
+  const int d = p.head_dim;
+  const int esz = p.act_dtype == kF32 ? 4 : 2;
+  float row[1024];
+  for (int j = j0; j < j1; ++j) {
+    int64_t tok = p.q_start[seq] + j;
+    for (int h = 0; h < g; ++h) {
+      int r = (j - j0) * g + h;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      for (int i = 0; i < d; ++i) row[i] = acc[r * d + i] * inv;
+      char* dst = static_cast<char*>(p.out) +
+                  ((tok * p.num_heads) + static_cast<int64_t>(head) * g + h) * d * esz;
+      store_row(dst, row, d, p.act_dtype);
+    }
+  }
+}
+
+// Combine the splits' (acc, m, l) into the final rows: weight split s by exp(m_s - max m).
+void merge(const Problem& p, const Merge& mg, const float* base) {
+  const int g = p.num_heads / p.num_kv_heads;
+  const int d = p.head_dim;
+  const int rows = (mg.j1 - mg.j0) * g;
+  const int64_t split_size = static_cast<int64_t>(rows) * (d + 2);
+  std::vector<float> acc(static_cast<size_t>(rows) * d, 0.0f), l(rows, 0.0f);
+  for (int r = 0; r < rows; ++r) {
+    float mx = kNegInf;
+    for (int s = 0; s < mg.splits; ++s)
+      mx = std::max(mx, base[mg.scratch + s * split_size + rows * d + r]);
+    for (int s = 0; s < mg.splits; ++s) {
+      const float* st = base + mg.scratch + s * split_size;
+      const float ms = st[rows * d + r];
+      if (ms == kNegInf) continue;  // no visible key in this split
+      const float w = std::exp(ms - mx);
+      l[r] += st[rows * d + rows + r] * w;
+      for (int i = 0; i < d; ++i) acc[r * d + i] += st[r * d + i] * w;
+    }
+  }
+  write_rows(p, mg.seq, mg.head, mg.j0, mg.j1, acc.data(), l.data());
+}
+
+using ItemFn = void (*)(const Problem&, const Item&, float*, float*, float*);
+
+ItemFn pick(int head_dim) {
+  switch (head_dim) {
+    case 16: return Kernel<1>::run_item;
+    case 32: return Kernel<2>::run_item;
+    case 64: return Kernel<4>::run_item;
+    case 80: return Kernel<5>::run_item;
+    case 96: return Kernel<6>::run_item;
+    case 128: return Kernel<8>::run_item;
+    case 256: return Kernel<16>::run_item;
+    default: return nullptr;
+  }
+}
+
+// Cut the batch into items: (seq, head, query tile), and key splits when items are few.
+void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
+          std::vector<Merge>& merges, int64_t& scratch_floats) {
+  const int g = p.num_heads / p.num_kv_heads;
+  const int qt = rows_per_query_tile(g);
+  int base = 0;
+  int max_ctx = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    base += (p.q_len[s] + qt - 1) / qt * p.num_kv_heads;
+    max_ctx = std::max(max_ctx, p.ctx_len[s]);
+  }
+  int want = 1;
+  if (threads > 1 && base < 4 * threads)
+    want = std::min({(4 * threads + base - 1) / base, std::max(1, max_ctx / kMinSplitKeys), kMaxSplits});
+  scratch_floats = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int qlen = p.q_len[s], ctx = p.ctx_len[s];
+    for (int j0 = 0; j0 < qlen; j0 += qt) {
+      const int j1 = std::min(qlen, j0 + qt);
+      const int kend = ctx - qlen + j1;  // exclusive
+      int splits = std::min(want, std::max(1, kend / kMinSplitKeys));
+      for (int h = 0; h < p.num_kv_heads; ++h) {
+        if (splits == 1) {
+          items.push_back({s, h, j0, j1, 0, kend, -1});
+          continue;
+        }
+        const int rows = (j1 - j0) * g;
+        const int64_t split_size = static_cast<int64_t>(rows) * (p.head_dim + 2);
+        merges.push_back({s, h, j0, j1, splits, scratch_floats});
+        int per = (kend + splits - 1) / splits;
+        per = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
+        for (int sp = 0; sp < splits; ++sp) {
+          int k0 = std::min(kend, sp * per), k1 = std::min(kend, (sp + 1) * per);
+          items.push_back({s, h, j0, j1, k0, k1, scratch_floats + sp * split_size});
+        }
+        scratch_floats += splits * split_size;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int inferd_paged_attention_version() { return 1; }
+
+// Returns 0, or -1 for an unsupported head_dim / dtype (the caller falls back to PyTorch).
+int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* kv_cache,
+                           int kv_dtype, int64_t num_blocks, int block_size, int num_heads,
+                           int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
+                           const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
+                           int num_seqs, float scale) {
+  ItemFn fn = pick(head_dim);
+  if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1 ||
+      num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxRows)
+    return -1;
+  const int64_t esz = kv_dtype == kF32 ? 4 : 2;
+  const int64_t half = num_blocks * block_size * num_kv_heads * head_dim * esz;
+  const char* kc = static_cast<const char*>(kv_cache);
+  Problem p{out,  q,        act_dtype, kc,         kc + half, kv_dtype, block_size, num_heads,
+            num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale};
+  const int threads = omp_get_max_threads();
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  int64_t scratch_floats = 0;
+  plan(p, num_seqs, threads, items, merges, scratch_floats);
+  std::vector<float> scratch(static_cast<size_t>(scratch_floats));
+  std::atomic<int> next{0}, next_merge{0};
+  const int n_items = static_cast<int>(items.size());
+  const int n_merges = static_cast<int>(merges.size());
+  // Tiny batches run on the calling thread: waking the pool costs more than the work.
+  int64_t work = 0;
+  for (int s = 0; s < num_seqs; ++s) work += static_cast<int64_t>(q_len[s]) * ctx_len[s];
+  const int nthr = work * num_heads < kMinParallelWork ? 1 : std::min(threads, n_items);
+#pragma omp parallel num_threads(nthr)
+  {
+    alignas(64) float acc[kMaxRows * 256];
+    float m[kMaxRows], l[kMaxRows];
+    for (int i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      if (it.scratch < 0) {
+        fn(p, it, acc, m, l);
+        write_rows(p, it.seq, it.head, it.j0, it.j1, acc, l);
+      } else {
+        const int rows = (it.j1 - it.j0) * (num_heads / num_kv_heads);
+        float* st = scratch.data() + it.scratch;
+        fn(p, it, st, st + rows * head_dim, st + rows * head_dim + rows);
+      }
+    }
+    if (n_merges) {
+#pragma omp barrier
+      for (int i = next_merge.fetch_add(1); i < n_merges; i = next_merge.fetch_add(1))
+        merge(p, merges[i], scratch.data());
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,182 @@
+"""The native paged-attention kernel against a naive reference (float64, keys gathered by hand)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from inferd.cli import build_parser, engine_config
+from inferd.config import CacheConfig, EngineConfig, read_environment
+from inferd.executor import kernels
+from inferd.executor.kernels import PagedAttentionKernel, PagedBatch
+from inferd.executor.model_runner import kv_cache_dtype
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedAttentionKernel:
+    try:
+        return kernels.load(read_environment().cache_dir)
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"kernel unavailable here: {e}")
+
+
+def _case(
+    seqs: list[tuple[int, int]],  # (q_len, ctx_len) per sequence
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    kv_dtype: torch.dtype,
+    act_dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, PagedBatch]:
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // bs) for _, ctx in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=g)  # shuffled block tables
+    max_nb = max(blocks_per_seq)
+    tables = torch.zeros(len(seqs), max_nb, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        tables[s, :nb] = perm[used : used + nb].to(torch.int32)
+        used += nb
+    q_len = torch.tensor([q for q, _ in seqs], dtype=torch.int32)
+    q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
+    ctx = torch.tensor([c for _, c in seqs], dtype=torch.int32)
+    q = torch.randn(int(q_len.sum()), hq, d, generator=g).to(act_dtype)
+    return q, kv, PagedBatch(tables, q_start, q_len, ctx)
+
+
+def _reference(q: Tensor, kv: Tensor, batch: PagedBatch, scale: float) -> Tensor:
+    _, _, bs, hkv, _ = kv.shape
+    hq = q.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(batch.num_seqs):
+        qs, ql, ctx = (int(x[s]) for x in (batch.q_start, batch.q_len, batch.ctx_len))
+        pos = torch.arange(ctx)
+        slots = batch.block_tables[s].long()[pos // bs] * bs + pos % bs
+        k = kv[0].flatten(0, 1)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        v = kv[1].flatten(0, 1)[slots].double().repeat_interleave(hq // hkv, dim=1)
+        for j in range(ql):
+            keys = ctx - ql + j + 1
+            qj = q[qs + j].double()  # [Hq, D]
+            w = torch.einsum("hd,khd->hk", qj, k[:keys]) * scale
+            out[qs + j] = torch.einsum("hk,khd->hd", w.softmax(-1), v[:keys])
+    return out
+
+
+def _check(
+    kernel: PagedAttentionKernel,
+    seqs: list[tuple[int, int]],
+    hq: int = 8,
+    hkv: int = 4,
+    d: int = 64,
+    bs: int = 16,
+    kv_dtype: torch.dtype = torch.float32,
+    act_dtype: torch.dtype = torch.float32,
+) -> None:
+    q, kv, batch = _case(seqs, hq, hkv, d, bs, kv_dtype, act_dtype)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    kernel(out, q, kv, batch, scale)
+    ref = _reference(q, kv, batch, scale)
+    tol = 1e-5 if act_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("bs", [16, 5, 32])
+def test_decode_ragged_contexts(kernel: PagedAttentionKernel, group: int, bs: int) -> None:
+    seqs = [(1, n) for n in (1, 7, 16, 17, 100, 333, 64)]
+    _check(kernel, seqs, hq=2 * group, hkv=2, bs=bs)
+
+
+@pytest.mark.parametrize("group", [1, 2, 7])
+def test_prefill_chunk_with_cached_prefix(kernel: PagedAttentionKernel, group: int) -> None:
+    # Chunks longer than a query tile, a chunk that is the whole context, decode rows beside them.
+    seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (1, 1)]
+    _check(kernel, seqs, hq=2 * group, hkv=2, bs=16)
+
+
+@pytest.mark.parametrize("ctx", [129, 1000, 4097])
+def test_single_long_stream_splits_keys(kernel: PagedAttentionKernel, ctx: int) -> None:
+    # One sequence, few items: the kernel splits keys across threads and merges the splits.
+    _check(kernel, [(1, ctx)], hq=14, hkv=2)
+    _check(kernel, [(17, ctx)], hq=8, hkv=4, bs=32)
+
+
+@pytest.mark.parametrize("d", [16, 32, 128])
+def test_other_head_dims(kernel: PagedAttentionKernel, d: int) -> None:
+    _check(kernel, [(1, 77), (9, 40)], d=d)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "act_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_bfloat16(
+    kernel: PagedAttentionKernel, kv_dtype: torch.dtype, act_dtype: torch.dtype
+) -> None:
+    # The reference reads the same rounded cache; only the output rounding (bf16) differs.
+    _check(kernel, [(1, 300), (20, 80), (1, 5)], kv_dtype=kv_dtype, act_dtype=act_dtype)
+
+
+def test_only_covered_rows_are_written(kernel: PagedAttentionKernel) -> None:
+    q, kv, batch = _case([(1, 20), (1, 30)], 8, 4, 64, 16, torch.float32, torch.float32)
+    out = torch.full((4, 8, 64), 7.0)
+    kernel(out, torch.cat([q, q]), kv, batch, 0.125)
+    assert torch.equal(out[2:], torch.full((2, 8, 64), 7.0))
+
+
+def test_supports() -> None:
+    assert kernels.supports(torch.float32, torch.bfloat16, 64) is None
+    assert kernels.supports(torch.float16, torch.float32, 64) is not None
+    assert kernels.supports(torch.float32, torch.float32, 72) is not None
+
+
+def test_select_honours_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert kernels.select("torch", cpu, f32, f32, 64) is None
+    assert kernels.select("auto", torch.device("cuda"), f32, f32, 64) is None
+    assert kernels.select("auto", cpu, f32, f32, 72) is None  # unsupported head_dim: fallback
+    monkeypatch.setenv("INFERD_DISABLE_KERNELS", "1")
+    assert kernels.select("auto", cpu, f32, f32, 64) is None
+    with pytest.raises(kernels.KernelUnavailable, match="INFERD_DISABLE_KERNELS"):
+        kernels.select("cpu_kernel", cpu, f32, f32, 64)
+
+
+def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert kernels.select("auto", cpu, f32, f32, 64) is None
+    with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
+        kernels.select("cpu_kernel", cpu, f32, f32, 64)
+
+
+def test_build_is_cached_by_source_compiler_and_cpu(tmp_path: Path) -> None:
+    cxx = kernels.compiler()
+    if cxx is None:
+        pytest.skip("no compiler")
+    path = kernels.library_path(tmp_path, cxx)
+    assert path.parent == tmp_path / "kernels"
+    assert path == kernels.library_path(tmp_path, cxx)  # stable key
+
+
+def test_cli_flags_reach_the_cache_config() -> None:
+    argv = ["generate", "--kv-cache-dtype", "bfloat16", "--attention-backend", "torch"]
+    cache = engine_config(build_parser().parse_args(argv)).cache
+    assert (cache.kv_cache_dtype, cache.attention_backend) == ("bfloat16", "torch")
+    assert EngineConfig.from_kwargs(kv_cache_dtype="float32").cache.kv_cache_dtype == "float32"
+    assert kv_cache_dtype(CacheConfig(), torch.bfloat16) == torch.bfloat16  # auto: model dtype
+    assert kv_cache_dtype(CacheConfig(kv_cache_dtype="bfloat16"), torch.float32) == torch.bfloat16
