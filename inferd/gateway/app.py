@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from inferd.config import ServerConfig
 from inferd.gateway import embeddings, health, openai, websocket
 from inferd.gateway.auth import Guard
+from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
@@ -54,6 +55,7 @@ def create_app(
     app.include_router(kserve_http.router)
     install_error_handlers(app, on_reject=state.metrics.reject)
     guard = Guard.from_config(server, metrics)  # built here: a bad key file fails at start
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.add_middleware(
         GatewayMiddleware, server=server, on_reject=state.metrics.reject, guard=guard
     )

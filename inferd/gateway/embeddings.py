@@ -20,15 +20,16 @@ import asyncio
 import base64
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema
 from starlette.responses import Response
 
 from inferd.errors import DrainingError, ModelNotFoundError
+from inferd.gateway.contract import EmbeddingResponse, openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
 from inferd.gateway.openai import FinalizingResponse
 from inferd.gateway.state import GatewayState
@@ -46,7 +47,19 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: Any  # str | list[str]; checked in `texts` for a message that names the problem
+    # Checked in `parse_input`, for a message that names the problem (token ids).
+    input: Annotated[
+        Any,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                ],
+                "description": "A string or a non-empty list of strings",
+            }
+        ),
+    ]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
@@ -95,7 +108,11 @@ class EmbeddingModel:
         )
 
 
-@router.post("/v1/embeddings", response_model=None)
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingResponse,
+    responses=openai_errors(400, 404, 413, 429, 503, 500),
+)
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = gateway(request)
     if state.draining:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import orjson
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
+from inferd.gateway.contract import Status, V2Live, V2Ready
 from inferd.gateway.state import GatewayState
 from inferd.telemetry.metrics import CONTENT_TYPE
 
@@ -36,13 +37,21 @@ def _why_not_ready(state: GatewayState) -> str:
     return "not_ready"
 
 
-@router.get("/health/live")
+_NOT_READY: dict[int | str, dict[str, object]] = {
+    503: {"model": Status, "description": "Loading, draining, or the engine died"}
+}
+_V2_NOT_READY: dict[int | str, dict[str, object]] = {
+    503: {"model": V2Ready, "description": "Not ready"}
+}
+
+
+@router.get("/health/live", response_model=Status)
 async def live() -> Response:
     return _json({"status": "live"})
 
 
-@router.get("/health/ready")
-@router.get("/health")
+@router.get("/health/ready", response_model=Status, responses=_NOT_READY)
+@router.get("/health", response_model=Status, responses=_NOT_READY)
 async def ready(request: Request) -> Response:
     state = _state(request)
     if state.ready:
@@ -50,17 +59,17 @@ async def ready(request: Request) -> Response:
     return _json({"status": _why_not_ready(state)}, 503)
 
 
-@router.get("/v2/health/live")
+@router.get("/v2/health/live", response_model=V2Live)
 async def v2_live() -> Response:
     return _json({"live": True})
 
 
-@router.get("/v2/health/ready")
+@router.get("/v2/health/ready", response_model=V2Ready, responses=_V2_NOT_READY)
 async def v2_ready(request: Request) -> Response:
     ok = _state(request).ready
     return _json({"ready": ok}, 200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -13,6 +13,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from inferd.gateway.contract import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ModelCards,
+    openai_errors,
+    sse_or_json,
+)
 from inferd.gateway.formatting import Json, Kind
 from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from inferd.gateway.serving import (
@@ -44,7 +51,12 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(orjson.dumps(obj), status, headers, media_type="application/json")
 
 
-@router.get("/v1/models")
+# Every status a generation request can end with (validation, unknown model, body size, queue
+# full, queue timeout/draining/engine dead, output backlog).
+_GENERATE_ERRORS = openai_errors(400, 404, 413, 429, 503, 500)
+
+
+@router.get("/v1/models", response_model=ModelCards, responses=openai_errors(503))
 async def list_models(request: Request) -> Response:
     """The LLM (when the server runs one) and the repository's embedding models."""
     state = gateway(request)
@@ -69,12 +81,20 @@ async def list_models(request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={**sse_or_json(CompletionResponse), **_GENERATE_ERRORS},
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await serve_http(request, body, "completion")
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={**sse_or_json(ChatCompletionResponse), **_GENERATE_ERRORS},
+)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await serve_http(request, body, "chat")
 

@@ -2,14 +2,23 @@
 
 Schema checks (types, NaN, ranges a JSON schema can say) happen here, at parse time; checks that
 need the model (context window, vocabulary) happen in the route before anything is queued.
-Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+Unknown fields are ignored, as OpenAI's and vLLM's servers do. Numbers are JSON numbers
+(`"0.5"` is refused, not converted), so the JSON schema in /openapi.json is the validation.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from inferd.sampling.params import SamplingParams
 
@@ -33,20 +42,20 @@ class _SamplingFields(_Body):
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions.
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0)
     min_tokens: StrictInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: TokenIds | None = None
@@ -55,7 +64,12 @@ class _SamplingFields(_Body):
     # Lower is served first (vLLM's convention); FIFO within one value.
     priority: StrictInt = 0
     # Seconds from arrival; may only shorten the server's --request-timeout.
-    timeout: float | None = Field(default=None, gt=0.0)
+    timeout: StrictFloat | None = Field(
+        default=None,
+        gt=0.0,
+        description="Seconds from arrival; may only shorten the server's --request-timeout. "
+        "Still queued when it passes: 503 `queue_timeout`; generating: finish_reason `timeout`.",
+    )
 
     @property
     def include_usage(self) -> bool:

@@ -106,7 +106,10 @@ class ModelRepository:
         # The name comes from a URL: no separators or dot-names, so it cannot leave the root.
         if not name or name.startswith(".") or "/" in name or "\\" in name:
             return False
-        return (self.root / name / CONFIG_FILE).is_file()
+        try:
+            return (self.root / name / CONFIG_FILE).is_file()
+        except OSError:  # e.g. ENAMETOOLONG, a name past the file system limit: not a model
+            return False
 
     def _on_disk(self) -> list[str]:
         try:

@@ -103,7 +103,7 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes | memoryview, 
     if header_length is None:
         return body, view[len(view) :]
     text = header_length.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is True, int("²") fails
         raise InvalidRequestError(
             f"{HEADER_LENGTH} must be a non-negative integer, got {header_length!r}"
         )

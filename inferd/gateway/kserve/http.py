@@ -22,13 +22,32 @@ InferRequest; `stream` from the start of encoding to the last byte handed to the
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Path, Request
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from inferd.errors import DrainingError, InvalidRequestError, ModelNotFoundError, ModelNotReadyError
+from inferd.gateway.contract import (
+    AnyObject,
+    InferenceRequest,
+    InferenceResponse,
+    ModelList,
+    ModelLoadRequest,
+    ModelMetadata,
+    ModelReady,
+    ModelStatistics,
+    RepositoryEntry,
+    RepositoryIndexRequest,
+    ServerMetadata,
+    binary_header,
+    json_or_binary,
+    kserve_errors,
+    raw_body,
+)
 from inferd.gateway.errors import APIError
 from inferd.gateway.kserve import codec
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
@@ -42,6 +61,24 @@ if TYPE_CHECKING:
 router = APIRouter(tags=["kserve-v2"])
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
+
+ModelName = Annotated[str, Path(description="A model of the repository")]
+Version = Annotated[str, Path(description="A version folder's number; absent: the latest")]
+
+
+async def _model_param(model: ModelName) -> None:
+    """Declares {model} in the OpenAPI document (routes read it from `request.path_params`,
+    one function serving the path with and without a version)."""
+
+
+async def _version_params(model: ModelName, version: Version) -> None:
+    """Declares {model} and {version} in the OpenAPI document."""
+
+
+_Route = Callable[[Request], Awaitable[Response]]
+BY_MODEL = [Depends(_model_param)]
+BY_VERSION = [Depends(_version_params)]
+_READ = kserve_errors(404, 503)
 
 
 def gateway(request: Request) -> GatewayState:
@@ -68,12 +105,12 @@ def _json(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status, media_type=codec.JSON_TYPE)
 
 
-@router.get("/v2")
+@router.get("/v2", response_model=ServerMetadata, responses=kserve_errors())
 async def metadata() -> Response:
     return _json(server_metadata())
 
 
-@router.get("/v2/models")
+@router.get("/v2/models", response_model=ModelList, responses=kserve_errors())
 async def list_models(request: Request) -> Response:
     repo = gateway(request).repository
     return _json({"models": [] if repo is None else repo.model_names()})
@@ -81,24 +118,36 @@ async def list_models(request: Request) -> Response:
 
 # "/v2/models/stats" is declared before the /v2/models/{model} routes, which would otherwise
 # take "stats" as a model name.
-@router.get("/v2/models/stats")
-@router.get(_MODEL + "/stats")
-@router.get(_VERSION + "/stats")
+_STATS: dict[str, Any] = {"response_model": ModelStatistics, "responses": kserve_errors(404)}
+
+
+@router.get("/v2/models/stats", **_STATS)
+@router.get(_MODEL + "/stats", dependencies=BY_MODEL, **_STATS)
+@router.get(_VERSION + "/stats", dependencies=BY_VERSION, **_STATS)
 async def statistics(request: Request) -> Response:
     state = gateway(request)
     model, version = _target(request)
     return _json(state.model_metrics.statistics(stats_targets(repository(state), model, version)))
 
 
-@router.get(_MODEL)
-@router.get(_VERSION)
+@router.get(_MODEL, dependencies=BY_MODEL, response_model=ModelMetadata, responses=_READ)
+@router.get(_VERSION, dependencies=BY_VERSION, response_model=ModelMetadata, responses=_READ)
 async def model_metadata(request: Request) -> Response:
     model, version = _target(request)
     return _json(repository(gateway(request)).metadata(model, version))
 
 
-@router.get(_MODEL + "/ready")
-@router.get(_VERSION + "/ready")
+_READY: Any = {
+    "response_model": ModelReady,
+    "responses": {
+        **kserve_errors(404),
+        400: {"model": ModelReady, "description": "Not ready (loading, unloaded, draining)"},
+    },
+}
+
+
+@router.get(_MODEL + "/ready", dependencies=BY_MODEL, **_READY)
+@router.get(_VERSION + "/ready", dependencies=BY_VERSION, **_READY)
 async def model_ready(request: Request) -> Response:
     """KServe: 200 when ready, a 4xx when not (400, as Triton answers); an unknown model or
     version is 404."""
@@ -111,15 +160,35 @@ async def model_ready(request: Request) -> Response:
     return _json({"name": model, "ready": ready}, 200 if ready else 400)
 
 
-@router.get(_MODEL + "/config")
-@router.get(_VERSION + "/config")
+@router.get(_MODEL + "/config", dependencies=BY_MODEL, response_model=AnyObject, responses=_READ)
+@router.get(
+    _VERSION + "/config", dependencies=BY_VERSION, response_model=AnyObject, responses=_READ
+)
 async def model_config(request: Request) -> Response:
     model, version = _target(request)
     return _json(repository(gateway(request)).config_dict(model, version))
 
 
-@router.post(_MODEL + "/infer")
-@router.post(_VERSION + "/infer")
+_INFER: dict[str, Any] = {
+    "response_model": InferenceResponse,
+    "responses": {
+        **json_or_binary(InferenceResponse),
+        **kserve_errors(400, 404, 413, 429, 503, 500),
+    },
+    "openapi_extra": {
+        **raw_body(InferenceRequest, binary=True),
+        "parameters": [
+            binary_header(
+                "The binary tensor extension: bytes of JSON before the raw tensors; "
+                "0: the whole body is the raw tensor of a single-input model"
+            )
+        ],
+    },
+}
+
+
+@router.post(_MODEL + "/infer", dependencies=BY_MODEL, **_INFER)
+@router.post(_VERSION + "/infer", dependencies=BY_VERSION, **_INFER)
 async def infer(request: Request) -> Response:
     state = gateway(request)
     if state.draining:
@@ -196,7 +265,12 @@ def _respond(
     return out
 
 
-@router.post("/v2/repository/index")
+@router.post(
+    "/v2/repository/index",
+    response_model=list[RepositoryEntry],
+    responses=kserve_errors(400, 413),
+    openapi_extra=raw_body(RepositoryIndexRequest, required=False),
+)
 async def repository_index(request: Request) -> Response:
     """Body optional: `{"ready": true}` lists only the models that are ready."""
     doc = await _optional_json(request)
@@ -210,7 +284,18 @@ async def repository_index(request: Request) -> Response:
     return _json(entries)
 
 
-@router.post("/v2/repository/models/{model}/load")
+def _admin_route(path: str, body: type[BaseModel]) -> Callable[[_Route], _Route]:
+    """POST of the repository API: an optional JSON body, `{}` back, admin scope."""
+    return router.post(
+        path,
+        dependencies=BY_MODEL,
+        response_model=AnyObject,
+        responses=kserve_errors(400, 403, 404, 413, 503),
+        openapi_extra=raw_body(body, required=False),
+    )
+
+
+@_admin_route("/v2/repository/models/{model}/load", ModelLoadRequest)
 async def load_model(request: Request) -> Response:
     """Reloads the model from disk. Triton's `config` / `file:` parameters (a config or files
     sent inline) are refused: they would silently not apply."""
@@ -218,7 +303,8 @@ async def load_model(request: Request) -> Response:
     if state.draining:
         raise DrainingError("the server is shutting down")
     doc = await _optional_json(request)
-    params = doc.get("parameters") or {}
+    params = doc.get("parameters")
+    params = {} if params is None else params
     if not isinstance(params, dict):
         raise InvalidRequestError("'parameters' must be an object", "parameters")
     inline = [k for k in params if k == "config" or k.startswith("file:")]
@@ -231,7 +317,7 @@ async def load_model(request: Request) -> Response:
     return _json({})
 
 
-@router.post("/v2/repository/models/{model}/unload")
+@_admin_route("/v2/repository/models/{model}/unload", AnyObject)
 async def unload_model(request: Request) -> Response:
     """`unload_dependents` and other parameters are accepted and have no effect (inferd has no
     ensembles, so nothing depends on a model)."""

@@ -55,6 +55,6 @@ def stats_targets(repo: ModelRepository, model: str, version: str) -> list[tuple
         if not versions:
             raise ModelNotFoundError(f"model {model!r} has no ready version")
         return [(model, versions[-1])]
-    if not version.isdigit() or str(int(version)) not in versions:
+    if not (version.isascii() and version.isdigit()) or str(int(version)) not in versions:
         raise ModelNotFoundError(f"model {model!r} has no ready version {version!r}")
     return [(model, str(int(version)))]
