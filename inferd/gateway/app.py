@@ -46,6 +46,7 @@ def create_app(
         server=server, metrics=metrics, model_metrics=ModelMetrics(metrics.registry), llm=llm
     )
     state.metrics.watch_engine(state.engine_gauges)
+    state.metrics.watch_models(state.model_inflight)
     state.tracer = tracer if tracer is not None else make_tracer(server.otlp_traces_endpoint)
     app.state.gateway = state
     app.include_router(openai.router)

@@ -112,6 +112,9 @@ class GatewayState:
             raise unavailable("the engine process died", "engine_dead")
         return llm
 
+    def model_inflight(self) -> dict[str, int]:
+        return {} if self.repository is None else self.repository.inflight()
+
     def engine_gauges(self) -> EngineGauges | None:
         llm = self.llm
         if llm is None:

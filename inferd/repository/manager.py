@@ -285,6 +285,13 @@ class ModelRepository:
             raise ModelNotFoundError(f"unknown model {name!r}")
         return sorted(model.served, key=int)
 
+    def inflight(self) -> dict[str, int]:
+        """Accepted requests not yet answered, per model (serving and retiring versions)."""
+        return {
+            name: sum(v.inflight for v in (*m.served.values(), *m.stopping.values()))
+            for name, m in self._models.items()
+        }
+
     def ready(self) -> bool:
         """Every model asked to load has a ready version (see the module docstring)."""
         return all(m.served for m in self._models.values() if m.wanted)

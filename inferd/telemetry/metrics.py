@@ -10,7 +10,7 @@ per token for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -80,6 +80,20 @@ REJECT_REASONS = (
 )
 
 
+def parse_samples(text: str) -> dict[str, float]:
+    """The samples of a /metrics page, `name{labels}` -> value (for tests and benchmarks).
+
+    >>> parse_samples('# HELP x\\nx_total{key="a"} 2.0\\n')
+    {'x_total{key="a"}': 2.0}
+    """
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def stage_metric_name(stage: str) -> str:
     """`tokenize` -> `inferd_request_tokenize_seconds` (the histogram of that stage)."""
     return f"inferd_request_{stage}_seconds"
@@ -144,6 +158,27 @@ class EngineCollector(Collector):
         counter = CounterMetricFamily("inferd_preemptions", "Requests preempted by the scheduler")
         counter.add_metric([], g.preemptions_total)
         yield counter
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class ModelInflightCollector(Collector):
+    """Requests each repository model holds (preprocessing, queued or in a batch), read at
+    scrape time: 0 once the server is idle, else a request leaked a batch slot."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        gauge = GaugeMetricFamily(
+            "inferd_model_requests_inflight",
+            "Accepted requests of a repository model not yet answered",
+            labels=["model"],
+        )
+        for model, count in sorted(self._read().items()):
+            gauge.add_metric([model], count)
+        yield gauge
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -248,6 +283,10 @@ class ServerMetrics:
     def watch_engine(self, read_engine: Callable[[], EngineGauges | None]) -> None:
         """Adds the engine gauges, read from `read_engine()` at each scrape."""
         self.registry.register(EngineCollector(read_engine))
+
+    def watch_models(self, read_inflight: Callable[[], Mapping[str, int]]) -> None:
+        """Adds the per-model in-flight gauge, read from `read_inflight()` at each scrape."""
+        self.registry.register(ModelInflightCollector(read_inflight))
 
     def observe_request(
         self,

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inferd.telemetry.metrics import parse_samples
+
 ROOT = Path(__file__).resolve().parents[2]
 # Small limits keep start-up and every request fast on 2 CPU cores.
 SMALL = [
@@ -41,13 +43,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled and labelled samples: `name{labels}` -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_samples(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def engine_pid(self) -> int:
         """The engine core: the server's child process running Python."""
