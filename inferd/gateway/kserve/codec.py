@@ -32,7 +32,7 @@ import numpy as np
 import orjson
 
 from inferd.errors import InvalidRequestError
-from inferd.gateway.kserve.raw import decode_raw, element_size, encode_raw
+from inferd.gateway.kserve.raw import check_extent, decode_raw, element_size, encode_raw
 from inferd.tensors import DATATYPES, InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -217,6 +217,7 @@ def _shape(value: Any, name: str) -> list[int]:
             f"input {name!r}: shape {value} has a negative dimension (-1 is only for metadata)",
             name,
         )
+    check_extent(value, name)
     return list(value)
 
 

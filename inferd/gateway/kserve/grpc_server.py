@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 from google.protobuf import json_format
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -51,7 +51,7 @@ from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.kserve.proto import SERVICE_NAME
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.kserve.proto import model_config_pb2 as mc
-from inferd.gateway.kserve.raw import decode_raw, encode_raw
+from inferd.gateway.kserve.raw import check_extent, decode_raw, encode_raw
 from inferd.gateway.state import GatewayState
 from inferd.tensors import DATATYPES, InferRequest, InferResponse, RequestedOutput
 
@@ -230,6 +230,7 @@ def decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | Non
             f"input {tensor.name!r}: shape {shape} must be at most {MAX_RANK} non-negative sizes",
             tensor.name,
         )
+    check_extent(shape, tensor.name)
     if raw is None:
         return decode_typed(tensor, shape)
     count = math.prod(shape)
@@ -398,14 +399,14 @@ class InferenceService:
         return message
 
     async def model_stream_infer(
-        self, requests: AsyncIterator[pb.ModelInferRequest]
+        self, requests: AsyncIterator[pb.ModelInferRequest | Undecodable]
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """One response per request, in completion order; failures ride in error_message."""
         results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         slots = asyncio.Semaphore(MAX_STREAM_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def answer(request: pb.ModelInferRequest) -> None:
+        async def answer(request: pb.ModelInferRequest | Undecodable) -> None:
             try:
                 results.put_nowait(await self._stream_answer(request))
             finally:
@@ -432,15 +433,22 @@ class InferenceService:
             for task in (reader, *tasks):
                 task.cancel()
 
-    async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+    async def _stream_answer(
+        self, request: pb.ModelInferRequest | Undecodable
+    ) -> pb.ModelStreamInferResponse:
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self.model_infer(request))
+            response = await self.model_infer(decoded(request))
+            return pb.ModelStreamInferResponse(infer_response=response)
         except Exception as err:
             _, message = status_of(err)
             # The id and model let the client match the error to the request it sent.
-            echo = pb.ModelInferResponse(
-                model_name=request.model_name, model_version=request.model_version, id=request.id
-            )
+            echo = pb.ModelInferResponse()
+            if not isinstance(request, Undecodable):
+                echo = pb.ModelInferResponse(
+                    model_name=request.model_name,
+                    model_version=request.model_version,
+                    id=request.id,
+                )
             return pb.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
     async def repository_index(
@@ -498,14 +506,14 @@ class InferenceService:
         handlers = {
             name: grpc.unary_unary_rpc_method_handler(
                 _with_status(method),
-                request_deserializer=request_type.FromString,
+                request_deserializer=_parser(request_type),
                 response_serializer=_serialize,
             )
             for name, method, request_type in unary
         }
         handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             _stream_with_status(self.model_stream_infer),
-            request_deserializer=pb.ModelInferRequest.FromString,
+            request_deserializer=_parser(pb.ModelInferRequest),
             response_serializer=_serialize,
         )
         return handlers
@@ -520,14 +528,41 @@ def _serialize(message: Message) -> bytes:
     return message.SerializeToString()
 
 
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are no valid message. grpc would answer UNKNOWN for a deserializer
+    that raises (and end a stream with it); the handlers refuse it as INVALID_ARGUMENT instead,
+    and a stream answers it with error_message and goes on."""
+
+    error: str
+
+
+def _parser(message_type: type[_Req]) -> Callable[[bytes], _Req | Undecodable]:
+    def parse(data: bytes) -> _Req | Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            name = message_type.DESCRIPTOR.full_name
+            return Undecodable(f"the request is not a valid {name} message: {e}")
+
+    return parse
+
+
+def decoded(request: _Req | Undecodable) -> _Req:
+    """The message, or InvalidRequestError (INVALID_ARGUMENT) for bytes that were none."""
+    if isinstance(request, Undecodable):
+        raise InvalidRequestError(request.error)
+    return request
+
+
 def _with_status(
     method: Callable[[_Req], Awaitable[_Resp]],
-) -> Callable[[_Req, grpc.aio.ServicerContext], Awaitable[_Resp]]:
+) -> Callable[[_Req | Undecodable, grpc.aio.ServicerContext], Awaitable[_Resp]]:
     """Wraps an RPC so an exception becomes the gRPC status `status_of` gives it."""
 
-    async def handler(request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+    async def handler(request: _Req | Undecodable, context: grpc.aio.ServicerContext) -> _Resp:
         try:
-            return await method(request)
+            return await method(decoded(request))
         except Exception as err:
             code, message = status_of(err)
         await context.abort(code, message)

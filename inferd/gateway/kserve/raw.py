@@ -19,6 +19,21 @@ from inferd.errors import InvalidRequestError
 from inferd.tensors import DATATYPES
 
 _LEN = struct.Struct("<I")
+# More elements than any tensor a server holds; below numpy's limit, which it applies to the
+# non-zero dims even of an empty tensor (a [0, 2**63 - 1] shape is refused by numpy).
+MAX_ELEMENTS = 2**40
+
+
+def check_extent(shape: list[int], name: str) -> None:
+    """InvalidRequestError when the shape's non-zero dims multiply past MAX_ELEMENTS: a size no
+    request can carry, or an empty tensor numpy cannot make (it would fail as a 500)."""
+    extent = 1
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > MAX_ELEMENTS:
+            raise InvalidRequestError(
+                f"input {name!r}: shape {shape} is larger than {MAX_ELEMENTS} elements", name
+            )
 
 
 def element_size(datatype: str) -> int:
