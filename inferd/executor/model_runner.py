@@ -193,28 +193,21 @@ class ModelRunner:
     def _paged_batch(
         self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]
     ) -> kernels.PagedBatch | None:
-        """Kernel metadata for decode rows and prefill chunks with a cached prefix (in batch order:
-        decode rows first, then prefill chunks; plain chunks are skipped but counted)."""
-        starts: list[int] = []
-        chunks: list[ScheduledChunk] = []
-        row = 0
-        for c in decode + prefill:
-            if c.num_tokens == 1 or c.start > 0:
-                starts.append(row)
-                chunks.append(c)
-            row += c.num_tokens
+        """Kernel metadata for every row of the batch: decode rows first, then prefill chunks."""
+        chunks = decode + prefill
         if not chunks:
             return None
+        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int32)
+        starts = np.cumsum(q_len, dtype=np.int32) - q_len
         bs = self.block_size
         ctx = np.array([c.start + c.num_tokens for c in chunks], dtype=np.int32)
         nbs = (ctx + bs - 1) // bs
         table = np.zeros((len(chunks), int(nbs.max())), dtype=np.int32)
         for r, c in enumerate(chunks):
             table[r, : nbs[r]] = c.block_ids[: nbs[r]]
-        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int32)
         return kernels.PagedBatch(
             block_tables=torch.from_numpy(table),
-            q_start=torch.from_numpy(np.array(starts, dtype=np.int32)),
+            q_start=torch.from_numpy(starts),
             q_len=torch.from_numpy(q_len),
             ctx_len=torch.from_numpy(ctx),
         )
@@ -229,7 +222,7 @@ class ModelRunner:
         pos = np.arange(end)
         ctx_slots = blocks[pos // bs] * bs + pos % bs
         slots.extend(ctx_slots[c.start :].tolist())
-        if c.start > 0 and self.attn_kernel is not None:
+        if self.attn_kernel is not None:
             return None
         span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
         if c.start > 0:
