@@ -434,8 +434,9 @@ class Launched:
         )
         return [self.proc.pid, *(int(p) for p in out.stdout.split())]
 
-    def rss_bytes(self) -> int:
-        return sum(_status_kib(pid, "VmRSS") * 1024 for pid in self.pids())
+    def rss_bytes(self) -> list[int]:
+        """Resident bytes of the server process, then of each child (the engine core)."""
+        return [_status_kib(pid, "VmRSS") * 1024 for pid in self.pids()]
 
     def open_fds(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
@@ -521,8 +522,8 @@ def classic_success(m: dict[str, float]) -> float:
 class Report:
     duration_s: float
     tally: Tally
-    rss_before: int
-    rss_after: int
+    rss_before: list[int]  # per process: the server, then the engine core
+    rss_after: list[int]
     fds_before: int
     fds_after: int
     llm_server: float  # inferd_requests_finished_total growth
@@ -543,7 +544,7 @@ class Report:
 
     @property
     def rss_growth(self) -> float:
-        return self.rss_after / max(1, self.rss_before) - 1.0
+        return sum(self.rss_after) / max(1, sum(self.rss_before)) - 1.0
 
     def check(self) -> list[str]:
         fails = list(self.failures)
@@ -576,7 +577,8 @@ class Report:
             "by_scenario": {f"{s}/{o}": n for (s, o), n in sorted(self.tally.counts.items())},
             "llm_requests_client_vs_server": [self.llm_client, self.llm_server],
             "classic_answered_client_vs_server": [self.classic_client, self.classic_server],
-            "rss_mib_before_after": [self.rss_before / 2**20, self.rss_after / 2**20],
+            "rss_mib_per_process_before": [round(b / 2**20, 1) for b in self.rss_before],
+            "rss_mib_per_process_after": [round(b / 2**20, 1) for b in self.rss_after],
             "rss_growth_pct": round(100 * self.rss_growth, 2),
             "fds_before_after": [self.fds_before, self.fds_after],
             "leak_gauges": self.leaks,

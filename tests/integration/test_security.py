@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -47,50 +48,56 @@ class Certs:
     ca: Path
     cert: Path
     key: Path
+    client_cert: Path  # a client certificate the same CA signed (mutual TLS)
+    client_key: Path
 
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def make_certs(folder: Path) -> Certs:
-    """A CA, and a server certificate it signs for 127.0.0.1 and localhost (PEM files)."""
+def _builder(subject: str, issuer: str, key: ec.EllipticCurvePrivateKey) -> Any:
     now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
+    return (
         x509.CertificateBuilder()
-        .subject_name(_name("inferd test CA"))
-        .issuer_name(_name("inferd test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name("localhost"))
-        .issuer_name(ca.subject)
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
+    )
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    fmt = serialization.PrivateFormat.PKCS8
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
+    )
+
+
+def make_certs(folder: Path) -> Certs:
+    """A CA, a server certificate it signs for 127.0.0.1 and localhost, and a client
+    certificate it signs (PEM files)."""
+    ca_key, key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    ca = (
+        _builder("inferd test CA", "inferd test CA", ca_key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (
+        _builder("localhost", "inferd test CA", key)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    out = Certs(folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
-    out.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    out.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    out.key.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    client = _builder("test client", "inferd test CA", client_key).sign(ca_key, hashes.SHA256())
+    names_out = ("ca.pem", "cert.pem", "key.pem", "client.pem", "client-key.pem")
+    out = Certs(*(folder / n for n in names_out))
+    for path, c in ((out.ca, ca), (out.cert, cert), (out.client_cert, client)):
+        path.write_bytes(c.public_bytes(serialization.Encoding.PEM))
+    _write_key(out.key, key)
+    _write_key(out.client_key, client_key)
     return out
 
 
@@ -269,3 +276,33 @@ def test_max_body_bytes_bounds_grpc_messages_too() -> None:
     args = parse(["serve", "--max-body-bytes", "1MiB", "--grpc-max-message-bytes", "8MiB"])
     assert _security(args)["grpc_max_message_bytes"] == 8 * 2**20
     assert "grpc_max_message_bytes" not in _security(parse(["serve"]))  # the default stays
+
+
+def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
+    """--ssl-ca-certs: HTTP and gRPC accept only clients with a certificate the CA signed."""
+    certs = make_certs(tmp_path)
+    root = write_repository(tmp_path / "repo")
+    tls = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
+    with serve(root, **tls, ssl_ca_certs=str(certs.ca)) as live:
+        grpc_server = live.call(start_grpc_server(live.state, "127.0.0.1", 0))
+        try:
+            trust = ssl.create_default_context(cafile=str(certs.ca))
+            url = f"https://127.0.0.1:{live.port}/v2/health/live"
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url, verify=trust, timeout=5)
+            trust.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+            assert httpx.get(url, verify=trust, timeout=5).status_code == 200
+            address = f"127.0.0.1:{grpc_server.port}"
+            bare = triton.InferenceServerClient(address, ssl=True, root_certificates=str(certs.ca))
+            with pytest.raises(InferenceServerException):
+                bare.is_server_live()
+            mutual = triton.InferenceServerClient(
+                address,
+                ssl=True,
+                root_certificates=str(certs.ca),
+                private_key=str(certs.client_key),
+                certificate_chain=str(certs.client_cert),
+            )
+            assert mutual.is_server_live()
+        finally:
+            live.call(stop_grpc_server(grpc_server, 1.0))
