@@ -94,6 +94,24 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
+// [sum(a[0]), sum(a[1]), ..., sum(a[15])]: pairwise unpack/shuffle adds, 45 ops for 16 sums.
+inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0 0+2, a1 0+2, a0 1+3, a1 1+3]
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                         _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: 4 keys' partial sums over that lane
+    __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int k = 0; k < 2; ++k)  // fold the four 128-bit lanes pairwise, twice
+    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
 // ---- problem description -----------------------------------------------------------------------
 struct Problem {
   void* out;
@@ -129,18 +147,44 @@ template <int NC>
 struct Kernel {
   static constexpr int D = NC * 16;
 
-  // Gather keys [t0, t0 + n) of one head into fp32 [n][D] scratch.
-  static void gather(const Problem& p, const char* cache, int seq, int head, int t0, int n,
-                     float* dst) {
-    const int esz = p.kv_dtype == kF32 ? 4 : 2;
+  // Row pointers to K and V [t0, t0 + n) of one head: fp32 rows point into the cache (read in
+  // place), bf16 rows are widened into scratch once and shared by the G rows. Block and offset
+  // advance incrementally (no division per key); the next tile's rows are prefetched.
+  static void gather(const Problem& p, int seq, int head, int t0, int n, int t_end, float* kbuf,
+                     float* vbuf, const float** krow, const float** vrow) {
+    const bool f32 = p.kv_dtype == kF32;
+    const int esz = f32 ? 4 : 2;
+    const int bs = p.block_size;
     const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
     const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
+    const int64_t head_off = static_cast<int64_t>(head) * D * esz;
+    int b = t0 / bs, off = t0 % bs;
+    int pb = (t0 + n) / bs, poff = (t0 + n) % bs;  // the next tile's first key
+    const int n_pre = std::min(n, t_end - (t0 + n));
     for (int i = 0; i < n; ++i) {
-      int t = t0 + i;
-      int64_t slot = static_cast<int64_t>(table[t / p.block_size]) * p.block_size + t % p.block_size;
-      const char* src = cache + slot * tok_stride + static_cast<int64_t>(head) * D * esz;
-      for (int c = 0; c < NC; ++c)
-        _mm512_storeu_ps(dst + i * D + c * 16, load16(src + c * 16 * esz, p.kv_dtype));
+      const int64_t slot = static_cast<int64_t>(table[b]) * bs + off;
+      const char* k = p.k_cache + slot * tok_stride + head_off;
+      const char* v = p.v_cache + slot * tok_stride + head_off;
+      if (f32) {
+        krow[i] = reinterpret_cast<const float*>(k);
+        vrow[i] = reinterpret_cast<const float*>(v);
+      } else {
+        for (int c = 0; c < NC; ++c) {
+          _mm512_store_ps(kbuf + i * D + c * 16, load16(k + c * 16 * esz, kBF16));
+          _mm512_store_ps(vbuf + i * D + c * 16, load16(v + c * 16 * esz, kBF16));
+        }
+        krow[i] = kbuf + i * D;
+        vrow[i] = vbuf + i * D;
+      }
+      if (++off == bs) off = 0, ++b;
+      if (i < n_pre) {
+        const int64_t ps = static_cast<int64_t>(table[pb]) * bs + poff;
+        for (int l = 0; l < D * esz; l += 64) {
+          _mm_prefetch(p.k_cache + ps * tok_stride + head_off + l, _MM_HINT_T0);
+          _mm_prefetch(p.v_cache + ps * tok_stride + head_off + l, _MM_HINT_T0);
+        }
+        if (++poff == bs) poff = 0, ++pb;
+      }
     }
   }
 
@@ -155,6 +199,8 @@ struct Kernel {
     alignas(64) float qbuf[kMaxRows * D];
     alignas(64) float kbuf[kKeyTile * D];
     alignas(64) float vbuf[kKeyTile * D];
+    const float* krow[kKeyTile];
+    const float* vrow[kKeyTile];
     alignas(64) float sc[kMaxRows * kKeyTile];
     int limit[kMaxRows];  // last key index (inclusive) each row may see
     const int esz = p.act_dtype == kF32 ? 4 : 2;
@@ -177,29 +223,43 @@ struct Kernel {
 
     for (int t0 = it.k0; t0 < it.k1; t0 += kKeyTile) {
       const int n = std::min(kKeyTile, it.k1 - t0);
-      gather(p, p.k_cache, it.seq, it.head, t0, n, kbuf);
-      gather(p, p.v_cache, it.seq, it.head, t0, n, vbuf);
-      for (int r = 0; r < rows; ++r) scores_row(qbuf + r * D, kbuf, n, t0, limit[r], sc + r * kKeyTile);
+      gather(p, it.seq, it.head, t0, n, it.k1, kbuf, vbuf, krow, vrow);
+      for (int r = 0; r < rows; ++r) scores_row(qbuf + r * D, krow, n, t0, limit[r], sc + r * kKeyTile);
       for (int r = 0; r < rows; ++r)
-        update_row(sc + r * kKeyTile, vbuf, n, acc + r * D, m + r, l + r);
+        update_row(sc + r * kKeyTile, vrow, n, acc + r * D, m + r, l + r);
     }
   }
 
-  static void scores_row(const float* qr, const float* kbuf, int n, int t0, int lim, float* s) {
+  // Scores of one row against keys [t0, t0 + n): 16 keys at a time, their 16 partial-sum
+  // vectors folded by one transpose-reduce (hsum16) instead of 16 horizontal sums.
+  static void scores_row(const float* qr, const float* const* krow, int n, int t0, int lim,
+                         float* s) {
     __m512 qv[NC];
     for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
     const int valid = std::min(n, lim - t0 + 1);  // keys past the row's limit are masked
-    int i = 0;
-    for (; i < valid; ++i) {
-      const float* k = kbuf + i * D;
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(k));
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_load_ps(k + c * 16), a);
-      s[i] = _mm512_reduce_add_ps(a);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i0 = 0; i0 < n; i0 += 16) {
+      __m512 a[16];
+      const int cnt = std::min(16, std::max(0, valid - i0));
+      for (int j = 0; j < 16; ++j) {
+        if (j >= cnt) {
+          a[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* k = krow[i0 + j];
+        __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), x);
+        a[j] = x;
+      }
+      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(cnt));
+      const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
+      __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), hsum16(a));
+      _mm512_mask_storeu_ps(s + i0, in, r);
     }
-    for (; i < n; ++i) s[i] = kNegInf;
   }
 
-  static void update_row(float* s, const float* vbuf, int n, float* acc, float* m, float* l) {
+  static void update_row(float* s, const float* const* vrow, int n, float* acc, float* m,
+                         float* l) {
     float mx = *m;
     for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
     if (mx == kNegInf) return;  // no visible key in this tile
@@ -220,8 +280,8 @@ struct Kernel {
     for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
     for (int i = 0; i < n; ++i) {
       const __m512 pi = _mm512_set1_ps(s[i]);
-      const float* v = vbuf + i * D;
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_load_ps(v + c * 16), a[c]);
+      const float* v = vrow[i];
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * 16), a[c]);
     }
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
   }
