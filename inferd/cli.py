@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -186,6 +187,10 @@ def _security(args: argparse.Namespace) -> dict[str, Any]:
         out["grpc_max_message_bytes"] = grpc_bytes
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise InferdError("--ssl-keyfile and --ssl-certfile must be given together")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise InferdError(f"--{flag.replace('_', '-')} {path!r} is not a file")
     assert set(out) <= set(ServerConfig.model_fields)
     return out
 
