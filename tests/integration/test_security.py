@@ -28,7 +28,9 @@ from openai import OpenAI
 from tritonclient.utils import InferenceServerException
 
 from inferd.cli import _security, build_parser
+from inferd.config import ServerConfig
 from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
+from inferd.serve import uvicorn_options
 
 pytestmark = pytest.mark.integration
 
@@ -306,3 +308,11 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
             assert mutual.is_server_live()
         finally:
             live.call(stop_grpc_server(grpc_server, 1.0))
+
+
+def test_without_the_new_flags_uvicorn_runs_as_before() -> None:
+    options = uvicorn_options(ServerConfig())
+    assert options["timeout_keep_alive"] == 5 and options["limit_concurrency"] is None
+    assert options["ssl_certfile"] is None and "http" not in options  # uvicorn's own protocol
+    guarded = uvicorn_options(ServerConfig(read_timeout_s=2.5, limit_concurrency=100))
+    assert guarded["http"].read_timeout_s == 2.5 and guarded["limit_concurrency"] == 100
