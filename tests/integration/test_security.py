@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import socket
 import ssl
 import time
@@ -26,6 +27,7 @@ from cryptography.x509.oid import NameOID
 from kserve_server import LiveServer, serve, write_repository
 from openai import OpenAI
 from tritonclient.utils import InferenceServerException
+from websockets.sync.client import connect as ws_connect
 
 from inferd.cli import _security, build_parser
 from inferd.config import ServerConfig
@@ -316,3 +318,13 @@ def test_without_the_new_flags_uvicorn_runs_as_before() -> None:
     assert options["ssl_certfile"] is None and "http" not in options  # uvicorn's own protocol
     guarded = uvicorn_options(ServerConfig(read_timeout_s=2.5, limit_concurrency=100))
     assert guarded["http"].read_timeout_s == 2.5 and guarded["limit_concurrency"] == 100
+
+
+def test_a_websocket_outlives_the_read_timeout(secure: Secure) -> None:
+    """The read timeout covers a request's arrival; an upgraded WebSocket is not cut off."""
+    uri = f"wss://127.0.0.1:{secure.live.port}/v1/completions/ws"
+    with ws_connect(uri, ssl=secure.trust(), additional_headers=USER, open_timeout=10) as ws:
+        time.sleep(READ_TIMEOUT_S + 0.5)
+        ws.send('{"prompt": "hi"}')
+        reply = json.loads(ws.recv(timeout=10))  # this server runs no LLM: 503, on the socket
+        assert reply["status"] == 503 and ws.recv(timeout=10) == "[DONE]"
