@@ -364,9 +364,23 @@ class EmbeddingResponse(_Open):
     usage: EmbeddingUsage
 
 
+# One server-sent event (OpenAPI 3.1: a text/event-stream `schema` describes each event).
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": 'A chunk (JSON), an `{"error": {...}}` object, or `[DONE]`',
+        }
+    },
+}
+
+
 def json_or(media_type: str, model: type[BaseModel], description: str) -> Responses:
     """A 200 that is `model` as JSON, or a body of `media_type` (`description` says when)."""
-    content = {media_type: {"schema": {"type": "string"}}}
+    schema = _SSE_EVENT if media_type == "text/event-stream" else {"type": "string"}
+    content = {media_type: {"schema": schema}}
     return {200: {"model": model, "description": description, "content": content}}
 
 

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import Response
 
 from inferd.errors import DrainingError, ModelNotFoundError
 from inferd.gateway.contract import EmbeddingResponse, openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
 from inferd.gateway.openai import FinalizingResponse
+from inferd.gateway.protocol import JsonInt
 from inferd.gateway.state import GatewayState
 from inferd.repository.config import EmbeddingConfig
 from inferd.tensors import InferRequest, InferResponse
@@ -61,7 +62,7 @@ class EmbeddingRequest(BaseModel):
         ),
     ]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = Field(default=None, ge=1)
+    dimensions: JsonInt | None = Field(default=None, ge=1)
     user: str | None = None
 
 

@@ -3,7 +3,8 @@
 Schema checks (types, NaN, ranges a JSON schema can say) happen here, at parse time; checks that
 need the model (context window, vocabulary) happen in the route before anything is queued.
 Unknown fields are ignored, as OpenAI's and vLLM's servers do. Numbers are JSON numbers
-(`"0.5"` is refused, not converted), so the JSON schema in /openapi.json is the validation.
+(`"0.5"` and `true` are refused, not converted) and an integer is any number without a fraction
+(`2.0` is 2, as JSON Schema counts it), so the schema in /openapi.json is the validation.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -24,6 +26,10 @@ from inferd.sampling.params import SamplingParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# A `timeout` shorter than this is refused (400): no server admits and schedules a request that
+# fast under load, so a smaller value could only ever end in 503 queue_timeout (a retryable
+# status for a request that can never succeed).
+MIN_TIMEOUT_S = 0.1
 
 
 class _Body(BaseModel):
@@ -34,39 +40,47 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+def _integral(value: Any) -> Any:
+    """2.0 -> 2: JSON Schema's `integer` includes it (1.5, "2" and true stay refused)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[StrictInt, BeforeValidator(_integral)]
+TokenIds = list[Annotated[JsonInt, Field(ge=0)]]
 
 
 class _SamplingFields(_Body):
     """Fields both endpoints share: OpenAI's, then vLLM's extensions, then inferd's `timeout`."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: JsonInt | None = Field(default=None, ge=1)
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: StrictInt | None = None
+    seed: JsonInt | None = None
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM extensions.
-    top_k: StrictInt | None = Field(default=None, ge=-1)
+    top_k: JsonInt | None = Field(default=None, ge=-1)
     min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0)
-    min_tokens: StrictInt = Field(default=0, ge=0)
+    min_tokens: JsonInt = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # Lower is served first (vLLM's convention); FIFO within one value.
-    priority: StrictInt = 0
+    priority: JsonInt = 0
     # Seconds from arrival; may only shorten the server's --request-timeout.
     timeout: StrictFloat | None = Field(
         default=None,
-        gt=0.0,
+        ge=MIN_TIMEOUT_S,
         description="Seconds from arrival; may only shorten the server's --request-timeout. "
         "Still queued when it passes: 503 `queue_timeout`; generating: finish_reason `timeout`.",
     )
@@ -106,8 +120,8 @@ class CompletionRequest(_SamplingFields):
 
     prompt: PromptInput
     # OpenAI's default for completions is 16 tokens.
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: JsonInt | None = Field(default=16, ge=1)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -155,9 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM extensions for the chat template.
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -40,7 +40,7 @@ CONFIG = schemathesis.Config.from_dict(
             "no-shrink": True,
             "database": "none",
         },
-        "phases": {"coverage": {"enabled": False}, "stateful": {"enabled": False}},
+        "phases": {"stateful": {"enabled": False}},
         "request-timeout": 60,
         # Replaced by `only_deadline_503`.
         "checks": {"not_a_server_error": {"enabled": False}},

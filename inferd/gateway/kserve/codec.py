@@ -206,27 +206,44 @@ def _datatype(value: Any, name: str) -> str:
     return value
 
 
+def _integer(value: Any) -> int | None:
+    """A JSON integer: 2, or 2.0 (JSON Schema's `integer` includes it); None for anything else
+    (1.5, "2", true)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def _natural(value: Any) -> int | None:
+    n = _integer(value)
+    return n if n is not None and n >= 0 else None
+
+
 def _shape(value: Any, name: str) -> list[int]:
-    ok = isinstance(value, list) and len(value) <= MAX_RANK
-    if not ok or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+    dims = [_integer(d) for d in value] if isinstance(value, list) else [None]
+    if len(dims) > MAX_RANK or None in dims:
         raise InvalidRequestError(
             f"input {name!r}: shape must be a list of at most {MAX_RANK} integers", name
         )
-    if any(d < 0 for d in value):
+    shape = [int(d or 0) for d in dims]
+    if any(d < 0 for d in shape):
         raise InvalidRequestError(
-            f"input {name!r}: shape {value} has a negative dimension (-1 is only for metadata)",
+            f"input {name!r}: shape {shape} has a negative dimension (-1 is only for metadata)",
             name,
         )
-    check_extent(value, name)
-    return list(value)
+    check_extent(shape, name)
+    return shape
 
 
 def _count(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    n = _natural(value)
+    if n is None:
         raise InvalidRequestError(
             f"input {name!r}: binary_data_size must be a non-negative integer", name
         )
-    return value
+    return n
 
 
 def _object(value: Any, what: str, param: str | None = None) -> dict[str, Any]:
@@ -352,9 +369,11 @@ def _request_parameters(value: Any) -> dict[str, Any]:
     if not isinstance(params.get("binary_data_output", False), bool):
         raise InvalidRequestError("parameters.binary_data_output must be true or false")
     for key in ("priority", "timeout"):
-        v = params.get(key, 0)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        n = _natural(params.get(key, 0))
+        if n is None:
             raise InvalidRequestError(f"parameters.{key} must be a non-negative integer", key)
+        if key in params:
+            params[key] = n
     if params.get("sequence_id", 0) not in (0, ""):
         raise InvalidRequestError("sequence batching (parameters.sequence_id) is not supported")
     return params
@@ -383,8 +402,8 @@ def _requested_output(name: str, value: Any) -> RequestedOutput:
     binary = params.pop("binary_data", None)
     if binary is not None and not isinstance(binary, bool):
         raise InvalidRequestError(f"output {name!r}: binary_data must be true or false", name)
-    k = params.pop("classification", 0)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+    k = _natural(params.pop("classification", 0))
+    if k is None:
         raise InvalidRequestError(
             f"output {name!r}: classification must be a non-negative integer", name
         )
