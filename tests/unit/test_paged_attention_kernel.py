@@ -98,6 +98,16 @@ def test_decode_ragged_contexts(kernel: PagedAttentionKernel, group: int, bs: in
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_many_decode_rows_group_kv_heads(
+    kernel: PagedAttentionKernel, group: int, kv_dtype: torch.dtype
+) -> None:
+    # Enough sequences that an item takes several kv heads (rows of 4 heads x G).
+    seqs = [(1, 1 + (37 * i) % 300) for i in range(48)]
+    _check(kernel, seqs, hq=4 * group, hkv=4, bs=16, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("group", [1, 2, 7])
 def test_prefill_chunk_with_cached_prefix(kernel: PagedAttentionKernel, group: int) -> None:
     # Chunks longer than a query tile, a chunk that is the whole context, decode rows beside them.
     seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (1, 1)]

@@ -43,6 +43,8 @@ constexpr int kKeyTile = 32;
 constexpr int kMaxRows = 64;
 constexpr int kMinSplitKeys = 128;
 constexpr int kMaxSplits = 64;
+// Floats of K (and of V) per key an item reads: nh * head_dim <= this (bf16 scratch size).
+constexpr int kMaxItemWidth = 512;
 // Query-key pairs (times query heads) under which one thread does the whole call.
 constexpr int64_t kMinParallelWork = 16384;
 constexpr float kNegInf = -INFINITY;
@@ -129,18 +131,23 @@ struct Problem {
   float scale;
 };
 
+// Rows of an item: kv heads [head, head + nh) x queries [j0, j1) x the G query heads of each,
+// row r = ((hh * (j1 - j0)) + j) * G + g.
 struct Item {
-  int seq, head, j0, j1;  // queries [j0, j1) of the sequence
+  int seq, head, nh, j0, j1;  // queries [j0, j1) of the sequence
   int k0, k1;             // keys [k0, k1)
   int64_t scratch;        // float offset of this split's partial state; -1: write out directly
 };
 
 struct Merge {
-  int seq, head, j0, j1, splits;
+  int seq, head, nh, j0, j1, splits;
   int64_t scratch;  // first split's partial state; splits follow each other
 };
 
 inline int rows_per_query_tile(int g) { return std::max(1, kMaxRows / g); }
+inline int item_rows(const Problem& p, int nh, int j0, int j1) {
+  return nh * (j1 - j0) * (p.num_heads / p.num_kv_heads);
+}
 
 // ---- one work item -----------------------------------------------------------------------------
 template <int NC>
@@ -150,8 +157,8 @@ struct Kernel {
   // Row pointers to K and V [t0, t0 + n) of one head: fp32 rows point into the cache (read in
   // place), bf16 rows are widened into scratch once and shared by the G rows. Block and offset
   // advance incrementally (no division per key); the next tile's rows are prefetched.
-  static void gather(const Problem& p, int seq, int head, int t0, int n, int t_end, float* kbuf,
-                     float* vbuf, const float** krow, const float** vrow) {
+  static void gather(const Problem& p, int seq, int head, int nh, int t0, int n, int t_end,
+                     float* kbuf, float* vbuf, const float** krow, const float** vrow) {
     const bool f32 = p.kv_dtype == kF32;
     const int esz = f32 ? 4 : 2;
     const int bs = p.block_size;
@@ -169,17 +176,19 @@ struct Kernel {
         krow[i] = reinterpret_cast<const float*>(k);
         vrow[i] = reinterpret_cast<const float*>(v);
       } else {
-        for (int c = 0; c < NC; ++c) {
-          _mm512_store_ps(kbuf + i * D + c * 16, load16(k + c * 16 * esz, kBF16));
-          _mm512_store_ps(vbuf + i * D + c * 16, load16(v + c * 16 * esz, kBF16));
+        float* kd = kbuf + i * nh * D;  // [n][nh][D]: heads D apart, as in the cache
+        float* vd = vbuf + i * nh * D;
+        for (int c = 0; c < NC * nh; ++c) {
+          _mm512_store_ps(kd + c * 16, load16(k + c * 16 * esz, kBF16));
+          _mm512_store_ps(vd + c * 16, load16(v + c * 16 * esz, kBF16));
         }
-        krow[i] = kbuf + i * D;
-        vrow[i] = vbuf + i * D;
+        krow[i] = kd;
+        vrow[i] = vd;
       }
       if (++off == bs) off = 0, ++b;
       if (i < n_pre) {
         const int64_t ps = static_cast<int64_t>(table[pb]) * bs + poff;
-        for (int l = 0; l < D * esz; l += 64) {
+        for (int l = 0; l < nh * D * esz; l += 64) {
           _mm_prefetch(p.k_cache + ps * tok_stride + head_off + l, _MM_HINT_T0);
           _mm_prefetch(p.v_cache + ps * tok_stride + head_off + l, _MM_HINT_T0);
         }
@@ -193,47 +202,52 @@ struct Kernel {
   static void run_item(const Problem& p, const Item& it, float* acc, float* m, float* l) {
     const int g = p.num_heads / p.num_kv_heads;
     const int nq = it.j1 - it.j0;
-    const int rows = nq * g;
+    const int rows = it.nh * nq * g;
     const int qlen = p.q_len[it.seq];
     const int ctx = p.ctx_len[it.seq];
     alignas(64) float qbuf[kMaxRows * D];
-    alignas(64) float kbuf[kKeyTile * D];
-    alignas(64) float vbuf[kKeyTile * D];
+    alignas(64) float kbuf[kKeyTile * kMaxItemWidth];
+    alignas(64) float vbuf[kKeyTile * kMaxItemWidth];
     const float* krow[kKeyTile];
     const float* vrow[kKeyTile];
     alignas(64) float sc[kMaxRows * kKeyTile];
     int limit[kMaxRows];  // last key index (inclusive) each row may see
+    int hoff[kMaxRows];   // the row's kv head, as a float offset from the item's first
     const int esz = p.act_dtype == kF32 ? 4 : 2;
     const __m512 vscale = _mm512_set1_ps(p.scale);
-    for (int j = 0; j < nq; ++j) {
-      int64_t tok = p.q_start[it.seq] + it.j0 + j;
-      for (int h = 0; h < g; ++h) {
-        int r = j * g + h;
-        const char* src = static_cast<const char*>(p.q) +
-                          ((tok * p.num_heads) + static_cast<int64_t>(it.head) * g + h) * D * esz;
-        for (int c = 0; c < NC; ++c)
-          _mm512_store_ps(qbuf + r * D + c * 16,
-                          _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
-        limit[r] = ctx - qlen + it.j0 + j;
-        m[r] = kNegInf;
-        l[r] = 0.0f;
+    for (int hh = 0; hh < it.nh; ++hh) {
+      for (int j = 0; j < nq; ++j) {
+        const int64_t tok = p.q_start[it.seq] + it.j0 + j;
+        for (int h = 0; h < g; ++h) {
+          const int r = (hh * nq + j) * g + h;
+          const int64_t qh = static_cast<int64_t>(it.head + hh) * g + h;
+          const char* src = static_cast<const char*>(p.q) + (tok * p.num_heads + qh) * D * esz;
+          for (int c = 0; c < NC; ++c)
+            _mm512_store_ps(qbuf + r * D + c * 16,
+                            _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
+          limit[r] = ctx - qlen + it.j0 + j;
+          hoff[r] = hh * D;
+          m[r] = kNegInf;
+          l[r] = 0.0f;
+        }
       }
     }
     std::memset(acc, 0, sizeof(float) * rows * D);
 
     for (int t0 = it.k0; t0 < it.k1; t0 += kKeyTile) {
       const int n = std::min(kKeyTile, it.k1 - t0);
-      gather(p, it.seq, it.head, t0, n, it.k1, kbuf, vbuf, krow, vrow);
-      for (int r = 0; r < rows; ++r) scores_row(qbuf + r * D, krow, n, t0, limit[r], sc + r * kKeyTile);
+      gather(p, it.seq, it.head, it.nh, t0, n, it.k1, kbuf, vbuf, krow, vrow);
       for (int r = 0; r < rows; ++r)
-        update_row(sc + r * kKeyTile, vrow, n, acc + r * D, m + r, l + r);
+        scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r], sc + r * kKeyTile);
+      for (int r = 0; r < rows; ++r)
+        update_row(sc + r * kKeyTile, vrow, hoff[r], n, acc + r * D, m + r, l + r);
     }
   }
 
   // Scores of one row against keys [t0, t0 + n): 16 keys at a time, their 16 partial-sum
   // vectors folded by one transpose-reduce (hsum16) instead of 16 horizontal sums.
-  static void scores_row(const float* qr, const float* const* krow, int n, int t0, int lim,
-                         float* s) {
+  static void scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
+                         int lim, float* s) {
     __m512 qv[NC];
     for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
     const int valid = std::min(n, lim - t0 + 1);  // keys past the row's limit are masked
@@ -246,7 +260,7 @@ struct Kernel {
           a[j] = _mm512_setzero_ps();
           continue;
         }
-        const float* k = krow[i0 + j];
+        const float* k = krow[i0 + j] + hoff;
         __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
         for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), x);
         a[j] = x;
@@ -258,8 +272,8 @@ struct Kernel {
     }
   }
 
-  static void update_row(float* s, const float* const* vrow, int n, float* acc, float* m,
-                         float* l) {
+  static void update_row(float* s, const float* const* vrow, int hoff, int n, float* acc,
+                         float* m, float* l) {
     float mx = *m;
     for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
     if (mx == kNegInf) return;  // no visible key in this tile
@@ -280,28 +294,31 @@ struct Kernel {
     for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
     for (int i = 0; i < n; ++i) {
       const __m512 pi = _mm512_set1_ps(s[i]);
-      const float* v = vrow[i];
+      const float* v = vrow[i] + hoff;
       for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * 16), a[c]);
     }
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
   }
 };
 
-void write_rows(const Problem& p, int seq, int head, int j0, int j1, const float* acc,
+void write_rows(const Problem& p, int seq, int head, int nh, int j0, int j1, const float* acc,
                 const float* l) {
   const int g = p.num_heads / p.num_kv_heads;
   const int d = p.head_dim;
+  const int nq = j1 - j0;
   const int esz = p.act_dtype == kF32 ? 4 : 2;
-  float row[1024];
-  for (int j = j0; j < j1; ++j) {
-    int64_t tok = p.q_start[seq] + j;
-    for (int h = 0; h < g; ++h) {
-      int r = (j - j0) * g + h;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      for (int i = 0; i < d; ++i) row[i] = acc[r * d + i] * inv;
-      char* dst = static_cast<char*>(p.out) +
-                  ((tok * p.num_heads) + static_cast<int64_t>(head) * g + h) * d * esz;
-      store_row(dst, row, d, p.act_dtype);
+  float row[256];
+  for (int hh = 0; hh < nh; ++hh) {
+    for (int j = j0; j < j1; ++j) {
+      const int64_t tok = p.q_start[seq] + j;
+      for (int h = 0; h < g; ++h) {
+        const int r = (hh * nq + (j - j0)) * g + h;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int i = 0; i < d; ++i) row[i] = acc[r * d + i] * inv;
+        const int64_t qh = static_cast<int64_t>(head + hh) * g + h;
+        char* dst = static_cast<char*>(p.out) + (tok * p.num_heads + qh) * d * esz;
+        store_row(dst, row, d, p.act_dtype);
+      }
     }
   }
 }
@@ -310,7 +327,7 @@ void write_rows(const Problem& p, int seq, int head, int j0, int j1, const float
 void merge(const Problem& p, const Merge& mg, const float* base) {
   const int g = p.num_heads / p.num_kv_heads;
   const int d = p.head_dim;
-  const int rows = (mg.j1 - mg.j0) * g;
+  const int rows = item_rows(p, mg.nh, mg.j0, mg.j1);
   const int64_t split_size = static_cast<int64_t>(rows) * (d + 2);
   std::vector<float> acc(static_cast<size_t>(rows) * d, 0.0f), l(rows, 0.0f);
   for (int r = 0; r < rows; ++r) {
@@ -326,7 +343,7 @@ void merge(const Problem& p, const Merge& mg, const float* base) {
       for (int i = 0; i < d; ++i) acc[r * d + i] += st[r * d + i] * w;
     }
   }
-  write_rows(p, mg.seq, mg.head, mg.j0, mg.j1, acc.data(), l.data());
+  write_rows(p, mg.seq, mg.head, mg.nh, mg.j0, mg.j1, acc.data(), l.data());
 }
 
 using ItemFn = void (*)(const Problem&, const Item&, float*, float*, float*);
@@ -344,7 +361,9 @@ ItemFn pick(int head_dim) {
   }
 }
 
-// Cut the batch into items: (seq, head, query tile), and key splits when items are few.
+// Cut the batch into items: (seq, kv heads, query tile), and key splits when items are few. With
+// work to spare, an item takes several kv heads (decode rows of one sequence): it then reads each
+// token's [nh, D] K/V contiguously instead of one head's D of every Hkv * D.
 void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
           std::vector<Merge>& merges, int64_t& scratch_floats) {
   const int g = p.num_heads / p.num_kv_heads;
@@ -357,27 +376,34 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
   }
   int want = 1;
   if (threads > 1 && base < 4 * threads)
-    want = std::min({(4 * threads + base - 1) / base, std::max(1, max_ctx / kMinSplitKeys), kMaxSplits});
+    want = std::min({(4 * threads + base - 1) / base, std::max(1, max_ctx / kMinSplitKeys),
+                     kMaxSplits});
+  const bool group_heads = base >= 8 * threads * p.num_kv_heads / 2;
   scratch_floats = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int qlen = p.q_len[s], ctx = p.ctx_len[s];
     for (int j0 = 0; j0 < qlen; j0 += qt) {
       const int j1 = std::min(qlen, j0 + qt);
       const int kend = ctx - qlen + j1;  // exclusive
-      int splits = std::min(want, std::max(1, kend / kMinSplitKeys));
-      for (int h = 0; h < p.num_kv_heads; ++h) {
+      const int splits = std::min(want, std::max(1, kend / kMinSplitKeys));
+      int nh = 1;
+      if (group_heads && splits == 1)
+        nh = std::max(1, std::min({p.num_kv_heads, kMaxItemWidth / p.head_dim,
+                                   kMaxRows / ((j1 - j0) * g)}));
+      for (int h = 0; h < p.num_kv_heads; h += nh) {
+        const int n_h = std::min(nh, p.num_kv_heads - h);
         if (splits == 1) {
-          items.push_back({s, h, j0, j1, 0, kend, -1});
+          items.push_back({s, h, n_h, j0, j1, 0, kend, -1});
           continue;
         }
-        const int rows = (j1 - j0) * g;
-        const int64_t split_size = static_cast<int64_t>(rows) * (p.head_dim + 2);
-        merges.push_back({s, h, j0, j1, splits, scratch_floats});
+        const int64_t split_size =
+            static_cast<int64_t>(item_rows(p, n_h, j0, j1)) * (p.head_dim + 2);
+        merges.push_back({s, h, n_h, j0, j1, splits, scratch_floats});
         int per = (kend + splits - 1) / splits;
         per = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
         for (int sp = 0; sp < splits; ++sp) {
-          int k0 = std::min(kend, sp * per), k1 = std::min(kend, (sp + 1) * per);
-          items.push_back({s, h, j0, j1, k0, k1, scratch_floats + sp * split_size});
+          const int k0 = std::min(kend, sp * per), k1 = std::min(kend, (sp + 1) * per);
+          items.push_back({s, h, n_h, j0, j1, k0, k1, scratch_floats + sp * split_size});
         }
         scratch_floats += splits * split_size;
       }
@@ -427,9 +453,9 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
       const Item& it = items[i];
       if (it.scratch < 0) {
         fn(p, it, acc, m, l);
-        write_rows(p, it.seq, it.head, it.j0, it.j1, acc, l);
+        write_rows(p, it.seq, it.head, it.nh, it.j0, it.j1, acc, l);
       } else {
-        const int rows = (it.j1 - it.j0) * (num_heads / num_kv_heads);
+        const int rows = item_rows(p, it.nh, it.j0, it.j1);
         float* st = scratch.data() + it.scratch;
         fn(p, it, st, st + rows * head_dim, st + rows * head_dim + rows);
       }
