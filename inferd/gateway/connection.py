@@ -40,7 +40,10 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
         self._read_timer = None
         if not self.transport.is_closing():
             logger.info("closing %s: no whole request in %.1f s", self.client, self.read_timeout_s)
-            self.transport.close()
+            # abort, not close: close would wait for the slow client to acknowledge (a TLS
+            # close_notify, a flush), the very thing it may never do. connection_lost follows
+            # at once and tells a running app `http.disconnect`.
+            self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

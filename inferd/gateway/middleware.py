@@ -124,7 +124,10 @@ class GatewayMiddleware:
             admission, error = self._precheck(scope)
             send = self._wrap_send(send, record, admission)
             if error is None:
-                receive, error = await self._limit_body(scope, receive)
+                try:
+                    receive, error = await self._limit_body(scope, receive)
+                except _ClientGone:
+                    return  # logged with status 0: no response was started
             if error is not None:
                 if self.on_reject is not None:
                     self.on_reject(error.reason)
@@ -176,7 +179,9 @@ class GatewayMiddleware:
 
     async def _limit_body(self, scope: Scope, receive: Receive) -> tuple[Receive, APIError | None]:
         """Reads the whole body (bounded) and replays it; later receives (disconnect) pass
-        through. A chunked upload without Content-Length is bounded here too."""
+        through. A chunked upload without Content-Length is bounded here too. A client that
+        leaves before its body is complete (or is cut off by --read-timeout) raises
+        _ClientGone: the app never sees a request nobody waits for."""
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return receive, None
         chunks: list[bytes] = []
@@ -185,7 +190,7 @@ class GatewayMiddleware:
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return _replay([message], receive), None
+                raise _ClientGone()
             body = message.get("body", b"")
             size += len(body)
             if size > self.server.max_body_bytes:
@@ -194,6 +199,10 @@ class GatewayMiddleware:
             more = message.get("more_body", False)
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return _replay([whole], receive), None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

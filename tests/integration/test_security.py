@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import logging
 import socket
 import ssl
 import time
@@ -33,6 +34,7 @@ from inferd.cli import _security, build_parser
 from inferd.config import ServerConfig
 from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
 from inferd.serve import uvicorn_options
+from inferd.telemetry.metrics import parse_samples
 
 pytestmark = pytest.mark.integration
 
@@ -232,37 +234,88 @@ def _tls_socket(secure: Secure) -> ssl.SSLSocket:
     return secure.trust().wrap_socket(raw, server_hostname="127.0.0.1")
 
 
-def test_slow_client_is_cut_off_at_the_read_timeout(secure: Secure) -> None:
-    """Slowloris: one header byte at a time. The server closes the connection once the request
-    has not arrived within --read-timeout, long before the client would have finished."""
-    request = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"
-    sock = _tls_socket(secure)
+class _Errors(logging.Handler):
+    """Collects ERROR records of the loggers a failing request would write to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _trickle(sock: ssl.SSLSocket, head: bytes, body: bytes) -> tuple[bool, int]:
+    """Sends `head` whole, then `body` one byte at a time; (closed by the server, bytes sent).
+    The socket stays open: a hostile client does not hang up."""
     sent = 0
-    closed = False
-    started = time.monotonic()
     try:
-        for byte in request:
+        sock.sendall(head)
+        for byte in body:
             sock.sendall(bytes([byte]))
             sent += 1
             sock.settimeout(0.25)  # also the pace: about four bytes a second
             try:
-                closed = sock.recv(1024) == b""
+                if sock.recv(1024) == b"":
+                    return True, sent
             except TimeoutError:
                 continue
-            except (ssl.SSLError, OSError):
-                closed = True
-            if closed:
-                break
     except (ssl.SSLError, OSError):
-        closed = True  # the write failed: the server had closed the connection
+        return True, sent  # a write or read failed: the server had closed the connection
+    return False, sent
+
+
+def _held(secure: Secure) -> float:
+    """API-key slots and classic-model requests the server still holds."""
+    with secure.client() as c:
+        metrics = parse_samples(c.get("/metrics").text)
+    key = metrics.get('inferd_api_key_requests_running{key="user"}', 0.0)
+    return key + metrics['inferd_model_requests_inflight{model="classifier"}']
+
+
+_SLOW_HEADERS = (
+    b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n",
+    b"X-Pad: " + b"a" * 200 + b"\r\n\r\n",
+)
+_SLOW_BODY = (
+    b"POST /v2/models/classifier/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-user\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n",
+    b" " * 200,
+)
+
+
+@pytest.mark.parametrize("head, body", [_SLOW_HEADERS, _SLOW_BODY], ids=["headers", "body"])
+def test_slow_client_is_cut_off_at_the_read_timeout(
+    secure: Secure, head: bytes, body: bytes
+) -> None:
+    """Slowloris: the headers, or the body, one byte at a time, from a client that never hangs
+    up. The server drops the connection once the request has not arrived within --read-timeout,
+    long before the client would have finished, and holds nothing for it afterwards: no key
+    slot, no request, no error from a half-received request."""
+    errors = _Errors()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "inferd.gateway")]
+    for log in loggers:
+        log.addHandler(errors)
+    sock = _tls_socket(secure)
+    try:
+        started = time.monotonic()
+        closed, sent = _trickle(sock, head, body)
+        elapsed = time.monotonic() - started
+        # Released at once, though the client still holds its end (bounded wait: a busy loop).
+        deadline = time.monotonic() + 3.0
+        while _held(secure) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = _held(secure)
     finally:
         sock.close()
-    assert closed and sent < len(request), f"still open after {sent} bytes"
+        for log in loggers:
+            log.removeHandler(errors)
+    assert closed and sent < len(body), f"still open after {sent} bytes"
     # The bound is the timeout itself, plus slack for a loaded machine; the pace alone would
-    # have taken over a minute to send the whole request.
-    assert time.monotonic() - started < READ_TIMEOUT_S + 10
-    with secure.client() as c:  # and the server still serves
-        assert c.get("/v2/health/live").status_code == 200
+    # have taken most of a minute.
+    assert elapsed < READ_TIMEOUT_S + 10
+    assert held == 0
+    assert not errors.records, [r.getMessage() for r in errors.records]
 
 
 def test_a_whole_request_is_not_cut_off(secure: Secure) -> None:
