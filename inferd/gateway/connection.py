@@ -5,8 +5,9 @@ time a request takes to arrive: a client that sends one header byte a second (sl
 body that trickles in, holds its connection, its parser state and (once the headers are in) an
 ASGI task for as long as it likes. This protocol arms one timer when a connection opens and
 when each request on it begins, and disarms it when that request's last body byte has arrived;
-if it fires first, the connection is closed (the app, if already running, sees
-`http.disconnect`). A WebSocket upgrade disarms it: the WebSocket protocol takes the connection.
+if it fires first, the connection is aborted, and a request whose body had begun never reaches
+the app (the gateway middleware sees the disconnect while it reads the body). A WebSocket
+upgrade disarms it: the WebSocket protocol takes the connection.
 
     config = uvicorn.Config(app, http=read_timeout_protocol(30.0))
 """
