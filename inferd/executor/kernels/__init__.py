@@ -25,6 +25,7 @@ kernel rebuilds, and nothing else does. `python -m inferd.executor.kernels build
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -220,6 +221,7 @@ def load(cache_dir: Path) -> PagedAttentionKernel:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
 
 
+@functools.cache  # one subprocess per process, not per engine
 def _compiler_version(cxx: str) -> str:
     try:
         res = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
@@ -228,6 +230,7 @@ def _compiler_version(cxx: str) -> str:
     return f"{cxx}\n{res.stdout}"
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
