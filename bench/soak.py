@@ -454,12 +454,14 @@ def _status_kib(pid: int, field_name: str) -> int:
 
 
 @contextlib.contextmanager
-def launch(log_dir: Path, repository: Path, timeout_s: float = 300) -> Iterator[Launched]:
+def launch(
+    log_dir: Path, repository: Path, extra: tuple[str, ...] = (), timeout_s: float = 300
+) -> Iterator[Launched]:
     port, grpc_port = free_port(), free_port()
     log = log_dir / f"soak-server-{port}.log"
     cmd = [sys.executable, "-m", "inferd.cli", "serve", "inferd-tiny", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--grpc-port", str(grpc_port), *SERVER_FLAGS]
-    cmd += ["--model-repository", str(repository)]
+    cmd += ["--model-repository", str(repository), *extra]
     env = {k: v for k, v in os.environ.items() if k != "INFERD_API_KEY"}
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
@@ -606,11 +608,11 @@ def warm_up(server: Launched, spec: LoadSpec) -> Tally:
     return asyncio.run(run_load(server.base, server.grpc_port, warm, reload=False))
 
 
-def soak(spec: LoadSpec, log_dir: Path) -> Report:
+def soak(spec: LoadSpec, log_dir: Path, server_args: tuple[str, ...] = ()) -> Report:
     from inferd.repository.examples import ensure_example_repository
 
     repository = ensure_example_repository()
-    with launch(log_dir, repository) as server:
+    with launch(log_dir, repository, server_args) as server:
         warm = warm_up(server, spec)
         before = settle(server, 1 << 30)
         fds_before, rss_before = server.open_fds(), server.rss_bytes()
@@ -643,9 +645,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument(
+        "--server-arg", action="append", default=[], help="one more `inferd serve` argument"
+    )
     args = p.parse_args()
     spec = LoadSpec(args.duration, args.clients, args.max_requests, args.seed)
-    report = soak(spec, args.log_dir)
+    report = soak(spec, args.log_dir, tuple(args.server_arg))
     summary = report.summary()
     print(json.dumps(summary, indent=2))
     if args.json is not None:
