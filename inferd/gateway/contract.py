@@ -28,7 +28,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from inferd.tensors import DATATYPES
+from inferd.gateway.kserve.codec import KNOWN_DATATYPES, MAX_RANK
 
 Responses = dict[int | str, dict[str, Any]]
 
@@ -146,8 +146,7 @@ Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
     "FP32", "FP64", "BYTES", "BF16",
 ]  # fmt: skip
-assert set(Datatype.__args__) == {*DATATYPES, "BF16"}  # type: ignore[attr-defined]
-MAX_RANK = 32  # codec.MAX_RANK
+assert set(Datatype.__args__) == set(KNOWN_DATATYPES)  # type: ignore[attr-defined]
 NonNegative = Annotated[StrictInt, Field(ge=0)]
 
 

@@ -4,7 +4,8 @@ every answer against the document: the status is documented, the content type an
 the schema, a request outside the schema is refused with a 4xx, and nothing is a 5xx except a
 503 for a request whose own `timeout` passed (documented).
 
-Bounded: a fixed seed, derandomized, MAX_EXAMPLES cases per operation and phase, no shrinking.
+Bounded: a fixed seed, derandomized, no shrinking; per operation the coverage phase (each
+boundary, missing or wrong-typed field once) and MAX_EXAMPLES generated cases.
 """
 
 from __future__ import annotations
