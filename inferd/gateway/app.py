@@ -55,8 +55,8 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(kserve_http.router)
     install_error_handlers(app, on_reject=state.metrics.reject)
-    guard = Guard.from_config(server, metrics)  # built here: a bad key file fails at start
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
+    guard = Guard.from_config(server, metrics)  # built here: a bad key file fails at start
     app.add_middleware(
         GatewayMiddleware, server=server, on_reject=state.metrics.reject, guard=guard
     )
