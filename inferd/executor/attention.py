@@ -75,7 +75,7 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D]  k, v: [T, Hkv, D]  ->  out: [T, Hq, D]
         if self.kv_cache.numel():
             _write_kv(self.kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.paged is not None:
             assert self.kernel is not None, "a paged batch needs the native kernel"
             self.kernel(out, q.contiguous(), self.kv_cache, meta.paged, self.scale)

@@ -93,6 +93,7 @@ class PagedAttentionKernel:
         self, out: Tensor, q: Tensor, kv_cache: Tensor, batch: PagedBatch, scale: float
     ) -> None:
         # out, q: [T, Hq, D] contiguous  kv_cache: [2, NB, bs, Hkv, D] contiguous
+        assert out.is_contiguous() and q.is_contiguous() and kv_cache.is_contiguous()
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         tables = batch.block_tables
         rc = self._fn(
