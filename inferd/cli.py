@@ -44,6 +44,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "cpu_kernel", "torch"],
         help="auto: the native CPU kernel when it builds, else PyTorch",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: per-channel int8 weights, dynamically quantized activations (CPU, VNNI)",
+    )
+    p.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "onednn", "dense"],
+        help="auto: weights prepacked for oneDNN on CPU; dense: F.linear (reference path)",
+    )
     sched = SchedulerConfig.model_fields
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
@@ -71,6 +83,8 @@ _ENGINE_ARGS = (
     "enable_prefix_caching",
     "kv_cache_dtype",
     "attention_backend",
+    "quantization",
+    "linear_backend",
     "max_num_batched_tokens",
     "max_num_seqs",
     "policy",

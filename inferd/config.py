@@ -37,6 +37,9 @@ class ModelConfig(_Frozen):
     load_format: LoadFormat = "auto"
     seed: int = 0
     max_model_len: int | None = Field(default=None, gt=0)
+    # Weight quantization applied at load (vLLM's --quantization). int8: per-output-channel int8
+    # weights, activations quantized per call (CPU with VNNI); see inferd/models/linear.py.
+    quantization: Literal["int8"] | None = None
 
 
 class CacheConfig(_Frozen):
@@ -72,6 +75,9 @@ class DeviceConfig(_Frozen):
     num_threads: int | None = Field(default=None, gt=0)
     # CUDA graphs for decode batches; ignored on CPU.
     enforce_eager: bool = False
+    # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
+    # dense = F.linear everywhere (the reference path).
+    linear_backend: Literal["auto", "onednn", "dense"] = "auto"
 
 
 class EngineConfig(_Frozen):

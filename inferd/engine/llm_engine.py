@@ -25,6 +25,7 @@ from inferd.executor.device import configure_threads, resolve_device, resolve_dt
 from inferd.executor.model_runner import ModelRunner
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.models.config import ArchConfig
+from inferd.models.linear import prepare_linears, resolve_linear_kind
 from inferd.models.loader import load_model, resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
@@ -73,6 +74,10 @@ class LLMEngine:
         self.model, self.arch = load_model(
             path, dtype, self.device, config.model.load_format, config.model.seed, arch
         )
+        kind = resolve_linear_kind(
+            config.device.linear_backend, config.model.quantization, self.device, dtype
+        )
+        prepare_linears(self.model, kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache)
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from inferd.executor.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
-from inferd.models.rope import RotaryEmbedding
+from inferd.models.linear import Linear
+from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -37,22 +38,6 @@ class WeightTarget:
     rows: int
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). `shards` names the checkpoint tensors stacked along the output dim."""
-
-    def __init__(
-        self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        out_features = sum(rows for _, rows in shards)
-        self.shards = shards
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -60,6 +45,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            # One fused op; bit-for-bit the two-step form below when nothing is cast.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in float32 and scale after casting back, as HF does, so bf16 results match.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -75,7 +63,7 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         d = cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -89,10 +77,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, [("o_proj", cfg.hidden_size)], cfg.o_proj_bias, dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary  # one module shared by every layer (named_modules dedups it)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
-    def forward(self, positions: Tensor, x: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, rope: RopeCosSin, x: Tensor, meta: AttentionMetadata) -> Tensor:
         # x: [T, hidden] -> qkv: [T, (Hq + 2 Hkv) D]
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,7 +88,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attn(q, k, v, meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -121,15 +108,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, dtype)
+        self.self_attn = Attention(cfg, dtype)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions: Tensor, h: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+    def forward(self, rope: RopeCosSin, h: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -140,15 +127,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_emb, dtype) for _ in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        # cos/sin of each token's position, gathered once and shared by every layer.
+        rope = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
-            h = layer(positions, h, meta)
+            h = layer(rope, h, meta)
         return self.norm(h)
 
 

@@ -129,14 +129,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         return freqs.cos(), freqs.sin()
 
+    def cos_sin(self, positions: Tensor) -> RopeCosSin:
+        # positions: [T] int64 -> cos, sin: [T, 1, D/2]
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         # positions: [T] int64   q: [T, Hq, D]   k: [T, Hkv, D]
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+# cos, sin of the flat batch's positions: [T, 1, D/2] each.
+RopeCosSin = tuple[Tensor, Tensor]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: [T, H, D]   cos, sin: [T, 1, D/2]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

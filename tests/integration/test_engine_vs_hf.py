@@ -134,6 +134,8 @@ def test_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
     if kernel_available():
         assert engine.runner.attn_kernel is not None, "the native attention kernel did not run"
+    if torch.backends.mkldnn.is_available():
+        assert engine.model.lm_head.kind == "onednn", "linear weights were not prepacked"
 
     # The scenario really exercised chunking and preemption, and nothing leaked.
     assert sum(out.metrics["num_preemptions"] for out in results.values()) > 0
@@ -146,12 +148,14 @@ def test_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_greedy_matches_transformers_on_torch_attention(name: str, tmp_path: Path) -> None:
-    # The fallback path (no compiler, INFERD_DISABLE_KERNELS, CUDA): gather + SDPA.
+    # The fallback path (no compiler, INFERD_DISABLE_KERNELS, CUDA): gather + SDPA, and F.linear
+    # on dense weights (no oneDNN).
     path = _make_checkpoint(name, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     work = _workload(seed=len(name))
-    engine = _engine(path, attention_backend="torch")
+    engine = _engine(path, attention_backend="torch", linear_backend="dense")
     assert engine.runner.attn_kernel is None
+    assert engine.model.lm_head.kind == "dense"
     got = _tokens(_run(engine, work))
     for i, (prompt, n) in enumerate(work):
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"

@@ -1,0 +1,205 @@
+"""How a linear layer multiplies, decided once after its weights are loaded.
+
+    y = x W^T + b        x: [T, in]   W: [out, in]   b: [out]   y: [T, out]
+
+The loader fills each `Linear.weight` densely, in the model dtype. `prepare_linears(model, kind)`
+then turns every weight into the form the chosen kernel reads, once:
+
+- `dense`: `F.linear` on the dense weight. CUDA (cuBLAS needs nothing more), and the fallback.
+- `onednn`: the weight reordered once into oneDNN's blocked layout (CPU, float32 or bfloat16).
+  `F.linear` on CPU leaves the weight as it is and the GEMM re-packs panels of it on every call;
+  prepacked, the same GEMM measured 1.5-2.6x faster on decode-sized batches here (and for bf16 it
+  reaches AVX512_BF16's dot products), see docs/benchmarks.md. vLLM's CPU backend and inductor's
+  `freezing` pass prepack the same way.
+- `int8`: weights quantized to int8 with one symmetric scale per output channel, prepacked for
+  fbgemm; activations are quantized to 8 bits per call from their own range (dynamic), and the
+  dot products run on integer units (AVX512-VNNI where present). Like llama.cpp's Q8_0, which also
+  quantizes activations, this trades a small, stated logit error for 4x fewer weight bytes.
+
+Only the kernel's own copy of the weight is kept: the dense `weight` parameter is freed (an empty
+tensor of the same dtype) unless another module shares it (tied embeddings).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from inferd.errors import ModelLoadError
+
+logger = logging.getLogger("inferd.models")
+
+LinearKind = Literal["dense", "onednn", "int8"]
+LinearFn = Callable[[Tensor], Tensor]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the checkpoint tensors stacked along the output dim."""
+
+    def __init__(
+        self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(rows for _, rows in shards)
+        self.shards = shards
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=dtype), False)
+        self.bias = (
+            nn.Parameter(torch.empty(self.out_features, dtype=dtype), False) if bias else None
+        )
+        self.kind: LinearKind = "dense"
+        # Set by prepare(); None: F.linear on the dense weight.
+        self._fn: LinearFn | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._fn is None:
+            return F.linear(x, self.weight, self.bias)
+        return self._fn(x)
+
+    def prepare(self, kind: LinearKind, keep_dense: bool) -> None:
+        """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`."""
+        if kind == "dense":
+            self._fn, self.kind = None, kind
+            return
+        weight = self.weight.detach()
+        bias = None if self.bias is None else self.bias.detach()
+        self._fn = _BUILDERS[kind](weight, bias)
+        self.kind = kind
+        if not keep_dense:
+            self.weight = nn.Parameter(weight.new_empty((0, self.in_features)), False)
+
+
+# oneDNN builds (JIT-compiles) a primitive per input shape and caches it: about half a MiB per row
+# count, so a server that meets every count from 1 to max_num_batched_tokens would grow by GBs.
+# Rows go through in chunks of at most _ONEDNN_CHUNK, each padded up to the next size below, which
+# bounds the shapes (and that cache) to len(ROW_BUCKETS) per weight shape; `warm_up` builds them
+# all at start, so memory does not creep up while serving. Padding only the last chunk costs little:
+# below ~64 rows a GEMM is bound by reading the weight, not by its rows.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
+_ONEDNN_CHUNK = ROW_BUCKETS[-1]
+
+
+def _row_bucket(rows: int) -> int:
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def _onednn(weight: Tensor, bias: Tensor | None) -> LinearFn:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    op = torch.ops.mkldnn._linear_pointwise.default
+    out_features = weight.shape[0]
+
+    def chunk(x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        pad = _row_bucket(rows) - rows
+        if pad == 0:
+            return op(x, packed, bias, "none", [], "")
+        return op(F.pad(x, (0, 0, 0, pad)), packed, bias, "none", [], "")[:rows]
+
+    def run(x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if rows <= _ONEDNN_CHUNK:
+            return chunk(x) if rows else x.new_empty((0, out_features))
+        return torch.cat([chunk(x[i : i + _ONEDNN_CHUNK]) for i in range(0, rows, _ONEDNN_CHUNK)])
+
+    return run
+
+
+def _int8(weight: Tensor, bias: Tensor | None) -> LinearFn:
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # Quantized tensors are deprecated as a user-facing type; fbgemm's prepacked linear is
+        # still the fastest int8 GEMM reachable from PyTorch on CPU, and this is its input.
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+    op = torch.ops.quantized.linear_dynamic.default
+    out_features = weight.shape[0]
+
+    def run(x: Tensor) -> Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty((0, out_features))
+        # reduce_range=False: 8-bit activations. Safe from int16 saturation only with VNNI's
+        # int32 accumulation, which `resolve_linear_kind` checks before choosing int8.
+        return op(x.float(), packed, False).to(x.dtype)
+
+    return run
+
+
+_BUILDERS: dict[str, Callable[[Tensor, Tensor | None], LinearFn]] = {
+    "onednn": _onednn,
+    "int8": _int8,
+}
+
+
+def resolve_linear_kind(
+    backend: Literal["auto", "onednn", "dense"],
+    quantization: Literal["int8"] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LinearKind:
+    """The kernel every Linear of a model runs: int8 when asked, else oneDNN on CPU if it can."""
+    cpu = device.type == "cpu"
+    if quantization == "int8":
+        if not cpu or not has_int8_gemm():
+            raise ModelLoadError(
+                "--quantization int8 needs a CPU with AVX512-VNNI or AVX-VNNI (int8 dot products)"
+            )
+        return "int8"
+    onednn_ok = cpu and torch.backends.mkldnn.is_available() and dtype != torch.float16
+    if backend == "onednn" and not onednn_ok:
+        raise ModelLoadError(
+            "--linear-backend onednn needs a CPU device and PyTorch built with oneDNN"
+        )
+    if backend == "dense" or not onednn_ok:
+        return "dense"
+    return "onednn"
+
+
+def has_int8_gemm() -> bool:
+    """Whether this CPU has VNNI (int8 dot products accumulated in int32)."""
+    if "VNNI" in torch.backends.cpu.get_cpu_capability():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_vnni" in flags or " avx_vnni" in flags
+
+
+def prepare_linears(model: nn.Module, kind: LinearKind) -> None:
+    """Converts every Linear of `model` to `kind`, keeping dense weights other modules share."""
+    shared = _shared_weights(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.prepare(kind, keep_dense=id(m.weight) in shared)
+    if kind == "onednn":
+        _warm_up(linears)
+    if kind != "dense":
+        logger.info("linear layers: %d prepared as %s", len(linears), kind)
+
+
+@torch.inference_mode()
+def _warm_up(linears: list[Linear]) -> None:
+    """Runs each distinct weight shape once per row bucket, so oneDNN's per-shape primitives are
+    built now rather than during serving (layers of one shape share them)."""
+    shapes = {(m.in_features, m.out_features, m.bias is not None): m for m in linears}
+    for m in shapes.values():
+        for rows in ROW_BUCKETS:
+            m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one name (tied lm_head / embeddings)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
