@@ -268,7 +268,9 @@ def test_slow_reader_is_aborted(narrow: Harness) -> None:
     async def main() -> None:
         stream = _long(narrow, "slow")
         await _first(stream)
-        await asyncio.sleep(0.5)  # the engine runs on; 16 unread tokens is the bound
+        # The engine runs on; 16 unread tokens is the bound. 2 s leaves room for steps that a
+        # busy machine makes 10x slower (threads of other processes on the same cores).
+        await asyncio.sleep(2.0)
         with pytest.raises(OutputBacklogError):
             await _collect(stream)
         deadline = time.monotonic() + 5
