@@ -227,9 +227,7 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM), HTTP and gRPC")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA bundle: require client certs")
-    g.add_argument(
-        "--timeout-keep-alive", type=float, default=srv["timeout_keep_alive"].default
-    )
+    g.add_argument("--timeout-keep-alive", type=float, default=srv["timeout_keep_alive"].default)
     g.add_argument(
         "--read-timeout",
         type=float,
