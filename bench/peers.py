@@ -39,7 +39,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 from common import (
@@ -56,12 +55,7 @@ from common import (
     make_workload,
     write_result,
 )
-from serve import (
-    free_port,
-    run_load,
-    stop_server,
-    summarize,
-)
+from serve import free_port, run_load, stop_server, summarize, wait_ready
 
 # The model A: the tiny Llama with an 8k vocabulary (~32 M parameters).
 SHAPES = SHAPES | {
@@ -185,24 +179,10 @@ def launched(system: System, log_path: Path) -> Iterator[Running]:
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait_ready(base + system.health, proc)
+            wait_ready(base + system.health, proc, READY_TIMEOUT_S)
             yield Running(base, proc.pid, time.perf_counter() - t0)
         finally:
             stop_server(proc)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before ready")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f} s")
 
 
 def tree_cpu_seconds(pid: int) -> float:

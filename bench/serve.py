@@ -419,24 +419,27 @@ def launched_server(server_args: list[str], log_path: Path) -> Iterator[Launched
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_ready(base, proc)
+            wait_ready(f"{base}/health/ready", proc)
             yield Launched(base, proc.pid)
         finally:
             stop_server(proc)
 
 
-def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def wait_ready(
+    health_url: str, proc: subprocess.Popen[bytes], timeout_s: float = READY_TIMEOUT_S
+) -> None:
+    """Polls the server's health route until it answers 200; fails if the process exits."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"inferd serve exited with code {proc.returncode} before ready")
+            raise RuntimeError(f"the server exited with code {proc.returncode} before ready")
         try:
-            if httpx.get(f"{base}/health/ready", timeout=2.0).status_code == 200:
+            if httpx.get(health_url, timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"inferd serve not ready after {READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"the server was not ready after {timeout_s:.0f} s")
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
