@@ -55,7 +55,15 @@ from common import (
     make_workload,
     write_result,
 )
-from serve import free_port, run_load, stop_server, summarize, wait_ready
+from serve import (
+    completion_body,
+    free_port,
+    proc_table,
+    run_load,
+    stop_server,
+    summarize,
+    wait_ready,
+)
 
 # The issue's model A: the tiny Llama with an 8k vocabulary (~32 M parameters).
 SHAPES = SHAPES | {
@@ -186,41 +194,18 @@ def launched(system: System, log_path: Path) -> Iterator[Running]:
 
 
 def tree_cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of `pid` and every descendant, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parent[int(entry.name)] = int(fields[1])
-        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    """user + system CPU seconds of `pid` and every descendant (vLLM's worker is a grandchild)."""
+    table = proc_table()
     tree, frontier = {pid}, [pid]
     while frontier:
         p = frontier.pop()
-        kids = [c for c, pp in parent.items() if pp == p and c not in tree]
+        kids = [c for c, (ppid, _) in table.items() if ppid == p and c not in tree]
         tree.update(kids)
         frontier.extend(kids)
-    return sum(cpu.get(p, 0.0) for p in tree)
+    return sum(table[p][1] for p in tree if p in table)
 
 
 # -- workloads --------------------------------------------------------------------------------
-
-
-def body(req: BenchRequest) -> dict[str, Any]:
-    return {
-        "model": "m",
-        "prompt": req.prompt_token_ids,
-        "max_tokens": req.output_len,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
 
 
 def mixed_workload(shape: ModelShape, n: int, seed: int) -> list[BenchRequest]:
@@ -251,7 +236,7 @@ def run_workload(url: str, reqs: list[BenchRequest], pid: int) -> dict[str, Any]
     )
     cpu0 = tree_cpu_seconds(pid)
     results, wall, _ = asyncio.run(
-        run_load(f"{url}/v1/completions", [body(r) for r in reqs], load_args)
+        run_load(f"{url}/v1/completions", [completion_body(r, "m", 0.0) for r in reqs], load_args)
     )
     cpu = tree_cpu_seconds(pid) - cpu0
     for r in results:

@@ -383,28 +383,31 @@ class Launched:
     pid: int
 
 
-def process_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of `pid` ("front") and of its child processes ("children",
-    the engine core), from /proc; empty where /proc is not available."""
+def proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user + system CPU seconds) of every process, from /proc; empty where
+    /proc is not available."""
     tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(p: int) -> tuple[int, float] | None:
+    table: dict[int, tuple[int, float]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
-            return None
-        return int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+            continue
+        table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return table
 
-    own = stat(pid)
-    if own is None:
+
+def process_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of `pid` ("front") and of its child processes ("children", the engine core);
+    empty where /proc is not available."""
+    table = proc_table()
+    if pid not in table:
         return {}
-    children = 0.0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != pid:
-            st = stat(int(entry.name))
-            if st is not None and st[0] == pid:
-                children += st[1]
-    return {"front": own[1], "children": children}
+    children = sum(cpu for p, (ppid, cpu) in table.items() if ppid == pid and p != pid)
+    return {"front": table[pid][1], "children": children}
 
 
 @contextmanager
