@@ -8,9 +8,21 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
-from inferd.config import DEFAULT_MODEL, CacheConfig, EngineConfig, SchedulerConfig
+from inferd.config import (
+    DEFAULT_MODEL,
+    AttentionBackend,
+    CacheConfig,
+    Device,
+    DType,
+    EngineConfig,
+    KVCacheDType,
+    LinearBackend,
+    LoadFormat,
+    Quantization,
+    SchedulerConfig,
+)
 from inferd.errors import InferdError
 
 DEMO_PROMPTS = ("The quick brown fox", "Once upon a time", "def fibonacci(n):")
@@ -21,11 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, hub id, or inferd-tiny")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--revision", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--dtype", default="auto", choices=get_args(DType))
+    p.add_argument("--load-format", default="auto", choices=get_args(LoadFormat))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=get_args(Device))
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--block-size", type=int, default=CacheConfig.model_fields["block_size"].default)
@@ -35,25 +47,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16"],
+        choices=get_args(KVCacheDType),
         help="KV cache element type; auto: the model dtype",
     )
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "cpu_kernel", "torch"],
+        choices=get_args(AttentionBackend),
         help="auto: the native CPU kernel when it builds, else PyTorch",
     )
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
+        choices=get_args(Quantization),
         help="int8: per-channel int8 weights, dynamically quantized activations (CPU, VNNI)",
     )
     p.add_argument(
         "--linear-backend",
         default="auto",
-        choices=["auto", "onednn", "dense"],
+        choices=get_args(LinearBackend),
         help="auto: weights prepacked for oneDNN on CPU; dense: F.linear (reference path)",
     )
     sched = SchedulerConfig.model_fields

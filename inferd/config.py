@@ -21,6 +21,9 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
 # "auto": the native CPU kernel where it builds (inferd/executor/kernels), else PyTorch.
 AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
+# "auto": weights prepacked for oneDNN on CPU, F.linear elsewhere (inferd/models/linear.py).
+LinearBackend = Literal["auto", "onednn", "dense"]
+Quantization = Literal["int8"]
 
 
 class _Frozen(BaseModel):
@@ -39,7 +42,7 @@ class ModelConfig(_Frozen):
     max_model_len: int | None = Field(default=None, gt=0)
     # Weight quantization applied at load (vLLM's --quantization). int8: per-output-channel int8
     # weights, activations quantized per call (CPU with VNNI); see inferd/models/linear.py.
-    quantization: Literal["int8"] | None = None
+    quantization: Quantization | None = None
 
 
 class CacheConfig(_Frozen):
@@ -77,7 +80,7 @@ class DeviceConfig(_Frozen):
     enforce_eager: bool = False
     # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
     # dense = F.linear everywhere (the reference path).
-    linear_backend: Literal["auto", "onednn", "dense"] = "auto"
+    linear_backend: LinearBackend = "auto"
 
 
 class EngineConfig(_Frozen):

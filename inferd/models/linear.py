@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferd.config import LinearBackend, Quantization
 from inferd.errors import ModelLoadError
 
 logger = logging.getLogger("inferd.models")
@@ -140,8 +141,8 @@ _BUILDERS: dict[str, Callable[[Tensor, Tensor | None], LinearFn]] = {
 
 
 def resolve_linear_kind(
-    backend: Literal["auto", "onednn", "dense"],
-    quantization: Literal["int8"] | None,
+    backend: LinearBackend,
+    quantization: Quantization | None,
     device: torch.device,
     dtype: torch.dtype,
 ) -> LinearKind:
