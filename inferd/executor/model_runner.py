@@ -216,21 +216,24 @@ class ModelRunner:
         self, c: ScheduledChunk, query_start: int, slots: list[int]
     ) -> PrefillSpan | None:
         """The chunk's SDPA span (None when the native kernel serves it); appends its slots."""
-        bs = self.block_size
         end = c.start + c.num_tokens
-        blocks = np.asarray(c.block_ids[: (end + bs - 1) // bs], dtype=np.int64)
-        pos = np.arange(end)
-        ctx_slots = blocks[pos // bs] * bs + pos % bs
-        slots.extend(ctx_slots[c.start :].tolist())
+        slots.extend(self._slots(c, c.start, end).tolist())
         if self.attn_kernel is not None:
             return None
         span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
         if c.start > 0:
             # Queries are the last num_tokens positions; query i sees keys 0 .. start + i.
-            span.context_slots = self._tensor(ctx_slots)
-            q_pos = np.arange(c.start, end)
+            span.context_slots = self._tensor(self._slots(c, 0, end))
+            pos, q_pos = np.arange(end), np.arange(c.start, end)
             span.mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(self.device)
         return span
+
+    def _slots(self, c: ScheduledChunk, lo: int, hi: int) -> np.ndarray:
+        """Cache slots of c's positions [lo, hi): block_ids[pos // bs] * bs + pos % bs."""
+        bs = self.block_size
+        pos = np.arange(lo, hi)
+        blocks = np.asarray(c.block_ids[lo // bs : (hi + bs - 1) // bs], dtype=np.int64)
+        return blocks[pos // bs - lo // bs] * bs + pos % bs
 
     def _sample(self, logits: Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
         rows = [self._sampling_row(c) for c in chunks]
