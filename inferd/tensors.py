@@ -12,7 +12,7 @@ Tensors are numpy arrays, row-major. BYTES tensors are numpy object arrays whose
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -104,18 +104,3 @@ class InferResponse:
     # Tokens the text preprocess produced (for /v1/embeddings usage); None for non-text models.
     num_input_tokens: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
-
-
-class Step(Protocol):
-    """One pre- or postprocessing step, run per request (rows of that request only).
-
-    Preprocess: the request's validated client tensors in, the model's input tensors out.
-    Postprocess: that request's rows of the model outputs, merged with its (padded)
-    preprocessed inputs (so pooling can see attention_mask), in; the client outputs out.
-    A step returns a new dict: tensors it does not consume pass through unchanged.
-    Raises inferd.errors.InvalidRequestError for bad input (the request fails alone, 400).
-    """
-
-    stage: str  # "preprocess" or "postprocess": which stage histogram its time goes to
-
-    def __call__(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...

@@ -31,7 +31,7 @@ import numpy as np
 from inferd.backends.base import TensorSpec
 from inferd.errors import InferdError, ModelConfigError, ModelLoadError
 from inferd.repository.config import ModelRepoConfig
-from inferd.tensors import Step
+from inferd.steps.base import Step
 
 _COUNTER = itertools.count()
 TensorDict = dict[str, np.ndarray]

@@ -49,9 +49,10 @@ from inferd.errors import (
     QueueFullError,
     QueueTimeoutError,
 )
-from inferd.postprocess.classification import classify
 from inferd.repository.config import ModelRepoConfig
-from inferd.tensors import DATATYPES, InferRequest, InferResponse, OutputTensor, Step, datatype_of
+from inferd.steps.base import Step
+from inferd.steps.classification import classify
+from inferd.tensors import DATATYPES, InferRequest, InferResponse, OutputTensor, datatype_of
 
 if TYPE_CHECKING:
     from inferd.telemetry.model_metrics import ModelObserver

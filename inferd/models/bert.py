@@ -5,7 +5,7 @@
 
 It computes what transformers' `BertModel(...).last_hidden_state` computes (post-LayerNorm
 encoder, absolute positions, exact-erf GELU), without importing transformers. The pooler is not
-built: sentence embeddings pool the token embeddings instead (see inferd.postprocess.pooling).
+built: sentence embeddings pool the token embeddings instead (see inferd.steps.pooling).
 Attention is written as explicit matmul + softmax so the ONNX export is a plain graph that ONNX
 Runtime's optimizer fuses on its own.
 """

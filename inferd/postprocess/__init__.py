@@ -1,4 +1,8 @@
-"""From sampled ids to what the caller sees: detokenization and stop strings."""
+"""The LLM lane's text stages after the engine: from sampled ids to what the caller sees
+(incremental detokenization, stop strings, the text stream).
+
+(Classic-model postprocessing steps — softmax, pooling, NMS, labels — live in inferd/steps/.)
+"""
 
 from inferd.postprocess.detokenizer import IncrementalDetokenizer
 from inferd.postprocess.stop_checker import StopChecker, StopResult

@@ -1,4 +1,7 @@
-"""Turning requests into token ids: the tokenizer and chat templates."""
+"""The LLM lane's text stages before the engine: the tokenizer and chat templates.
+
+(Classic-model preprocessing steps — tokenize, image, audio — live in inferd/steps/.)
+"""
 
 from inferd.preprocess.tokenizer import NoChatTemplateError, Tokenizer, load_generation_config
 

@@ -21,11 +21,11 @@ from inferd.backends import open_backend
 from inferd.backends.base import Backend, BackendOptions, TensorSpec
 from inferd.batching.pipeline import QueueLimits, ServedModel
 from inferd.errors import ModelConfigError
-from inferd.postprocess.classification import load_labels
-from inferd.preprocess.steps import build_steps
 from inferd.repository.config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
+from inferd.steps.base import Step
+from inferd.steps.classification import load_labels
+from inferd.steps.registry import build_steps
 from inferd.telemetry.model_metrics import ModelObserver
-from inferd.tensors import Step
 
 __all__ = ["build_model", "check_config", "complete_config", "load_model_config"]
 

@@ -312,8 +312,8 @@ def image_preprocess_spec() -> dict[str, Any]:
 def _image_dataset(n_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Pictures through the same image step the server runs, so training sees what serving
     feeds the model: x [N, 3, 32, 32] float32, y [N] int64."""
-    from inferd.preprocess.image import ImageOptions, ImageStep
-    from inferd.preprocess.steps import StepContext
+    from inferd.steps.base import StepContext
+    from inferd.steps.image import ImageOptions, ImageStep
 
     step = ImageStep(
         ImageOptions.model_validate(image_preprocess_spec()),

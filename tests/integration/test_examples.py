@@ -11,8 +11,6 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from inferd.postprocess.classification import classify, load_labels
-from inferd.preprocess.steps import build_steps
 from inferd.repository import examples
 from inferd.repository.config import ModelRepoConfig
 from inferd.repository.examples import (
@@ -22,6 +20,8 @@ from inferd.repository.examples import (
     ensure_example_repository,
     fraud_dataset,
 )
+from inferd.steps.classification import classify, load_labels
+from inferd.steps.registry import build_steps
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from inferd.models.bert import BertEncoder, minilm_dir
-from inferd.preprocess.steps import build_steps
 from inferd.repository.examples import ensure_example_repository
+from inferd.steps.registry import build_steps
 
 SENTENCES = [
     "Hello, world!",

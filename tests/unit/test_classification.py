@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from inferd.errors import InvalidRequestError, ModelConfigError
-from inferd.postprocess.classification import classify, load_labels
+from inferd.steps.classification import classify, load_labels
 
 
 def strings(array: np.ndarray) -> list[object]:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from inferd.errors import ModelConfigError
-from inferd.postprocess.nms import nms
-from inferd.preprocess.steps import build_steps
+from inferd.steps.nms import nms
+from inferd.steps.registry import build_steps
 
 
 def iou(a: list[float], b: list[float]) -> float:

@@ -26,8 +26,8 @@ from inferd.errors import (
     QueueFullError,
     QueueTimeoutError,
 )
-from inferd.postprocess.classification import classify
 from inferd.repository.config import ModelRepoConfig
+from inferd.steps.classification import classify
 from inferd.tensors import InferRequest, InferResponse, RequestedOutput
 
 POISON = -100.0  # a row starting with this fails the backend (a server-side failure)

@@ -15,9 +15,9 @@ from scipy.io import wavfile
 
 from inferd.errors import InvalidRequestError, ModelConfigError
 from inferd.models.bert import minilm_dir
-from inferd.preprocess.audio import mel_filterbank, mfcc
-from inferd.preprocess.steps import StageName, build_steps
-from inferd.tensors import Step
+from inferd.steps.audio import mel_filterbank, mfcc
+from inferd.steps.base import StageName, Step
+from inferd.steps.registry import build_steps
 
 MINILM = minilm_dir()
 

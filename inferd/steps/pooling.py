@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from inferd.errors import ModelConfigError
-from inferd.postprocess.tensor_ops import L2_EPS, l2_normalize
-from inferd.preprocess.steps import StepContext, StepOptions
+from inferd.steps.base import L2_EPS, StepContext, StepOptions, l2_normalize
 
 MASK_EPS = 1e-9  # sentence-transformers clamps the token count to this
 

@@ -20,7 +20,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import Field, model_validator
 
 from inferd.errors import InvalidRequestError
-from inferd.preprocess.steps import StepContext, StepOptions
+from inferd.steps.base import StepContext, StepOptions
 
 _RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,

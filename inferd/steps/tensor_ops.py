@@ -16,9 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from inferd.errors import ModelConfigError
-from inferd.preprocess.steps import StepContext, StepOptions
-
-L2_EPS = 1e-12  # torch.nn.functional.normalize's default eps
+from inferd.steps.base import L2_EPS, StepContext, StepOptions, l2_normalize
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -27,13 +25,6 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     shifted = x - x.max(axis=axis, keepdims=True)
     e = np.exp(shifted)
     return e / e.sum(axis=axis, keepdims=True)
-
-
-def l2_normalize(x: np.ndarray, axis: int = -1, eps: float = L2_EPS) -> np.ndarray:
-    """x / max(||x||_2, eps), as torch.nn.functional.normalize(p=2)."""
-    x = x.astype(np.float64 if x.dtype == np.float64 else np.float32, copy=False)
-    norm = np.sqrt(np.sum(x * x, axis=axis, keepdims=True))
-    return x / np.maximum(norm, x.dtype.type(eps))
 
 
 class SoftmaxOptions(StepOptions):

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from inferd.errors import ModelConfigError
-from inferd.preprocess.steps import StepContext, StepOptions
+from inferd.steps.base import StepContext, StepOptions
 
 ROLES = {
     "boxes": "detection_boxes",

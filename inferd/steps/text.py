@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 from tokenizers import Tokenizer
 
 from inferd.errors import InvalidRequestError, ModelConfigError
-from inferd.preprocess.steps import StepContext, StepOptions
+from inferd.steps.base import StepContext, StepOptions
 
 ROLES = ("input_ids", "attention_mask", "token_type_ids")
 NUM_TOKENS = "__num_tokens__"

@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 from scipy.io import wavfile
 
 from inferd.errors import InvalidRequestError
-from inferd.preprocess.steps import StepContext, StepOptions
+from inferd.steps.base import StepContext, StepOptions
 
 
 class AudioMfccOptions(StepOptions):
