@@ -6,11 +6,11 @@ huge prompts cannot exhaust memory). Order: lowest `priority` value first, FIFO 
 within one value. Deadlines: `expire(now)` removes and returns every entry whose deadline is
 <= now.
 
-Algorithm: two binary heaps over the same live entries, one keyed (priority, seq) for `pop`,
-one keyed (deadline, seq) for `expire`, plus a dict request_id -> entry. Removal from the middle
-(`remove`, or an entry leaving through the other heap) only marks the entry dead; dead heap
-items are skipped when they reach a heap's top and both heaps are rebuilt when dead items
-outnumber live ones. Every operation is O(log n) amortized. Pure Python, no torch.
+Algorithm: two lazy heaps (inferd.admission.lazy_heap) over the same live entries, one keyed
+by priority for `pop`, one by deadline for `expire`, plus a dict request_id -> entry. Removal
+from the middle (`remove`, or an entry leaving through the other heap) only marks the entry
+dead; the heaps drop dead items when they surface and rebuild when dead items outnumber live
+ones. Every operation is O(log n) amortized. Pure Python, no torch.
 
 >>> q: AdmissionQueue[str] = AdmissionQueue(max_requests=2, max_prompt_tokens=100)
 >>> q.push("a", "A", num_prompt_tokens=10, priority=1)
@@ -21,12 +21,12 @@ outnumber live ones. Every operation is O(log n) amortized. Pure Python, no torc
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from inferd.admission.lazy_heap import LazyHeap
 from inferd.errors import QueueFullError
 
 T = TypeVar("T")
@@ -50,8 +50,8 @@ class AdmissionQueue(Generic[T]):
         self.max_requests = max_requests
         self.max_prompt_tokens = max_prompt_tokens
         self._entries: dict[str, QueueEntry[T]] = {}
-        self._by_priority: list[tuple[int, int, QueueEntry[T]]] = []
-        self._by_deadline: list[tuple[float, int, QueueEntry[T]]] = []
+        self._by_priority: LazyHeap[int, QueueEntry[T]] = LazyHeap(_is_alive)
+        self._by_deadline: LazyHeap[float, QueueEntry[T]] = LazyHeap(_is_alive)
         self._num_prompt_tokens = 0
         self._seq = itertools.count()
 
@@ -83,9 +83,10 @@ class AdmissionQueue(Generic[T]):
         entry = QueueEntry(request_id, item, num_prompt_tokens, priority, deadline, next(self._seq))
         self._entries[request_id] = entry
         self._num_prompt_tokens += num_prompt_tokens
-        heapq.heappush(self._by_priority, (priority, entry.seq, entry))
+        # Pushes happen in `seq` order, so the heaps' own FIFO tie-break is the seq order.
+        self._by_priority.push(priority, entry)
         if deadline is not None:
-            heapq.heappush(self._by_deadline, (deadline, entry.seq, entry))
+            self._by_deadline.push(deadline, entry)
 
     def _check_room(self, num_prompt_tokens: int) -> None:
         if len(self._entries) >= self.max_requests:
@@ -102,19 +103,16 @@ class AdmissionQueue(Generic[T]):
 
     def peek(self) -> QueueEntry[T] | None:
         """The entry `pop` would return, without removing it."""
-        heap = self._by_priority
-        while heap and not heap[0][2].alive:
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        top = self._by_priority.peek()
+        return None if top is None else top[1]
 
     def pop(self) -> QueueEntry[T] | None:
         """Removes and returns the first entry: lowest priority value, then earliest pushed."""
-        entry = self.peek()
-        if entry is None:
+        top = self._by_priority.pop()
+        if top is None:
             return None
-        heapq.heappop(self._by_priority)
-        self._discard(entry)
-        return entry
+        self._discard(top[1])
+        return top[1]
 
     def remove(self, request_id: str) -> QueueEntry[T] | None:
         """Removes an entry by id (a client gave up); None if it is not queued."""
@@ -125,40 +123,29 @@ class AdmissionQueue(Generic[T]):
 
     def expire(self, now: float) -> list[QueueEntry[T]]:
         """Removes and returns the entries whose deadline is <= now, earliest deadline first."""
-        expired = []
-        heap = self._by_deadline
-        while heap and (not heap[0][2].alive or heap[0][0] <= now):
-            _, _, entry = heapq.heappop(heap)
-            if entry.alive:
-                self._discard(entry)
-                expired.append(entry)
+        expired = self._by_deadline.pop_through(now)
+        for entry in expired:
+            self._discard(entry)
         return expired
 
     def next_deadline(self) -> float | None:
         """The earliest deadline among queued entries, None if none has one."""
-        heap = self._by_deadline
-        while heap and not heap[0][2].alive:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        top = self._by_deadline.peek()
+        return None if top is None else top[0]
 
     def _discard(self, entry: QueueEntry[T]) -> None:
         entry.alive = False
         del self._entries[entry.request_id]
         self._num_prompt_tokens -= entry.num_prompt_tokens
-        self._maybe_compact()
-
-    def _maybe_compact(self) -> None:
-        # Dead items stay in the heaps until they surface; rebuilding when they outnumber the
-        # live ones keeps memory O(n) and the amortized cost O(log n) per operation.
         live = len(self._entries)
-        if len(self._by_priority) + len(self._by_deadline) <= 2 * live + 64:
-            return
-        self._by_priority = [t for t in self._by_priority if t[2].alive]
-        self._by_deadline = [t for t in self._by_deadline if t[2].alive]
-        heapq.heapify(self._by_priority)
-        heapq.heapify(self._by_deadline)
+        self._by_priority.compact(live)
+        self._by_deadline.compact(live)
 
     def time_to_next_deadline(self, now: float) -> float:
         """Seconds until the next deadline (0 if one has passed), math.inf if there is none."""
         deadline = self.next_deadline()
         return math.inf if deadline is None else max(0.0, deadline - now)
+
+
+def _is_alive(entry: QueueEntry[T]) -> bool:
+    return entry.alive

@@ -28,7 +28,6 @@ import multiprocessing
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -39,6 +38,8 @@ import zmq
 import zmq.asyncio
 
 from inferd.admission.queue import AdmissionQueue
+from inferd.admission.retry_after import CompletionRate
+from inferd.admission.timeouts import deadline_at
 from inferd.config import AdmissionConfig, EngineConfig
 from inferd.engine.core_proc import run_engine_core
 from inferd.engine.llm_engine import EngineInfo
@@ -160,7 +161,7 @@ class AsyncLLM:
         self._num_sent = 0
         self._pump_wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._finish_times: deque[float] = deque(maxlen=256)
+        self._completions = CompletionRate(window=256)
         self._started = False
         self._draining = False
         self._dead = False
@@ -348,7 +349,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
         now = time.monotonic()
-        deadline = _deadline(now, self.limits.request_timeout_s, timeout_s)
+        deadline = deadline_at(now, self.limits.request_timeout_s, timeout_s)
         message = AddRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -367,7 +368,7 @@ class AsyncLLM:
                 deadline=deadline,
             )
         except QueueFullError as e:
-            e.retry_after = self._retry_after()
+            e.retry_after = self._completions.retry_after(len(self._queue))
             raise
         stream = _Stream(request_id, prompt, message.prompt_token_ids)
         self._streams[request_id] = stream
@@ -399,7 +400,7 @@ class AsyncLLM:
         if stream.timeline is not None:
             stream.timeline.update_from_engine(out.metrics, stream.request_id)
         if out.finished:
-            self._finish_times.append(time.monotonic())
+            self._completions.record(time.monotonic())
         # The engine core sends neither the prompt nor its ids back (the front has both).
         if out.prompt is None:
             out.prompt = stream.prompt
@@ -416,16 +417,6 @@ class AsyncLLM:
                 self._send(AbortRequests([stream.request_id]))
         else:
             self._queue.remove(stream.request_id)
-
-    def _retry_after(self) -> float:
-        """Seconds until the queue has likely drained by one request's worth, from the recent
-        finish rate; 1 s when there is no history yet."""
-        times = self._finish_times
-        if len(times) < 2:
-            return 1.0
-        span = times[-1] - times[0]
-        rate = (len(times) - 1) / span if span > 0 else math.inf
-        return float(min(60, max(1, math.ceil(len(self._queue) / rate))))
 
     # -- the three tasks -----------------------------------------------------------------------
 
@@ -543,12 +534,6 @@ class AsyncLLM:
 
 
 _QUEUE_TIMEOUT_MESSAGE = "the request's deadline passed before it was scheduled"
-
-
-def _deadline(now: float, server_s: float | None, request_s: float | None) -> float | None:
-    """The request's deadline: a per-request timeout may only shorten the server's."""
-    limits = [t for t in (server_s, request_s) if t is not None]
-    return now + min(limits) if limits else None
 
 
 def _ready_or_raise(event: EngineCoreEvent) -> CoreReady:

@@ -13,7 +13,6 @@ orphaned core never outlives the server.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ import time
 import msgspec
 import zmq
 
+from inferd.admission.lazy_heap import LazyHeap
 from inferd.config import EngineConfig, read_environment
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.messages import (
@@ -107,10 +107,10 @@ class EngineCore:
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
         self.running = True
-        # (deadline, request_id) min-heap; `deadline_of` says which entries are still current,
+        # Deadline order over request ids; `deadline_of` says which items are still current,
         # so finished requests (and reused ids) leave stale heap items that are skipped.
-        self.deadlines: list[tuple[float, str]] = []
         self.deadline_of: dict[str, float] = {}
+        self.deadlines: LazyHeap[float, tuple[str, float]] = LazyHeap(self._is_current)
         self.rejected: list[RejectedRequest] = []
         self.num_added_total = 0
         self.num_steps_total = 0
@@ -163,16 +163,16 @@ class EngineCore:
             return
         if message.deadline is not None:
             self.deadline_of[message.request_id] = message.deadline
-            heapq.heappush(self.deadlines, (message.deadline, message.request_id))
+            self.deadlines.push(message.deadline, (message.request_id, message.deadline))
+
+    def _is_current(self, item: tuple[str, float]) -> bool:
+        return self.deadline_of.get(item[0]) == item[1]
 
     def expire(self, now: float) -> None:
         """Finishes requests past their deadline with finish_reason "timeout"."""
-        expired = []
-        while self.deadlines and self.deadlines[0][0] <= now:
-            deadline, rid = heapq.heappop(self.deadlines)
-            if self.deadline_of.get(rid) == deadline:
-                del self.deadline_of[rid]
-                expired.append(rid)
+        expired = [rid for rid, _ in self.deadlines.pop_through(now)]
+        for rid in expired:
+            del self.deadline_of[rid]
         if expired:
             self.engine.abort_request(expired, RequestStatus.FINISHED_TIMEOUT)
 

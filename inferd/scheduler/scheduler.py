@@ -10,13 +10,12 @@ Pure Python, no torch: tested on CPU with a faked model output.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from inferd.admission.lazy_heap import LazyHeap
 from inferd.config import SchedulerConfig
 from inferd.errors import InvalidRequestError
 from inferd.kv_cache.block_manager import BlockManager
@@ -378,27 +377,38 @@ class _PriorityQueue:
     """Lowest (priority, arrival_time) first; a preempted request keeps its place by its key."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        # Tie-break so the heap never compares Requests.
-        self._counter = itertools.count()
+        # The queued requests by id; a heap item whose request is not (or no longer) here is
+        # stale and skipped, so `remove` is O(1).
+        self._members: dict[str, Request] = {}
+        self._heap: LazyHeap[tuple[int, float], Request] = LazyHeap(self._is_member)
+
+    def _is_member(self, request: Request) -> bool:
+        return self._members.get(request.request_id) is request
 
     def push(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_time, next(self._counter), request)
-        heapq.heappush(self._heap, entry)
+        assert request.request_id not in self._members, "a request is queued once"
+        self._members[request.request_id] = request
+        self._heap.push((request.priority, request.arrival_time), request)
 
     def push_front(self, request: Request) -> None:
         self.push(request)
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        top = self._heap.peek()
+        assert top is not None, "peek on an empty queue"
+        return top[1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        top = self._heap.pop()
+        assert top is not None, "pop on an empty queue"
+        del self._members[top[1].request_id]
+        return top[1]
 
     def remove(self, request: Request) -> None:
-        # O(n); aborts are rare next to steps.
-        self._heap = [e for e in self._heap if e[3] is not request]
-        heapq.heapify(self._heap)
+        if self._members.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id!r} is not waiting")
+        del self._members[request.request_id]
+        self._heap.compact(len(self._members))
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._members)
