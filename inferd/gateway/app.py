@@ -4,10 +4,12 @@
     set_engine(app, llm)                         # ...and is attached once it has
     uvicorn.run(app, port=8000)
 
-Routes: openai.py (/v1/models, completions, chat), embeddings.py (/v1/embeddings, served by the
-model repository), websocket.py (/v1/*/ws), kserve/http.py (the Open Inference Protocol: /v2,
-/v2/models/..., /v2/repository/...), health.py (/health/*, /v2/health/*, /metrics). Errors are
-OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). OpenAPI at /openapi.json.
+Routes: openai/routes.py (/v1/models, completions, chat), openai/embeddings.py (/v1/embeddings,
+served by the model repository), openai/websocket.py (/v1/*/ws), kserve/http.py (the Open
+Inference Protocol: /v2, /v2/models/..., /v2/repository/...), health.py (/health/*,
+/v2/health/*, /metrics). Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2
+(errors.py). Responses that release a request's resources after sending: responses.py.
+OpenAPI at /openapi.json.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from inferd.config import ServerConfig
-from inferd.gateway import embeddings, health, openai, websocket
+from inferd.gateway import health
 from inferd.gateway.auth import Guard
 from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
+from inferd.gateway.openai import embeddings, websocket
+from inferd.gateway.openai import routes as openai
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.telemetry.metrics import ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics

@@ -51,7 +51,7 @@ from inferd.gateway.contract import (
 from inferd.gateway.errors import APIError
 from inferd.gateway.kserve import codec
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
-from inferd.gateway.openai import FinalizingResponse
+from inferd.gateway.responses import FinalizingResponse
 from inferd.gateway.state import GatewayState
 from inferd.tensors import InferRequest, InferResponse
 

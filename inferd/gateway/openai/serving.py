@@ -23,7 +23,7 @@ import orjson
 
 from inferd.errors import InferdError
 from inferd.gateway.errors import APIError, bad_request, model_not_found, to_api_error
-from inferd.gateway.formatting import (
+from inferd.gateway.openai.formatting import (
     ChoiceState,
     Decode,
     Envelope,
@@ -36,10 +36,11 @@ from inferd.gateway.formatting import (
     take_delta,
     usage,
 )
-from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
+from inferd.telemetry.stages import Stage
 from inferd.telemetry.timeline import DisabledTimeline, RequestTimeline
 from inferd.types import RequestOutput
 
@@ -105,8 +106,8 @@ async def prepare(
     llm = state.engine()
     timeline = new_timeline(state, request_id, arrival)
     now = time.monotonic()
-    timeline.add("receive", now - arrival, arrival)
-    with timeline.measure("validate"):
+    timeline.add(Stage.RECEIVE, now - arrival, arrival)
+    with timeline.measure(Stage.VALIDATE):
         _check_model(state, body)
         params, num_logprobs = _params(body)
     t0 = time.monotonic()
@@ -116,8 +117,8 @@ async def prepare(
     else:
         # Token-id prompts need no tokenizer: a thread hop would cost more than the copy.
         prompts = _tokenize(llm.tokenizer, body)
-    timeline.add("tokenize", time.monotonic() - t0, t0)
-    with timeline.measure("validate"):
+    timeline.add(Stage.TOKENIZE, time.monotonic() - t0, t0)
+    with timeline.measure(Stage.VALIDATE):
         for p in prompts:
             _check_prompt(p.ids, params, llm)
     created = int(time.time())
@@ -347,7 +348,7 @@ def encode_response(job: Job, result: Json) -> bytes:
     t0 = time.monotonic()
     encoded = orjson.dumps(result)
     t1 = time.monotonic()
-    job.timeline.add("stream", t1 - t0, t0)
+    job.timeline.add(Stage.STREAM, t1 - t0, t0)
     timings = job.timeline.as_dict(t1)
     job.send_started = time.monotonic()
     if not timings:
@@ -372,7 +373,7 @@ async def stream_chunks(job: Job, decode: Decode, outputs: OutputStream) -> Asyn
                 _add_timings(chunk, timeline)
             t0 = time.monotonic()
             yield chunk
-            timeline.add("stream", time.monotonic() - t0, t0)
+            timeline.add(Stage.STREAM, time.monotonic() - t0, t0)
         if include_usage:
             chunk = job.envelope.chunk([])
             chunk["usage"] = job.usage()

@@ -23,9 +23,16 @@ from pydantic import ValidationError
 
 from inferd.errors import InferdError
 from inferd.gateway.errors import APIError, bad_request, to_api_error
-from inferd.gateway.formatting import Kind
-from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from inferd.gateway.serving import Body, finalize, prepare, start, stream_chunks, token_decoder
+from inferd.gateway.openai.formatting import Kind
+from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.openai.serving import (
+    Body,
+    finalize,
+    prepare,
+    start,
+    stream_chunks,
+    token_decoder,
+)
 from inferd.gateway.state import GatewayState
 
 router = APIRouter()

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Receive
 
 from inferd.gateway.contract import (
     ChatCompletionResponse,
@@ -20,9 +20,9 @@ from inferd.gateway.contract import (
     openai_errors,
     sse_or_json,
 )
-from inferd.gateway.formatting import Json, Kind
-from inferd.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from inferd.gateway.serving import (
+from inferd.gateway.openai.formatting import Json, Kind
+from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.openai.serving import (
     Body,
     Job,
     OutputStream,
@@ -34,7 +34,9 @@ from inferd.gateway.serving import (
     stream_chunks,
     token_decoder,
 )
+from inferd.gateway.responses import FinalizingResponse, FinalizingStreamingResponse
 from inferd.gateway.state import GatewayState
+from inferd.telemetry.stages import Stage
 
 router = APIRouter()
 T = TypeVar("T")
@@ -165,7 +167,7 @@ def _on_done(
         with suppress(Exception):
             await outputs.aclose()
         if job.send_started is not None:
-            job.timeline.add("stream", time.monotonic() - job.send_started)
+            job.timeline.add(Stage.STREAM, time.monotonic() - job.send_started)
         finalize(state, job)
         request.state.access_extra = {
             "prompt_tokens": job.prompt_tokens,
@@ -181,37 +183,3 @@ async def _sse(chunks: AsyncIterator[Json]) -> AsyncIterator[bytes]:
     async for chunk in chunks:
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-class _Finalizing:
-    """Runs `on_done` once the response was sent, or failed to be, however it ended."""
-
-    on_done: Callable[[], Awaitable[None]]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)  # type: ignore[misc]
-        finally:
-            await self.on_done()
-
-
-class FinalizingResponse(_Finalizing, Response):
-    def __init__(
-        self, content: bytes, on_done: Callable[[], Awaitable[None]], media_type: str
-    ) -> None:
-        super().__init__(content, media_type=media_type)
-        self.on_done = on_done
-
-
-class FinalizingStreamingResponse(_Finalizing, StreamingResponse):
-    """A stream ends done, client gone (the iterator may never have started, so `on_done` must
-    close the engine streams), or in error: `on_done` runs in every case."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        on_done: Callable[[], Awaitable[None]],
-        media_type: str,
-    ) -> None:
-        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
-        self.on_done = on_done

@@ -31,10 +31,10 @@ from starlette.responses import Response
 from inferd.errors import DrainingError, ModelNotFoundError
 from inferd.gateway.contract import EmbeddingResponse, openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
-from inferd.gateway.openai import FinalizingResponse
-from inferd.gateway.protocol import JsonInt
+from inferd.gateway.openai.protocol import JsonInt
+from inferd.gateway.responses import FinalizingResponse
 from inferd.gateway.state import GatewayState
-from inferd.repository.config import EmbeddingConfig
+from inferd.model_config import EmbeddingConfig
 from inferd.tensors import InferRequest, InferResponse
 
 if TYPE_CHECKING:
