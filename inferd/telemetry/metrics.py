@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inferd.telemetry.timeline import STAGES, RequestTimeline
+from inferd.telemetry.stages import LLM_STAGES, STAGE_HELP, Stage
+from inferd.telemetry.timeline import RequestTimeline
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -94,21 +95,9 @@ def parse_samples(text: str) -> dict[str, float]:
     return out
 
 
-def stage_metric_name(stage: str) -> str:
+def stage_metric_name(stage: Stage) -> str:
     """`tokenize` -> `inferd_request_tokenize_seconds` (the histogram of that stage)."""
     return f"inferd_request_{stage}_seconds"
-
-
-_STAGE_HELP = {
-    "receive": "HTTP body receive, JSON decode and schema validation",
-    "validate": "Semantic request validation (model, sampling parameters, context window)",
-    "tokenize": "Chat template rendering and tokenization",
-    "queue": "Admission queue plus engine waiting, until first scheduled",
-    "prefill": "First scheduled to first token (prompt processing)",
-    "decode": "First token to last token",
-    "detokenize": "Engine-side incremental detokenization, summed over the request",
-    "stream": "Serializing and sending the response or stream chunks",
-}
 
 
 @dataclass(frozen=True)
@@ -191,8 +180,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.stages = {
-            s: Histogram(stage_metric_name(s), _STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
-            for s in STAGES
+            s: Histogram(stage_metric_name(s), STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
+            for s in LLM_STAGES
         }
         self.ttft = Histogram(
             "inferd_time_to_first_token_seconds",
@@ -295,10 +284,8 @@ class ServerMetrics:
         finish_reasons: Iterator[str] | Iterable[str],
     ) -> None:
         """Everything one finished request contributes, at once."""
-        for stage, seconds in timeline.as_dict().items():
-            hist = self.stages.get(stage)
-            if hist is not None:
-                hist.observe(seconds)
+        for stage, seconds in timeline.all_stages().seconds.items():
+            self.stages[stage].observe(seconds)
         if timeline.ttft is not None:
             self.ttft.observe(timeline.ttft)
         if timeline.e2e is not None:

@@ -1,7 +1,7 @@
 """Prometheus metrics of classic (repository) models, labelled by model.
 
-The same stage vocabulary as the LLM path where the concept is the same (`receive`, `validate`,
-`preprocess`, `queue`, `stream`), plus the dynamic batcher's own stages:
+The classic lane's stages from the one vocabulary (`inferd.telemetry.stages.CLASSIC_STAGES`): the
+LLM lane's names where the concept is the same, plus the dynamic batcher's own stages:
 
     receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
             -> compute_output -> postprocess -> stream
@@ -16,40 +16,17 @@ counted by outcome.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from inferd.telemetry.metrics import LATENCY_BUCKETS
+from inferd.telemetry.stages import CLASSIC_STAGES, STAGE_HELP, Stage, StageTimings
 
-MODEL_STAGES = (
-    "receive",
-    "validate",
-    "preprocess",
-    "queue",
-    "batch",
-    "compute_input",
-    "infer",
-    "compute_output",
-    "postprocess",
-    "stream",
-)
 OUTCOMES = ("success", "invalid", "queue_full", "queue_timeout", "unavailable", "error")
 
-_STAGE_HELP = {
-    "receive": "HTTP/gRPC body receive and tensor decode",
-    "validate": "Input tensors checked against the model config",
-    "preprocess": "Preprocessing steps (tokenize, image decode/resize, audio features)",
-    "queue": "Waiting for a free model instance (the wait beyond the batching window)",
-    "batch": "Batch formation: the wait inside the batching window (max_queue_delay)",
-    "compute_input": "Concatenating and padding the batch's inputs",
-    "infer": "The backend's forward pass over the whole batch",
-    "compute_output": "Splitting the batch's outputs back per request",
-    "postprocess": "Postprocessing steps (softmax, pooling, NMS, classification labels)",
-    "stream": "Encoding and sending the response",
-}
 # The latency buckets of the LLM stages, plus 50 µs for tiny tabular models.
 _BUCKETS = (0.00005, *LATENCY_BUCKETS)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -59,7 +36,7 @@ _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 class ModelObserver(Protocol):
     """What the per-model pipeline reports (inferd.batching.pipeline.ServedModel)."""
 
-    def observe_request(self, model: str, timings: Mapping[str, float], outcome: str) -> None: ...
+    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None: ...
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None: ...
 
@@ -79,11 +56,13 @@ class _Duration:
 
 # Triton's inference_stats fields -> the stages each one sums.
 _TRITON_DURATIONS = {
-    "queue": ("queue", "batch"),
-    "compute_input": ("compute_input",),
-    "compute_infer": ("infer",),
-    "compute_output": ("compute_output",),
+    "queue": (Stage.QUEUE, Stage.BATCH),
+    "compute_input": (Stage.COMPUTE_INPUT,),
+    "compute_infer": (Stage.INFER,),
+    "compute_output": (Stage.COMPUTE_OUTPUT,),
 }
+# The protocol layer's stages, outside the model pipeline's success/fail durations.
+_OUTSIDE_PIPELINE = (Stage.RECEIVE, Stage.STREAM)
 
 
 @dataclass
@@ -104,13 +83,14 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
 
-    def on_request(self, timings: Mapping[str, float], outcome: str) -> None:
-        total = sum(v for k, v in timings.items() if k not in ("receive", "stream"))
+    def on_request(self, timings: StageTimings, outcome: str) -> None:
+        seconds = timings.seconds
+        total = sum(v for k, v in seconds.items() if k not in _OUTSIDE_PIPELINE)
         (self.success if outcome == "success" else self.fail).add(total)
         if outcome != "success":
             return
         for name, stages in _TRITON_DURATIONS.items():
-            self.durations[name].add(sum(timings.get(s, 0.0) for s in stages))
+            self.durations[name].add(sum(seconds.get(s, 0.0) for s in stages))
 
     def on_batch(self, size: int) -> None:
         self.execution_count += 1
@@ -136,7 +116,7 @@ class ModelStats:
         }
 
 
-def model_stage_metric_name(stage: str) -> str:
+def model_stage_metric_name(stage: Stage) -> str:
     """`infer` -> `inferd_model_infer_seconds`."""
     return f"inferd_model_{stage}_seconds"
 
@@ -148,12 +128,12 @@ class ModelMetrics:
         self.stages = {
             s: Histogram(
                 model_stage_metric_name(s),
-                _STAGE_HELP[s],
+                STAGE_HELP[s],
                 ["model"],
                 registry=registry,
                 buckets=_BUCKETS,
             )
-            for s in MODEL_STAGES
+            for s in CLASSIC_STAGES
         }
         self.batch_size = Histogram(
             "inferd_model_batch_rows",
@@ -177,11 +157,9 @@ class ModelMetrics:
         )
         self._stats: dict[str, ModelStats] = {}
 
-    def observe_request(self, model: str, timings: Mapping[str, float], outcome: str) -> None:
-        for stage, seconds in timings.items():
-            hist = self.stages.get(stage)
-            if hist is not None:
-                hist.labels(model).observe(seconds)
+    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None:
+        for stage, seconds in timings.seconds.items():
+            self.stages[stage].labels(model).observe(seconds)
         self.requests.labels(model, outcome if outcome in OUTCOMES else "error").inc()
         self._stats.setdefault(model, ModelStats()).on_request(timings, outcome)
 
@@ -202,5 +180,5 @@ class ModelMetrics:
 
     def observe_gateway(self, model: str, receive_s: float, stream_s: float) -> None:
         """The protocol layer's own stages (the pipeline measures everything in between)."""
-        self.stages["receive"].labels(model).observe(receive_s)
-        self.stages["stream"].labels(model).observe(stream_s)
+        self.stages[Stage.RECEIVE].labels(model).observe(receive_s)
+        self.stages[Stage.STREAM].labels(model).observe(stream_s)

@@ -1,8 +1,8 @@
 """One request's life, stage by stage, with the same stage names as the Prometheus histograms.
 
     tl = RequestTimeline("req-1", arrival=t_http_start)
-    tl.add("receive", t_handler - t_http_start)
-    with tl.measure("tokenize"):
+    tl.add(Stage.RECEIVE, t_handler - t_http_start)
+    with tl.measure(Stage.TOKENIZE):
         ids = tokenizer.encode(prompt)
     tl.mark_enqueued()                         # handed to the admission queue
     ...
@@ -26,29 +26,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-# Stages in the order a request lives through them. `inter_token` is not a stage of one request
-# (it is one sample per generated token), so it has no entry here; see `token_gaps`.
-STAGES = (
-    "receive",  # HTTP receive, JSON decode, schema validation
-    "validate",  # semantic checks (model, sampling params, context window)
-    "tokenize",  # chat template + tokenizer
-    "queue",  # admission queue + engine waiting, until first scheduled
-    "prefill",  # first scheduled -> first token
-    "decode",  # first token -> last token
-    "detokenize",  # engine-side incremental detokenization, summed over steps
-    "stream",  # serializing and sending chunks / the response
-)
-# Not stages: spans over several stages.
-SUMMARIES = ("ttft", "e2e")
+from inferd.telemetry.stages import Stage, StageTimings
 
 
 @dataclass
 class RequestTimeline:
     request_id: str
     arrival: float = field(default_factory=time.monotonic)
-    durations: dict[str, float] = field(default_factory=dict)
-    # First start of each stage (for tracing spans); a stage measured in pieces keeps the first.
-    starts: dict[str, float] = field(default_factory=dict)
+    # Front-side stages (receive, validate, tokenize, stream) with the first start of each (for
+    # spans and waterfalls); a stage measured in pieces keeps the first start and sums the pieces.
+    stages: StageTimings = field(default_factory=StageTimings)
     enqueued: float | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -61,19 +48,14 @@ class RequestTimeline:
     # Engine request id -> its cumulative detokenization seconds (the latest value reported).
     detokenize_by_request: dict[str, float] = field(default_factory=dict)
 
-    def add(self, stage: str, seconds: float, start: float | None = None) -> None:
+    def add(self, stage: Stage, seconds: float, start: float | None = None) -> None:
         """Adds `seconds` to `stage` (stages such as `stream` are measured in many pieces)."""
-        self.durations[stage] = self.durations.get(stage, 0.0) + max(seconds, 0.0)
-        if start is not None:
-            self.starts.setdefault(stage, start)
+        self.stages.add(stage, seconds, start)
 
     @contextmanager
-    def measure(self, stage: str) -> Iterator[None]:
-        t0 = time.monotonic()
-        try:
+    def measure(self, stage: Stage) -> Iterator[None]:
+        with self.stages.measure(stage):
             yield
-        finally:
-            self.add(stage, time.monotonic() - t0, t0)
 
     def mark_enqueued(self, now: float | None = None) -> None:
         if self.enqueued is None:
@@ -109,30 +91,29 @@ class RequestTimeline:
 
     # -- derived ---------------------------------------------------------------------------------
 
-    def engine_stages(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        queue_start = self.enqueued
-        if queue_start is not None and self.first_scheduled is not None:
-            out["queue"] = max(self.first_scheduled - queue_start, 0.0)
+    def engine_stages(self) -> StageTimings:
+        """queue / prefill / decode from the engine's instants, detokenize from its sums."""
+        out = StageTimings()
+        if self.enqueued is not None and self.first_scheduled is not None:
+            out.set(Stage.QUEUE, self.first_scheduled - self.enqueued, self.enqueued)
         if self.first_scheduled is not None and self.first_token is not None:
-            out["prefill"] = max(self.first_token - self.first_scheduled, 0.0)
+            out.set(Stage.PREFILL, self.first_token - self.first_scheduled, self.first_scheduled)
         if self.first_token is not None and self.engine_finished is not None:
-            out["decode"] = max(self.engine_finished - self.first_token, 0.0)
+            out.set(Stage.DECODE, self.engine_finished - self.first_token, self.first_token)
         if self.detokenize_by_request:
-            out["detokenize"] = sum(self.detokenize_by_request.values())
+            detokenize_s = sum(self.detokenize_by_request.values())
+            out.set(Stage.DETOKENIZE, detokenize_s, self.first_token)
         return out
 
-    def stage_starts(self) -> dict[str, float]:
-        starts = dict(self.starts)
-        starts.setdefault("receive", self.arrival)
-        if self.enqueued is not None:
-            starts.setdefault("queue", self.enqueued)
-        if self.first_scheduled is not None:
-            starts.setdefault("prefill", self.first_scheduled)
-        if self.first_token is not None:
-            starts.setdefault("decode", self.first_token)
-            starts.setdefault("detokenize", self.first_token)
-        return starts
+    def all_stages(self) -> StageTimings:
+        """The front's stages merged with the engine's (an engine stage replaces a front one)."""
+        merged = StageTimings(dict(self.stages.seconds), dict(self.stages.starts))
+        merged.starts.setdefault(Stage.RECEIVE, self.arrival)
+        engine = self.engine_stages()
+        merged.seconds.update(engine.seconds)
+        for stage, start in engine.starts.items():
+            merged.starts.setdefault(stage, start)
+        return merged
 
     @property
     def ttft(self) -> float | None:
@@ -145,7 +126,7 @@ class RequestTimeline:
     @property
     def time_per_output_token(self) -> float | None:
         """Decode seconds per token after the first (vLLM's TPOT); None with < 2 tokens."""
-        decode = self.engine_stages().get("decode")
+        decode = self.engine_stages().get(Stage.DECODE)
         if decode is None or self.num_output_tokens < 2:
             return None
         return decode / (self.num_output_tokens - 1)
@@ -153,8 +134,7 @@ class RequestTimeline:
     def as_dict(self, now: float | None = None) -> dict[str, float]:
         """Stage seconds in lifecycle order, then `ttft` and `e2e` (up to `now` when the request
         has not finished yet). Stages that did not happen are left out."""
-        merged = {**self.durations, **self.engine_stages()}
-        out = {s: round(merged[s], 6) for s in STAGES if s in merged}
+        out = self.all_stages().as_dict()
         if self.ttft is not None:
             out["ttft"] = round(self.ttft, 6)
         end = self.finished if self.finished is not None else now

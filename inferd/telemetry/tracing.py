@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from inferd.telemetry.timeline import STAGES, RequestTimeline
+from inferd.telemetry.stages import ordered
+from inferd.telemetry.timeline import RequestTimeline
 
 
 def _to_epoch_ns(monotonic_s: float, offset_ns: int) -> int:
@@ -45,15 +46,15 @@ class RequestTracer:
         from opentelemetry import trace
 
         ctx = trace.set_span_in_context(root)
-        durations = timeline.as_dict()
-        starts = timeline.stage_starts()
-        for stage in STAGES:
-            if stage not in durations or stage not in starts:
+        stages = timeline.all_stages()
+        for stage in ordered(stages.seconds):
+            if stage not in stages.starts:
                 continue
-            start = _to_epoch_ns(starts[stage], self._offset_ns)
+            seconds = round(stages.seconds[stage], 6)
+            start = _to_epoch_ns(stages.starts[stage], self._offset_ns)
             span = self._tracer.start_span(f"inferd.{stage}", context=ctx, start_time=start)
-            span.set_attribute("inferd.stage_seconds", durations[stage])
-            span.end(end_time=start + int(durations[stage] * 1e9))
+            span.set_attribute("inferd.stage_seconds", seconds)
+            span.end(end_time=start + int(seconds * 1e9))
 
     def shutdown(self) -> None:
         if self._provider is not None:
