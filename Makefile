@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	# Prebuild the native CPU kernels into the cache (a few seconds); never fatal.
-	-$(BIN)/python -m inferd.executor.kernels build
+	-$(BIN)/python -m inferd.models.kernels build
 	touch $(STAMP)
 
 # The server on http://0.0.0.0:8000 (gRPC :8001): inferd-tiny plus the example model repository;

@@ -26,8 +26,8 @@ import torch
 from common import command_line, default_result_path, machine_info, torch_threads, write_result
 
 from inferd.config import read_environment
-from inferd.executor import kernels
-from inferd.executor.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from inferd.models import kernels
+from inferd.models.attention import AttentionMetadata, PagedAttention, PrefillSpan
 
 HEADS = {"tiny": (8, 4), "qwen2-0.5b-shape": (14, 2)}
 HEAD_DIM = 64

@@ -19,7 +19,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 KVCacheDType = Literal["auto", "float32", "bfloat16"]
-# "auto": the native CPU kernel where it builds (inferd/executor/kernels), else PyTorch.
+# "auto": the native CPU kernel where it builds (inferd/models/kernels), else PyTorch.
 AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 # "auto": weights prepacked for oneDNN on CPU, F.linear elsewhere (inferd/models/linear.py).
 LinearBackend = Literal["auto", "onednn", "dense"]

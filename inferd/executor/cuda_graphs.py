@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from inferd.executor.attention import AttentionMetadata
-from inferd.types import ScheduledChunk
+from inferd.models.attention import AttentionMetadata
+from inferd.scheduler.output import ScheduledChunk
 
 if TYPE_CHECKING:
     from inferd.models.registry import CausalLM

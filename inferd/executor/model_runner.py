@@ -16,15 +16,16 @@ from torch import Tensor
 
 from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
-from inferd.executor import kernels
-from inferd.executor.attention import AttentionMetadata, PrefillSpan
 from inferd.executor.cuda_graphs import DecodeGraphs
+from inferd.models import kernels
+from inferd.models.attention import AttentionMetadata, PrefillSpan
 from inferd.models.config import ArchConfig
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, make_generator
 from inferd.telemetry.step_stats import StepStat, timed
-from inferd.types import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
+from inferd.types import ModelRunnerOutput
 
 logger = logging.getLogger("inferd.executor")
 

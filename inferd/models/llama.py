@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.executor.attention import AttentionMetadata, PagedAttention
+from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.linear import Linear
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary

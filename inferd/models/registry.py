@@ -7,7 +7,7 @@ from typing import Protocol
 from torch import Tensor
 
 from inferd.errors import ModelLoadError
-from inferd.executor.attention import AttentionMetadata, PagedAttention
+from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.llama import LlamaForCausalLM
 
 

@@ -20,7 +20,7 @@ from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
 
 from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
-from inferd.executor.kernels import kernel_available  # noqa: E402
+from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.linear import has_int8_gemm  # noqa: E402
@@ -139,7 +139,7 @@ def test_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
         assert engine.model.lm_head.kind == "onednn", "linear weights were not prepacked"
 
     # The scenario really exercised chunking and preemption, and nothing leaked.
-    assert sum(out.metrics["num_preemptions"] for out in results.values()) > 0
+    assert sum(out.metrics.num_preemptions for out in results.values()) > 0
     stats = engine.step_stats.steps
     assert any(s.num_prefill_tokens == 32 for s in stats), "no step was filled by a prefill chunk"
     bm = engine.scheduler.block_manager
@@ -203,8 +203,8 @@ def test_preempted_requests_finish_with_the_same_output(tmp_path: Path) -> None:
     roomy = _run(_engine_roomy(path), work)
     tight = _run(_engine(path), work)
     assert _tokens(tight) == _tokens(roomy)
-    assert sum(out.metrics["num_preemptions"] for out in roomy.values()) == 0
-    assert sum(out.metrics["num_preemptions"] for out in tight.values()) > 0
+    assert sum(out.metrics.num_preemptions for out in roomy.values()) == 0
+    assert sum(out.metrics.num_preemptions for out in tight.values()) > 0
 
 
 def _engine_roomy(path: Path) -> LLMEngine:

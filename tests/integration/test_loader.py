@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from inferd.config import Environment
 from inferd.errors import ModelLoadError
-from inferd.executor.attention import AttentionMetadata, PrefillSpan
+from inferd.models.attention import AttentionMetadata, PrefillSpan
 from inferd.models.config import ArchConfig
 from inferd.models.loader import DUMMY_RANGE, load_model, resolve_model_path
 from inferd.models.registry import SUPPORTED_ARCHITECTURES

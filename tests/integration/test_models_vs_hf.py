@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
 
-from inferd.executor.attention import AttentionMetadata, PrefillSpan  # noqa: E402
+from inferd.models.attention import AttentionMetadata, PrefillSpan  # noqa: E402
 from inferd.models.linear import Linear, has_int8_gemm, prepare_linears  # noqa: E402
 from inferd.models.llama import LlamaForCausalLM  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from inferd.cli import build_parser, engine_config
 from inferd.config import CacheConfig, EngineConfig, read_environment
-from inferd.executor import kernels
-from inferd.executor.kernels import PagedAttentionKernel, PagedBatch
 from inferd.executor.model_runner import kv_cache_dtype
+from inferd.models import kernels
+from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 pytestmark = pytest.mark.unit
 

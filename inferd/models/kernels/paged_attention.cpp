@@ -1,6 +1,6 @@
 // Paged attention over the flat, padding-free batch, reading K/V in place from the block table.
 //
-// Built by inferd/executor/kernels/__init__.py into a plain shared library (no torch headers) and
+// Built by inferd/models/kernels/__init__.py into a plain shared library (no torch headers) and
 // called through ctypes. Threads come from OpenMP; the library links libgomp.so.1, which resolves
 // to the copy torch has already loaded, so the kernel shares torch's thread pool (no second pool
 // spinning against it on a 2-core machine).

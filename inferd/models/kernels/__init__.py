@@ -18,7 +18,7 @@ whose spinning workers would fight torch's on a 2-core machine.
 
 The build is cached under `<cache dir>/kernels/`, keyed by a hash of the source, the compiler's
 version, the flags and the CPU's feature flags, so a new compiler, a different CPU or an edited
-kernel rebuilds, and nothing else does. `python -m inferd.executor.kernels build` prebuilds it
+kernel rebuilds, and nothing else does. `python -m inferd.models.kernels build` prebuilds it
 (`make` runs it after install).
 """
 

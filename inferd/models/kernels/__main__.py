@@ -1,4 +1,4 @@
-"""`python -m inferd.executor.kernels build`: compile the native kernels into the cache now.
+"""`python -m inferd.models.kernels build`: compile the native kernels into the cache now.
 
 Never fails the caller (`make` runs it after install): a machine without a compiler or without
 AVX-512 just gets the PyTorch path, and this says why.
@@ -10,12 +10,12 @@ import sys
 import time
 
 from inferd.config import read_environment
-from inferd.executor.kernels import KernelUnavailable, load
+from inferd.models.kernels import KernelUnavailable, load
 
 
 def main(argv: list[str]) -> int:
     if argv[1:] != ["build"]:
-        print("usage: python -m inferd.executor.kernels build", file=sys.stderr)
+        print("usage: python -m inferd.models.kernels build", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     try:

@@ -10,7 +10,7 @@ extra block is the CUDA-graph scratch block), so one block of one layer is a con
 [block_size, H_kv, D] tile. The cache's dtype may differ from the model's (`--kv-cache-dtype`).
 
 Two ways to read it:
-- the native CPU kernel (`meta.paged`, inferd/executor/kernels): every row of the batch in one
+- the native CPU kernel (`meta.paged`, inferd/models/kernels): every row of the batch in one
   call per layer (decode rows, prefill chunks with or without a cached prefix), K/V read in place
   through the block table after this step's write. Plain prefill goes through it too: it skips
   the masked half of the causal square, and measured faster than SDPA at 64-1024 tokens
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.executor.kernels import PagedAttentionKernel, PagedBatch
+from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 
 @dataclass
