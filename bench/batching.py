@@ -225,7 +225,7 @@ def batch_sizes(base: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from inferd.repository.examples import ensure_example_repository
+    from inferd.examples import ensure_example_repository
 
     examples = ensure_example_repository()
     texts = sentences(4096, args.seed)

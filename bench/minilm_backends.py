@@ -25,7 +25,7 @@ import onnxruntime as ort
 import torch
 
 from inferd.models.bert import BertEncoder, minilm_dir
-from inferd.repository.examples import ensure_example_repository
+from inferd.examples import ensure_example_repository
 
 Runner = Callable[[np.ndarray, np.ndarray], object]
 

@@ -609,7 +609,7 @@ def warm_up(server: Launched, spec: LoadSpec) -> Tally:
 
 
 def soak(spec: LoadSpec, log_dir: Path, server_args: tuple[str, ...] = ()) -> Report:
-    from inferd.repository.examples import ensure_example_repository
+    from inferd.examples import ensure_example_repository
 
     repository = ensure_example_repository()
     with launch(log_dir, repository, server_args) as server:

@@ -206,7 +206,7 @@ async def _start_repository(
 def resolve_repository(path: str) -> Path:
     """`examples` -> the built-in example repository (built on first use); else a folder."""
     if path == EXAMPLES:
-        from inferd.repository.examples import ensure_example_repository
+        from inferd.examples import ensure_example_repository
 
         try:
             return ensure_example_repository()

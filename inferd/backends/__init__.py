@@ -17,7 +17,7 @@ from pathlib import Path
 
 from inferd.backends.base import Backend, BackendOptions, TensorSpec
 from inferd.errors import ModelLoadError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 
 __all__ = [
     "PICKLE_SUFFIXES",

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from inferd.backends.base import BackendOptions, TensorSpec
 from inferd.errors import InvalidRequestError, ModelLoadError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 
 # ONNX Runtime type strings -> KServe datatypes.
 _ORT_TYPES = {

@@ -30,7 +30,7 @@ import numpy as np
 
 from inferd.backends.base import TensorSpec
 from inferd.errors import InferdError, ModelConfigError, ModelLoadError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.steps.base import Step
 
 _COUNTER = itertools.count()

@@ -35,7 +35,7 @@ import torch
 
 from inferd.backends.base import BackendOptions, TensorSpec
 from inferd.errors import ModelConfigError, ModelLoadError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.tensors import DATATYPES
 
 _HINT = (

@@ -49,9 +49,10 @@ from inferd.errors import (
     QueueFullError,
     QueueTimeoutError,
 )
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.steps.base import Step
 from inferd.steps.classification import classify
+from inferd.telemetry.stages import StageTimings
 from inferd.tensors import DATATYPES, InferRequest, InferResponse, OutputTensor, datatype_of
 
 if TYPE_CHECKING:
@@ -298,7 +299,7 @@ class ServedModel:
         assert self._observer is not None
         try:
             # A copy: after a stop timeout a worker may still be writing the live dict.
-            self._observer.observe_request(self.name, dict(timings), outcome)
+            self._observer.observe_request(self.name, StageTimings.from_mapping(timings), outcome)
         except Exception:  # metrics must never fail a request
             logger.exception("observe_request failed")
 

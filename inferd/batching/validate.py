@@ -5,7 +5,7 @@ this checks the model: input names, datatypes, ranks, fixed dims, batch size, re
 outputs, priority. Config dims exclude the batch dimension; request shapes include it when
 max_batch_size > 0 (Triton's convention).
 
->>> from inferd.repository.config import ModelRepoConfig
+>>> from inferd.model_config import ModelRepoConfig
 >>> cfg = ModelRepoConfig.model_validate({"backend": "python", "max_batch_size": 4,
 ...     "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3]}]})
 >>> InputValidator(cfg, ())({"x": np.zeros((2, 3), np.float32)})
@@ -22,7 +22,7 @@ import numpy as np
 
 from inferd.backends.base import TensorSpec
 from inferd.errors import InvalidRequestError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.tensors import DATATYPES, RequestedOutput, datatype_of
 
 

@@ -1,7 +1,7 @@
-"""The model repository: config.yaml schema (config), building a served model from a folder
-(builder), and the index of loaded models and versions (manager.ModelRepository).
+"""The model repository: building a served model from a folder (builder, the one place that
+assembles backends + batching + steps) and the index of loaded models and versions
+(manager.ModelRepository). The config.yaml schema it reads is inferd/model_config.py.
 
-Nothing is re-exported here on purpose: the batching pipeline imports
-`inferd.repository.config`, and the manager imports the pipeline, so importing the manager from
-this package's __init__ would make that a cycle. Import `inferd.repository.manager` directly.
+Nothing is re-exported here: import `inferd.repository.manager` directly (it pulls in the
+backends and the batching pipeline, which a reader of the schema alone should not pay for).
 """

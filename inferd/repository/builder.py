@@ -21,7 +21,7 @@ from inferd.backends import open_backend
 from inferd.backends.base import Backend, BackendOptions, TensorSpec
 from inferd.batching.pipeline import QueueLimits, ServedModel
 from inferd.errors import ModelConfigError
-from inferd.repository.config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
+from inferd.model_config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
 from inferd.steps.base import Step
 from inferd.steps.classification import load_labels
 from inferd.steps.registry import build_steps

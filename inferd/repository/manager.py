@@ -40,8 +40,8 @@ from inferd.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
 )
+from inferd.model_config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
 from inferd.repository.builder import build_model
-from inferd.repository.config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
 from inferd.telemetry.model_metrics import ModelObserver
 from inferd.tensors import triton_type
 

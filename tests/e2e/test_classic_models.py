@@ -22,7 +22,7 @@ from conftest import Server, free_port, start_server, stop_server
 from openai import OpenAI
 from tritonclient.utils import InferenceServerException
 
-from inferd.repository.examples import SHAPES, draw_shape, ensure_example_repository, fraud_dataset
+from inferd.examples import SHAPES, draw_shape, ensure_example_repository, fraud_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -22,8 +22,8 @@ from conftest import Server, start_server, stop_server
 from fastapi.routing import APIRoute
 
 from inferd.config import ServerConfig
+from inferd.examples import ensure_example_repository
 from inferd.gateway import create_app
-from inferd.repository.examples import ensure_example_repository
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

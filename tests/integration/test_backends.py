@@ -23,7 +23,7 @@ from inferd.backends import BackendOptions, open_backend
 from inferd.backends.base import TensorSpec
 from inferd.backends.torch import pt2_pickle_reason
 from inferd.errors import InvalidRequestError, ModelConfigError, ModelLoadError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((4, 3)).astype(np.float32)

@@ -11,15 +11,15 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from inferd.repository import examples
-from inferd.repository.config import ModelRepoConfig
-from inferd.repository.examples import (
+from inferd.examples import (
     FRAUD_FEATURES,
     SHAPES,
     draw_shape,
     ensure_example_repository,
     fraud_dataset,
 )
+from inferd.examples import repository as examples
+from inferd.model_config import ModelRepoConfig
 from inferd.steps.classification import classify, load_labels
 from inferd.steps.registry import build_steps
 

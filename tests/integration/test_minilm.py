@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
+from inferd.examples import ensure_example_repository
 from inferd.models.bert import BertEncoder, minilm_dir
-from inferd.repository.examples import ensure_example_repository
 from inferd.steps.registry import build_steps
 
 SENTENCES = [

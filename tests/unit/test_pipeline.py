@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +26,9 @@ from inferd.errors import (
     QueueFullError,
     QueueTimeoutError,
 )
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.steps.classification import classify
+from inferd.telemetry.stages import StageTimings
 from inferd.tensors import InferRequest, InferResponse, RequestedOutput
 
 POISON = -100.0  # a row starting with this fails the backend (a server-side failure)
@@ -94,8 +95,8 @@ class FakeObserver:
     requests: list[tuple[str, dict[str, float], str]] = field(default_factory=list)
     batches: list[tuple[str, int, float]] = field(default_factory=list)
 
-    def observe_request(self, model: str, timings: Mapping[str, float], outcome: str) -> None:
-        self.requests.append((model, dict(timings), outcome))
+    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None:
+        self.requests.append((model, dict(timings.seconds), outcome))
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None:
         self.batches.append((model, size, padding_ratio))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from inferd.errors import ModelConfigError
-from inferd.repository.config import ModelRepoConfig, VersionPolicy, load_model_config
+from inferd.model_config import ModelRepoConfig, VersionPolicy, load_model_config
 
 FRAUD = """
 backend: onnxruntime

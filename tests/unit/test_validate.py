@@ -16,7 +16,7 @@ from inferd.batching.validate import (
     input_specs,
 )
 from inferd.errors import InvalidRequestError
-from inferd.repository.config import ModelRepoConfig
+from inferd.model_config import ModelRepoConfig
 from inferd.tensors import RequestedOutput
 
 

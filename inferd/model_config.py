@@ -19,7 +19,7 @@
     version_policy: {latest: {num_versions: 1}}   # or {all: {}} or {specific: {versions: [1, 3]}}
     parameters: {intra_op_threads: 2}  # backend settings: intra_op_threads, inter_op_threads,
                                       # device (cpu|cuda), python_class (python backend)
-    preprocess:  [{type: tokenize, ...}]          # steps; see inferd/preprocess/steps.py
+    preprocess:  [{type: tokenize, ...}]          # steps; see inferd/steps/registry.py
     postprocess: [{type: mean_pool, ...}]
     embedding: {dimensions: [384]}    # marks an embedding model for POST /v1/embeddings
 
