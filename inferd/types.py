@@ -1,42 +1,14 @@
-"""Typed messages between the engine's stages.
+"""Typed messages between the engine's stages (a leaf module: it imports nothing of inferd).
 
 scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler.update_from_output
-engine --RequestOutput--> the caller (offline API, later the server).
+engine --RequestOutput (+ RequestMetrics)--> the caller (offline API, the server's front).
+
+SchedulerOutput and ScheduledChunk live in inferd.scheduler.output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from inferd.scheduler.request import Request
-
-
-@dataclass
-class ScheduledChunk:
-    """Tokens of one request computed in one step: request.all_token_ids[start:start+num_tokens]."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    # The request's whole block table after this step's allocation (covers start + num_tokens).
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the end of the known tokens: its last position samples."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    # Requests preempted (freed, back to waiting) while making this step.
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 @dataclass
@@ -76,6 +48,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request passed the engine's milestones, as of the output that carries it.
+
+    Instants are CLOCK_MONOTONIC seconds (system-wide, so the engine process's values compare
+    with the front's); None until the milestone is reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Preemptions (by recompute) of the request's choices so far, summed over its `n` choices.
+    num_preemptions: int = 0
+    # Wall seconds spent detokenizing and matching stop strings, all choices, cumulative.
+    detokenize_s: float = 0.0
+
+
+@dataclass
 class RequestOutput:
     """What generate() returns per prompt, and what a stream yields as it grows (vLLM's shape)."""
 
@@ -84,4 +73,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))

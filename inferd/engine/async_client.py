@@ -42,7 +42,7 @@ from inferd.admission.retry_after import CompletionRate
 from inferd.admission.timeouts import deadline_at
 from inferd.config import AdmissionConfig, EngineConfig
 from inferd.engine.core_proc import run_engine_core
-from inferd.engine.llm_engine import EngineInfo
+from inferd.engine.info import EngineInfo, EngineStats
 from inferd.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -68,7 +68,7 @@ from inferd.errors import (
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.timeline import RequestTimeline
-from inferd.types import CompletionOutput, RequestOutput
+from inferd.types import CompletionOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger("inferd.engine.async")
 
@@ -77,22 +77,6 @@ _SHUTDOWN_GRACE_S = 5.0
 # Past this KV usage the core gets only `min_engine_waiting` more: the rest wait in the front,
 # where priority, deadlines and bounds apply.
 _KV_HIGH_WATERMARK = 0.9
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for gauges and /metrics; engine values are as of the core's last message."""
-
-    running: int
-    waiting: int  # in the engine's scheduler
-    queued: int  # in the front's admission queue
-    queued_prompt_tokens: int
-    kv_cache_usage: float
-    step_num_batched_tokens: int
-    step_num_seqs: int
-    num_preemptions_total: int
-    num_steps_total: int
-    in_flight: int  # accepted and not yet finished: queued + in the engine
 
 
 @dataclass(eq=False)
@@ -189,7 +173,7 @@ class AsyncLLM:
         except BaseException:
             await self.shutdown()
             raise
-        self.info = _engine_info(ready)
+        self.info = ready.info
         self._tasks = [
             asyncio.create_task(self._read_outputs(), name="inferd-reader"),
             asyncio.create_task(self._pump(), name="inferd-pump"),
@@ -544,19 +528,6 @@ def _ready_or_raise(event: EngineCoreEvent) -> CoreReady:
     raise EngineDeadError(f"unexpected first message from the engine core: {type(event).__name__}")
 
 
-def _engine_info(ready: CoreReady) -> EngineInfo:
-    return EngineInfo(
-        model_path=ready.model_path,
-        architecture=ready.architecture,
-        device=ready.device,
-        dtype=ready.dtype,
-        max_model_len=ready.max_model_len,
-        num_kv_blocks=ready.num_kv_blocks,
-        block_size=ready.block_size,
-        vocab_size=ready.vocab_size,
-    )
-
-
 async def _wait_exit(proc: BaseProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while proc.is_alive() and time.monotonic() < deadline:
@@ -588,7 +559,7 @@ def _merge_choice(old: CompletionOutput, new: CompletionOutput) -> None:
 
 def _timed_out_unscheduled(out: RequestOutput) -> bool:
     """A timeout before any token: it was still waiting in the engine (a queue timeout)."""
-    return "first_token_time" not in out.metrics and all(
+    return out.metrics.first_token_time is None and all(
         c.finish_reason == "timeout" for c in out.outputs
     )
 
@@ -604,7 +575,7 @@ def _aborted_output(message: AddRequest) -> RequestOutput:
             for i in range(message.params.n)
         ],
         finished=True,
-        metrics={"arrival_time": message.arrival_time or 0.0},
+        metrics=RequestMetrics(arrival_time=message.arrival_time or 0.0),
     )
 
 

@@ -77,21 +77,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def _ready_message(engine: LLMEngine, config: EngineConfig) -> CoreReady:
-    info = engine.info
-    tokenizer_path = info.model_path
+    tokenizer_path = engine.info.model_path
     if config.model.tokenizer is not None:
         tokenizer_path = str(resolve_model_path(config.model.tokenizer, None, read_environment()))
-    return CoreReady(
-        model_path=info.model_path,
-        tokenizer_path=tokenizer_path,
-        architecture=info.architecture,
-        device=info.device,
-        dtype=info.dtype,
-        max_model_len=info.max_model_len,
-        num_kv_blocks=info.num_kv_blocks,
-        block_size=info.block_size,
-        vocab_size=info.vocab_size,
-    )
+    return CoreReady(info=engine.info, tokenizer_path=tokenizer_path)
 
 
 class EngineCore:

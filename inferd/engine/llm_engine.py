@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
 
 from inferd.config import EngineConfig, read_environment
+from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
 from inferd.errors import InvalidRequestError, ModelLoadError
 from inferd.executor.device import configure_threads, resolve_device, resolve_dtype
@@ -42,20 +42,6 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TokensPrompt
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Values derived at start-up (never written back into the config)."""
-
-    model_path: str
-    architecture: str
-    device: str
-    dtype: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
 
 
 class LLMEngine:

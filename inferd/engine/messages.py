@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from inferd.engine.info import EngineInfo
 from inferd.sampling.params import SamplingParams
 from inferd.types import RequestOutput
 
@@ -38,17 +39,10 @@ EngineCoreRequest = AddRequest | AbortRequests | ShutdownCore
 
 
 class CoreReady(msgspec.Struct, tag="ready", frozen=True):
-    """Sent once the model is loaded. Mirrors inferd.engine.llm_engine.EngineInfo."""
+    """Sent once the model is loaded."""
 
-    model_path: str
+    info: EngineInfo
     tokenizer_path: str
-    architecture: str
-    device: str
-    dtype: str
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
 
 
 class CoreFailed(msgspec.Struct, tag="failed", frozen=True):

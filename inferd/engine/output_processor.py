@@ -15,7 +15,7 @@ import tokenizers
 
 from inferd.postprocess.text_stream import TextStream
 from inferd.scheduler.request import Request, RequestStatus
-from inferd.types import CompletionOutput, RequestOutput, SampleLogprobs
+from inferd.types import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
 
 
 class OutputKind(enum.Enum):
@@ -230,12 +230,12 @@ def _cumulative(c: Choice) -> float | None:
     return sum(lp[t].logprob for lp, t in zip(c.logprobs, ids, strict=False) if t in lp)
 
 
-def _metrics(state: RequestState) -> dict[str, float]:
-    m = {"arrival_time": state.arrival_time}
-    for name in ("first_scheduled_time", "first_token_time", "finished_time"):
-        value = getattr(state, name)
-        if value is not None:
-            m[name] = value
-    m["num_preemptions"] = float(sum(c.request.num_preemptions for c in state.choices))
-    m["detokenize_s"] = state.detokenize_s
-    return m
+def _metrics(state: RequestState) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=state.arrival_time,
+        first_scheduled_time=state.first_scheduled_time,
+        first_token_time=state.first_token_time,
+        finished_time=state.finished_time,
+        num_preemptions=sum(c.request.num_preemptions for c in state.choices),
+        detokenize_s=state.detokenize_s,
+    )

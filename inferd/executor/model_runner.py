@@ -23,8 +23,8 @@ from inferd.models.config import ArchConfig
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, make_generator
-from inferd.telemetry.step_stats import StepStat, timed
 from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
+from inferd.telemetry.step_stats import StepStat, timed
 from inferd.types import ModelRunnerOutput
 
 logger = logging.getLogger("inferd.executor")

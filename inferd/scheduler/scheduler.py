@@ -20,8 +20,9 @@ from inferd.config import SchedulerConfig
 from inferd.errors import InvalidRequestError
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.prefix_cache import PrefixHit
+from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
-from inferd.types import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
+from inferd.types import ModelRunnerOutput
 
 
 class Scheduler:

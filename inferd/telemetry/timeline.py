@@ -22,11 +22,12 @@ ends when the last one finishes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from inferd.telemetry.stages import Stage, StageTimings
+from inferd.types import RequestMetrics
 
 
 @dataclass
@@ -75,16 +76,15 @@ class RequestTimeline:
         self.last_token_at = now
         self.num_output_tokens += num_new
 
-    def update_from_engine(self, metrics: Mapping[str, float], engine_request_id: str = "") -> None:
+    def update_from_engine(self, metrics: RequestMetrics, engine_request_id: str = "") -> None:
         """Merges one RequestOutput.metrics (engine monotonic instants, and the request's
         cumulative `detokenize_s`) into the engine stages.
 
         Idempotent: calling it again with the same metrics changes nothing."""
-        self.first_scheduled = _min(self.first_scheduled, metrics.get("first_scheduled_time"))
-        self.first_token = _min(self.first_token, metrics.get("first_token_time"))
-        self.engine_finished = _max(self.engine_finished, metrics.get("finished_time"))
-        if "detokenize_s" in metrics:
-            self.detokenize_by_request[engine_request_id] = float(metrics["detokenize_s"])
+        self.first_scheduled = _min(self.first_scheduled, metrics.first_scheduled_time)
+        self.first_token = _min(self.first_token, metrics.first_token_time)
+        self.engine_finished = _max(self.engine_finished, metrics.finished_time)
+        self.detokenize_by_request[engine_request_id] = metrics.detokenize_s
 
     def finish(self, now: float | None = None) -> None:
         self.finished = time.monotonic() if now is None else now
@@ -165,7 +165,7 @@ class DisabledTimeline(RequestTimeline):
     def on_tokens(self, num_new: int, now: float | None = None) -> None:
         return None
 
-    def update_from_engine(self, metrics: Mapping[str, float], engine_request_id: str = "") -> None:
+    def update_from_engine(self, metrics: RequestMetrics, engine_request_id: str = "") -> None:
         return None
 
     def as_dict(self, now: float | None = None) -> dict[str, float]:

@@ -134,7 +134,7 @@ def test_streams_match_offline_greedy(roomy: Harness) -> None:
         logprobs = [lp for d in deltas for lp in d.outputs[0].logprobs or []]
         assert len(logprobs) == len(ids)
         assert deltas[-1].prompt == want.prompt
-        assert deltas[-1].metrics["detokenize_s"] > 0.0
+        assert deltas[-1].metrics.detokenize_s > 0.0
 
 
 def test_closing_the_iterator_aborts_and_frees_blocks(roomy: Harness) -> None:

@@ -20,9 +20,9 @@ from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
 
 from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
-from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
+from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.linear import has_int8_gemm  # noqa: E402
 
 BASE = dict(

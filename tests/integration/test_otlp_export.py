@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import (
 
 from inferd.telemetry.timeline import RequestTimeline
 from inferd.telemetry.tracing import make_tracer
+from inferd.types import RequestMetrics
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -48,7 +49,12 @@ def test_request_trace_reaches_collector() -> None:
         tl.add("tokenize", 0.002, 100.001)
         tl.mark_enqueued(100.003)
         tl.update_from_engine(
-            {"first_scheduled_time": 100.01, "first_token_time": 100.05, "finished_time": 100.2}
+            RequestMetrics(
+                arrival_time=100.0,
+                first_scheduled_time=100.01,
+                first_token_time=100.05,
+                finished_time=100.2,
+            )
         )
         tl.finish(100.21)
         tracer.export(tl, {"inferd.prompt_tokens": 7})

@@ -7,7 +7,7 @@ import math
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ from inferd.errors import QueueFullError, QueueTimeoutError
 from inferd.gateway import create_app
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.timeline import RequestTimeline
-from inferd.types import CompletionOutput, Logprob, RequestOutput
+from inferd.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 REPLY = "hello world"
 
@@ -76,9 +76,9 @@ class FakeLLM:
             last = k == limit - 1
             reason = ("stop" if limit == len(REPLY) else "length") if last else None
             outs = [_choice(i, REPLY[k], reason, params.logprobs) for i in range(params.n)]
-            metrics = {"first_scheduled_time": 1.0, "first_token_time": 1.5}
+            metrics = RequestMetrics(0.0, first_scheduled_time=1.0, first_token_time=1.5)
             if last:
-                metrics["finished_time"] = 2.0
+                metrics.finished_time = 2.0
             yield RequestOutput(request_id, prompt, prompt_token_ids, outs, last, metrics)
 
 
@@ -253,10 +253,12 @@ def test_metrics_exposition() -> None:
 def test_timeline_stages_merge_over_engine_requests() -> None:
     tl = RequestTimeline("r", arrival=10.0)
     tl.mark_enqueued(10.1)
-    tl.update_from_engine({"first_scheduled_time": 10.3, "first_token_time": 10.4}, "a")
-    tl.update_from_engine({"first_scheduled_time": 10.2, "first_token_time": 10.5}, "b")
-    tl.update_from_engine({"finished_time": 11.0, "detokenize_s": 0.01}, "a")
-    tl.update_from_engine({"finished_time": 11.5, "detokenize_s": 0.02}, "b")
+    a = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.3, first_token_time=10.4)
+    b = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.2, first_token_time=10.5)
+    tl.update_from_engine(a, "a")
+    tl.update_from_engine(b, "b")
+    tl.update_from_engine(replace(a, finished_time=11.0, detokenize_s=0.01), "a")
+    tl.update_from_engine(replace(b, finished_time=11.5, detokenize_s=0.02), "b")
     tl.on_tokens(1, 10.4)
     tl.on_tokens(3, 10.7)
     tl.finish(12.0)

@@ -12,9 +12,10 @@ from inferd.config import SchedulerConfig
 from inferd.errors import InvalidRequestError
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.sampling.params import SamplingParams
+from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
-from inferd.types import ModelRunnerOutput, SchedulerOutput
+from inferd.types import ModelRunnerOutput
 
 BS = 4
 EOS = 2

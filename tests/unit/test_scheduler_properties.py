@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from inferd.config import SchedulerConfig
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.sampling.params import SamplingParams
+from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
-from inferd.types import ModelRunnerOutput, SchedulerOutput
+from inferd.types import ModelRunnerOutput
 
 EOS = 0
 VOCAB = 11  # small, so EOS and stop tokens come up often
