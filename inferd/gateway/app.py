@@ -25,7 +25,7 @@ from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
 from inferd.gateway.openai import embeddings, websocket
 from inferd.gateway.openai import routes as openai
-from inferd.gateway.state import EngineClient, GatewayState
+from inferd.gateway.state import EngineClient, GatewayState, gateway_state
 from inferd.telemetry.metrics import ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.tracing import RequestTracer, make_tracer
@@ -66,11 +66,6 @@ def create_app(
     )
     state.guard = guard
     return app
-
-
-def gateway_state(app: FastAPI) -> GatewayState:
-    state: GatewayState = app.state.gateway
-    return state
 
 
 def set_engine(app: FastAPI, llm: EngineClient) -> None:

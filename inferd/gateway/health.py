@@ -7,24 +7,15 @@ engine process is alive; otherwise 503, so a load balancer stops sending traffic
 
 from __future__ import annotations
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 from inferd.gateway.contract import Status, V2Live, V2Ready
-from inferd.gateway.state import GatewayState
+from inferd.gateway.responses import json_response
+from inferd.gateway.state import GatewayState, gateway
 from inferd.telemetry.metrics import CONTENT_TYPE
 
 router = APIRouter()
-
-
-def _state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
-
-
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status, media_type="application/json")
 
 
 def _why_not_ready(state: GatewayState) -> str:
@@ -47,29 +38,29 @@ _V2_NOT_READY: dict[int | str, dict[str, object]] = {
 
 @router.get("/health/live", response_model=Status)
 async def live() -> Response:
-    return _json({"status": "live"})
+    return json_response({"status": "live"})
 
 
 @router.get("/health/ready", response_model=Status, responses=_NOT_READY)
 @router.get("/health", response_model=Status, responses=_NOT_READY)
 async def ready(request: Request) -> Response:
-    state = _state(request)
+    state = gateway(request)
     if state.ready:
-        return _json({"status": "ready"})
-    return _json({"status": _why_not_ready(state)}, 503)
+        return json_response({"status": "ready"})
+    return json_response({"status": _why_not_ready(state)}, 503)
 
 
 @router.get("/v2/health/live", response_model=V2Live)
 async def v2_live() -> Response:
-    return _json({"live": True})
+    return json_response({"live": True})
 
 
 @router.get("/v2/health/ready", response_model=V2Ready, responses=_V2_NOT_READY)
 async def v2_ready(request: Request) -> Response:
-    ok = _state(request).ready
-    return _json({"ready": ok}, 200 if ok else 503)
+    ok = gateway(request).ready
+    return json_response({"ready": ok}, 200 if ok else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,15 +1,23 @@
-"""Responses that run a callback once they were sent, or failed to be, however they ended.
+"""The gateway's response types: plain JSON, and responses that run a callback once they were
+sent, or failed to be, however they ended.
 
-Both lanes use them to release what a request held (in-flight counts, engine streams, access-log
-fields) only after the last byte left, never before.
+Both lanes use the finalizing ones to release what a request held (in-flight counts, engine
+streams, access-log fields) only after the last byte left, never before.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """`obj` encoded by orjson, with `status`: every JSON body of the gateway's own routes."""
+    return Response(orjson.dumps(obj), status, headers, media_type="application/json")
 
 
 class _Finalizing:

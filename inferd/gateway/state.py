@@ -12,6 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from starlette.applications import Starlette
+from starlette.requests import HTTPConnection
+
 from inferd.config import ServerConfig
 from inferd.gateway.errors import unavailable
 from inferd.preprocess.tokenizer import Tokenizer
@@ -120,6 +123,17 @@ class GatewayState:
         if llm is None:
             return None
         return gauges_from_stats(llm.stats())
+
+
+def gateway_state(app: Starlette) -> GatewayState:
+    """The state `create_app` attached to `app`."""
+    state: GatewayState = app.state.gateway
+    return state
+
+
+def gateway(conn: HTTPConnection) -> GatewayState:
+    """The state of the app serving `conn`: a route's Request or WebSocket alike."""
+    return gateway_state(conn.app)
 
 
 def gauges_from_stats(s: Any) -> EngineGauges:

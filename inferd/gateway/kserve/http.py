@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
-import orjson
 from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -51,8 +50,8 @@ from inferd.gateway.contract import (
 from inferd.gateway.errors import APIError
 from inferd.gateway.kserve import codec
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
-from inferd.gateway.responses import FinalizingResponse
-from inferd.gateway.state import GatewayState
+from inferd.gateway.responses import FinalizingResponse, json_response
+from inferd.gateway.state import GatewayState, gateway
 from inferd.tensors import InferRequest, InferResponse
 
 if TYPE_CHECKING:
@@ -81,11 +80,6 @@ BY_VERSION = [Depends(_version_params)]
 _READ = kserve_errors(404, 503)
 
 
-def gateway(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
-
-
 def repository(state: GatewayState) -> ModelRepository:
     """The model repository, or 404 when the server runs without one."""
     repo = state.repository
@@ -101,19 +95,15 @@ def _target(request: Request) -> tuple[str, str]:
     return str(params.get("model", "")), str(params.get("version", ""))
 
 
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status, media_type=codec.JSON_TYPE)
-
-
 @router.get("/v2", response_model=ServerMetadata, responses=kserve_errors())
 async def metadata() -> Response:
-    return _json(server_metadata())
+    return json_response(server_metadata())
 
 
 @router.get("/v2/models", response_model=ModelList, responses=kserve_errors())
 async def list_models(request: Request) -> Response:
     repo = gateway(request).repository
-    return _json({"models": [] if repo is None else repo.model_names()})
+    return json_response({"models": [] if repo is None else repo.model_names()})
 
 
 # "/v2/models/stats" is declared before the /v2/models/{model} routes, which would otherwise
@@ -127,14 +117,15 @@ _STATS: dict[str, Any] = {"response_model": ModelStatistics, "responses": kserve
 async def statistics(request: Request) -> Response:
     state = gateway(request)
     model, version = _target(request)
-    return _json(state.model_metrics.statistics(stats_targets(repository(state), model, version)))
+    targets = stats_targets(repository(state), model, version)
+    return json_response(state.model_metrics.statistics(targets))
 
 
 @router.get(_MODEL, dependencies=BY_MODEL, response_model=ModelMetadata, responses=_READ)
 @router.get(_VERSION, dependencies=BY_VERSION, response_model=ModelMetadata, responses=_READ)
 async def model_metadata(request: Request) -> Response:
     model, version = _target(request)
-    return _json(repository(gateway(request)).metadata(model, version))
+    return json_response(repository(gateway(request)).metadata(model, version))
 
 
 _READY: Any = {
@@ -157,7 +148,7 @@ async def model_ready(request: Request) -> Response:
         ready = repository(state).get(model, version).ready and not state.draining
     except ModelNotReadyError:
         ready = False
-    return _json({"name": model, "ready": ready}, 200 if ready else 400)
+    return json_response({"name": model, "ready": ready}, 200 if ready else 400)
 
 
 @router.get(_MODEL + "/config", dependencies=BY_MODEL, response_model=AnyObject, responses=_READ)
@@ -166,7 +157,7 @@ async def model_ready(request: Request) -> Response:
 )
 async def model_config(request: Request) -> Response:
     model, version = _target(request)
-    return _json(repository(gateway(request)).config_dict(model, version))
+    return json_response(repository(gateway(request)).config_dict(model, version))
 
 
 _INFER: dict[str, Any] = {
@@ -281,7 +272,7 @@ async def repository_index(request: Request) -> Response:
     entries = [] if repo is None else repo.index()
     if ready_only:
         entries = [e for e in entries if e.get("state") == "READY"]
-    return _json(entries)
+    return json_response(entries)
 
 
 def _admin_route(path: str, body: type[BaseModel]) -> Callable[[_Route], _Route]:
@@ -314,7 +305,7 @@ async def load_model(request: Request) -> Response:
             "in the repository, then load"
         )
     await repository(state).load(request.path_params["model"])
-    return _json({})
+    return json_response({})
 
 
 @_admin_route("/v2/repository/models/{model}/unload", AnyObject)
@@ -323,7 +314,7 @@ async def unload_model(request: Request) -> Response:
     ensembles, so nothing depends on a model)."""
     await _optional_json(request)
     await repository(gateway(request)).unload(request.path_params["model"])
-    return _json({})
+    return json_response({})
 
 
 async def _optional_json(request: Request) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from inferd.gateway.contract import EmbeddingResponse, openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
 from inferd.gateway.openai.protocol import JsonInt
 from inferd.gateway.responses import FinalizingResponse
-from inferd.gateway.state import GatewayState
+from inferd.gateway.state import GatewayState, gateway
 from inferd.model_config import EmbeddingConfig
 from inferd.tensors import InferRequest, InferResponse
 
@@ -64,11 +64,6 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: JsonInt | None = Field(default=None, ge=1)
     user: str | None = None
-
-
-def gateway(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
 
 
 @dataclass(frozen=True)

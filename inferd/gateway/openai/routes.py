@@ -34,23 +34,18 @@ from inferd.gateway.openai.serving import (
     stream_chunks,
     token_decoder,
 )
-from inferd.gateway.responses import FinalizingResponse, FinalizingStreamingResponse
-from inferd.gateway.state import GatewayState
+from inferd.gateway.responses import (
+    FinalizingResponse,
+    FinalizingStreamingResponse,
+    json_response,
+)
+from inferd.gateway.state import GatewayState, gateway
 from inferd.telemetry.stages import Stage
 
 router = APIRouter()
 T = TypeVar("T")
 # nginx's "client closed request": logged when the client left before the response was sent.
 CLIENT_CLOSED = 499
-
-
-def gateway(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(obj), status, headers, media_type="application/json")
 
 
 # Every status a generation request can end with (validation, unknown model, body size, queue

@@ -33,7 +33,7 @@ from inferd.gateway.openai.serving import (
     stream_chunks,
     token_decoder,
 )
-from inferd.gateway.state import GatewayState
+from inferd.gateway.state import GatewayState, gateway
 
 router = APIRouter()
 DONE = "[DONE]"
@@ -52,7 +52,7 @@ async def chat_completions_ws(ws: WebSocket) -> None:
 
 async def serve_ws(ws: WebSocket, kind: Kind) -> None:
     await ws.accept()
-    state: GatewayState = ws.app.state.gateway
+    state = gateway(ws)
     inbox: asyncio.Queue[tuple[float, Any] | None] = asyncio.Queue()
     reader = asyncio.create_task(_read(ws, inbox))
     base_id = ws.scope["state"]["request_id"]
