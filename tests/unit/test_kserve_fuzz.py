@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from inferd.errors import InvalidRequestError
-from inferd.gateway.kserve import codec
-from inferd.gateway.kserve import grpc_server as grpc_codec
+from inferd.gateway.kserve import codec, grpc_codec
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.kserve.raw import decode_raw, element_size, encode_raw
 from inferd.tensors import DATATYPES, InferRequest
