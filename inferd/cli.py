@@ -172,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         access_log=not (args.disable_access_log or args.disable_telemetry),
         telemetry=not args.disable_telemetry,
+        dashboard=not args.disable_dashboard,
         grpc_port=None if args.grpc_port < 0 else args.grpc_port,
     )
     repository = None
@@ -293,6 +294,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--disable-telemetry",
         action="store_true",
         help="no per-request timings, stage histograms, traces or access log (to measure them)",
+    )
+    p.add_argument(
+        "--disable-dashboard",
+        action="store_true",
+        help="no /dashboard page, /v1/requests timelines or request log",
     )
     repo = p.add_argument_group("model repository (classic models, Open Inference Protocol)")
     repo.add_argument(

@@ -200,6 +200,8 @@ class ServerConfig(_Frozen):
     # Per-request telemetry: stage timelines, `timings` in responses, stage histograms, traces.
     # Off (`--disable-telemetry`) only to measure what it costs; the engine gauges stay.
     telemetry: bool = True
+    # GET /dashboard and /v1/requests (gateway/dashboard.py); off: `--disable-dashboard`.
+    dashboard: bool = True
     # The Open Inference Protocol's gRPC service (inference.GRPCInferenceService); None: off.
     # Only started when a model repository is served.
     grpc_port: int | None = Field(default=8001, ge=0, le=65535)

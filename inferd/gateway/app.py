@@ -17,7 +17,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from inferd.config import ServerConfig
-from inferd.gateway import health
+from inferd.gateway import dashboard, health
 from inferd.gateway.auth import Guard
 from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
@@ -58,6 +58,8 @@ def create_app(
     app.include_router(health.router)
     app.include_router(embeddings.router)
     app.include_router(kserve_http.router)
+    if server.dashboard:
+        dashboard.install(app, state)
     install_error_handlers(app, on_reject=state.metrics.reject)
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     guard = Guard.from_config(server, metrics)  # built here: a bad key file fails at start

@@ -24,9 +24,19 @@ from inferd.config import ServerConfig
 from inferd.gateway.auth import Admission, Guard, Refusal
 from inferd.gateway.errors import APIError, is_kserve_path
 from inferd.telemetry.access_log import AccessRecord, log_access
+from inferd.telemetry.request_log import RequestContext, current_request
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_OPEN_PATHS = ("/health", "/v2/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+# The dashboard's page and assets hold no data (its data is under /v1, behind the key).
+_OPEN_PATHS = (
+    "/health",
+    "/v2/health",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+    "/dashboard",
+)
 # Routes that change server state: they need a key with the admin scope.
 _ADMIN_RE = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
 
@@ -88,6 +98,8 @@ class GatewayMiddleware:
         state = scope.setdefault("state", {})
         state["arrival"] = time.monotonic()
         state["request_id"] = _request_id(scope)
+        # For reports made deep in a lane without the request at hand (telemetry/request_log.py).
+        current_request.set(RequestContext(state["request_id"], state["arrival"]))
         if scope["type"] == "websocket":
             await self._websocket(scope, receive, send)
             return

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from inferd.telemetry.request_log import RequestLog
 from inferd.telemetry.stages import LLM_STAGES, STAGE_HELP, Stage
 from inferd.telemetry.timeline import RequestTimeline
 
@@ -178,6 +179,8 @@ class ServerMetrics:
 
     def __init__(self, read_engine: Callable[[], EngineGauges | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Where finished requests are also recorded for the dashboard; None: nowhere.
+        self.request_log: RequestLog | None = None
         r = self.registry
         self.stages = {
             s: Histogram(stage_metric_name(s), STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
@@ -283,7 +286,9 @@ class ServerMetrics:
         prompt_tokens: int,
         finish_reasons: Iterator[str] | Iterable[str],
     ) -> None:
-        """Everything one finished request contributes, at once."""
+        """Everything one finished request contributes, at once (and its record in the
+        dashboard's request log, when there is one)."""
+        finish_reasons = list(finish_reasons)
         for stage, seconds in timeline.all_stages().seconds.items():
             self.stages[stage].observe(seconds)
         if timeline.ttft is not None:
@@ -299,6 +304,8 @@ class ServerMetrics:
         self.generation_tokens.inc(timeline.num_output_tokens)
         for reason in finish_reasons:
             self.finished.labels(reason if reason in FINISH_REASONS else "error").inc()
+        if self.request_log is not None:
+            self.request_log.add_llm(timeline, prompt_tokens, finish_reasons)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from inferd.telemetry.metrics import LATENCY_BUCKETS
+from inferd.telemetry.request_log import RequestLog
 from inferd.telemetry.stages import CLASSIC_STAGES, STAGE_HELP, Stage, StageTimings
 
 OUTCOMES = ("success", "invalid", "queue_full", "queue_timeout", "unavailable", "error")
@@ -156,12 +157,16 @@ class ModelMetrics:
             registry=registry,
         )
         self._stats: dict[str, ModelStats] = {}
+        # Where finished requests are also recorded for the dashboard; None: nowhere.
+        self.request_log: RequestLog | None = None
 
     def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None:
         for stage, seconds in timings.seconds.items():
             self.stages[stage].labels(model).observe(seconds)
         self.requests.labels(model, outcome if outcome in OUTCOMES else "error").inc()
         self._stats.setdefault(model, ModelStats()).on_request(timings, outcome)
+        if self.request_log is not None:
+            self.request_log.add_classic(model, timings, outcome)
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None:
         self.batch_size.labels(model).observe(size)
@@ -182,3 +187,5 @@ class ModelMetrics:
         """The protocol layer's own stages (the pipeline measures everything in between)."""
         self.stages[Stage.RECEIVE].labels(model).observe(receive_s)
         self.stages[Stage.STREAM].labels(model).observe(stream_s)
+        if self.request_log is not None:
+            self.request_log.finish_classic(receive_s, stream_s)

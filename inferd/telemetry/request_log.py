@@ -81,6 +81,7 @@ class RequestRecord:
     batch_size: int | None = None
     trace_id: str | None = None
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
+    _path: list[tuple[str, float, float]] | None = field(default=None, repr=False)
 
     @property
     def failed(self) -> bool:
@@ -124,10 +125,16 @@ class RequestRecord:
             ],
             "path": [
                 {"stage": name, "start": round(a, 6), "seconds": round(b - a, 6)}
-                for name, a, b in exclusive_path(bars, self.e2e, LANE_STAGES[self.lane])
+                for name, a, b in self.path()
             ],
             "token_ticks": [round(t, 6) for t in self.token_ticks()],
         }
+
+    def path(self) -> list[tuple[str, float, float]]:
+        """The exclusive path (`exclusive_path`), computed once, when first read."""
+        if self._path is None:
+            self._path = exclusive_path(self._bars(), self.e2e, LANE_STAGES[self.lane])
+        return self._path
 
     def _bars(self) -> list[tuple[Stage, float, float]]:
         """(stage, start, end) offsets from arrival, clipped to [0, e2e], in lifecycle order.
@@ -366,7 +373,7 @@ def llm_record(
         ttft=timeline.ttft,
         prompt_tokens=prompt_tokens,
         output_tokens=timeline.num_output_tokens,
-        num_preemptions=getattr(timeline, "num_preemptions", 0),
+        num_preemptions=timeline.num_preemptions,
         token_gaps=timeline.token_gaps,
         last_token_at=timeline.last_token_at,
     )
@@ -424,3 +431,4 @@ def finish_classic(record: RequestRecord, receive_s: float, stream_s: float) -> 
     record.stages.set(Stage.RECEIVE, receive_s, record.arrival)
     record.stages.set(Stage.STREAM, stream_s, now - stream_s)
     record.e2e = max(now - record.arrival, 0.0)
+    record._path = None

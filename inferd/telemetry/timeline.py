@@ -48,6 +48,8 @@ class RequestTimeline:
     num_output_tokens: int = 0
     # Engine request id -> its cumulative detokenization seconds (the latest value reported).
     detokenize_by_request: dict[str, float] = field(default_factory=dict)
+    # Engine request id -> times the scheduler preempted it (the latest value reported).
+    preemptions_by_request: dict[str, int] = field(default_factory=dict)
 
     def add(self, stage: Stage, seconds: float, start: float | None = None) -> None:
         """Adds `seconds` to `stage` (stages such as `stream` are measured in many pieces)."""
@@ -85,6 +87,7 @@ class RequestTimeline:
         self.first_token = _min(self.first_token, metrics.first_token_time)
         self.engine_finished = _max(self.engine_finished, metrics.finished_time)
         self.detokenize_by_request[engine_request_id] = metrics.detokenize_s
+        self.preemptions_by_request[engine_request_id] = metrics.num_preemptions
 
     def finish(self, now: float | None = None) -> None:
         self.finished = time.monotonic() if now is None else now
@@ -114,6 +117,10 @@ class RequestTimeline:
         for stage, start in engine.starts.items():
             merged.starts.setdefault(stage, start)
         return merged
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions_by_request.values())
 
     @property
     def ttft(self) -> float | None:

@@ -1,0 +1,192 @@
+"""The dashboard's live overview: rates, percentiles and stage shares of the recent window.
+
+Computed only when someone reads it (each tick of an open dashboard), from the RequestLog's
+records of the last `window_s` seconds plus the engine gauges and the classic models' batch
+histograms; nothing here runs on the request path.
+
+    {"window_s": 60, "llm": {"rps": 3.2, "output_tps": 410.0, "ttft": {"p50": ...}, ...,
+     "stage_seconds": {"queue": 0.4, "prefill": 1.1, "decode": 9.8, "other": 0.02}},
+     "classic": {"rps": ..., "models": {"fraud": {"batch_rows": 6.1, "padding_ratio": 0.0,
+                                                  "queue_s": 0.3, "compute_s": 0.1}}}}
+
+`stage_seconds` sums each record's exclusive path (RequestRecord.path), so the stages of a lane
+add up to the summed e2e of its requests and read directly as shares of where the time went.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Histogram
+
+from inferd.telemetry.metrics import EngineGauges
+from inferd.telemetry.request_log import LANE_STAGES, OTHER, Lane, RequestLog, RequestRecord
+from inferd.telemetry.stages import Stage
+
+PERCENTILES = (50, 90, 99)
+# Inter-token gaps are one sample per token: the newest this many are enough for percentiles.
+_MAX_GAP_SAMPLES = 20_000
+_QUEUE_STAGES = (Stage.QUEUE, Stage.BATCH)
+_COMPUTE_STAGES = (Stage.COMPUTE_INPUT, Stage.INFER, Stage.COMPUTE_OUTPUT)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float] | None:
+    """Nearest-rank p50/p90/p99 in seconds; None without samples.
+
+    >>> percentiles([0.1, 0.2, 0.3, 0.4])
+    {'p50': 0.2, 'p90': 0.4, 'p99': 0.4}
+    """
+    if not values:
+        return None
+    ordered = sorted(values)
+    n = len(ordered)
+    return {f"p{p}": round(ordered[max(-(-p * n // 100) - 1, 0)], 6) for p in PERCENTILES}
+
+
+def stage_seconds(records: Iterable[RequestRecord]) -> dict[str, float]:
+    """Exclusive seconds per stage (and `other`) summed over `records`."""
+    out: dict[str, float] = {}
+    for record in records:
+        for name, a, b in record.path():
+            out[name] = out.get(name, 0.0) + (b - a)
+    return {k: round(v, 6) for k, v in out.items()}
+
+
+def _lane(records: Sequence[RequestRecord], window_s: float, lane: Lane) -> dict[str, object]:
+    ok = [r for r in records if not r.failed]
+    return {
+        "requests": len(records),
+        "failed": len(records) - len(ok),
+        "rps": round(len(records) / window_s, 3),
+        "e2e": percentiles([r.e2e for r in records]),
+        "stage_order": [str(s) for s in LANE_STAGES[lane]] + [OTHER],
+        "stage_seconds": stage_seconds(records),
+    }
+
+
+def _llm(records: Sequence[RequestRecord], window_s: float) -> dict[str, object]:
+    gaps = list(itertools.islice(_newest_gaps(records), _MAX_GAP_SAMPLES))
+    return {
+        **_lane(records, window_s, "llm"),
+        "output_tps": round(sum(r.output_tokens for r in records) / window_s, 3),
+        "ttft": percentiles([r.ttft for r in records if r.ttft is not None]),
+        "itl": percentiles(gaps),
+    }
+
+
+def _newest_gaps(records: Sequence[RequestRecord]) -> Iterable[float]:
+    for record in reversed(records):
+        yield from record.token_gaps
+
+
+@dataclass(frozen=True)
+class HistogramTotals:
+    """Cumulative `_sum` and `_count` of one labelled histogram, per model."""
+
+    sums: dict[str, float]
+    counts: dict[str, float]
+
+    @classmethod
+    def read(cls, hist: Histogram) -> HistogramTotals:
+        sums: dict[str, float] = {}
+        counts: dict[str, float] = {}
+        for family in hist.collect():
+            for sample in family.samples:
+                model = sample.labels.get("model", "")
+                if sample.name.endswith("_sum"):
+                    sums[model] = sample.value
+                elif sample.name.endswith("_count"):
+                    counts[model] = sample.value
+        return cls(sums, counts)
+
+    def mean_since(self, before: HistogramTotals | None, model: str) -> float | None:
+        """The mean of the observations made since `before` (all of them when None)."""
+        count = self.counts.get(model, 0.0)
+        total = self.sums.get(model, 0.0)
+        if before is not None:
+            count -= before.counts.get(model, 0.0)
+            total -= before.sums.get(model, 0.0)
+        return None if count <= 0 else round(total / count, 4)
+
+
+def _classic_models(
+    records: Sequence[RequestRecord],
+    rows: tuple[HistogramTotals, HistogramTotals | None],
+    padding: tuple[HistogramTotals, HistogramTotals | None],
+) -> dict[str, dict[str, object]]:
+    models: dict[str, dict[str, object]] = {}
+    names = sorted({r.model for r in records} | set(rows[0].counts))
+    for model in names:
+        mine = [r for r in records if r.model == model]
+        models[model] = {
+            "requests": len(mine),
+            "failed": sum(r.failed for r in mine),
+            "e2e": percentiles([r.e2e for r in mine]),
+            "batch_rows": rows[0].mean_since(rows[1], model),
+            "padding_ratio": padding[0].mean_since(padding[1], model),
+            "queue_s": round(_stage_sum(mine, _QUEUE_STAGES), 6),
+            "compute_s": round(_stage_sum(mine, _COMPUTE_STAGES), 6),
+        }
+    return models
+
+
+def _stage_sum(records: Iterable[RequestRecord], stages: Sequence[Stage]) -> float:
+    return sum(r.stages.seconds.get(s, 0.0) for r in records for s in stages)
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """The classic models' batch histograms at one instant (the window's means are differences)."""
+
+    at: float
+    rows: HistogramTotals
+    padding: HistogramTotals
+
+
+def overview(
+    log: RequestLog,
+    window_s: float,
+    engine: EngineGauges | None,
+    batches: tuple[BatchTotals, BatchTotals | None],
+    llm_model: str = "",
+) -> dict[str, object]:
+    """One overview snapshot. `batches`: now and the oldest snapshot inside the window."""
+    now = time.monotonic()
+    records = log.window(now - window_s)
+    llm = [r for r in records if r.lane == "llm"]
+    classic = [r for r in records if r.lane == "classic"]
+    newest, oldest = batches
+    return {
+        "time": time.time(),
+        "window_s": window_s,
+        "requests_total": log.total,
+        "llm": {
+            "model": llm_model,
+            **_llm(llm, window_s),
+            "engine": None if engine is None else _engine(engine),
+        },
+        "classic": {
+            **_lane(classic, window_s, "classic"),
+            "models": _classic_models(
+                classic,
+                (newest.rows, None if oldest is None else oldest.rows),
+                (newest.padding, None if oldest is None else oldest.padding),
+            ),
+        },
+    }
+
+
+def _engine(g: EngineGauges) -> dict[str, object]:
+    return {
+        "running": g.running,
+        "waiting": g.waiting,
+        "queued": g.queued,
+        "queue_depth": g.waiting + g.queued,
+        "kv_cache_usage": round(g.kv_cache_usage, 4),
+        "preemptions_total": g.preemptions_total,
+        # Not reported by the engine yet: the page shows "n/a" for None.
+        "prefix_cache_hit_rate": None,
+    }
