@@ -186,7 +186,7 @@ async def _start_repository(
     cfg: RepositoryConfig, admission: AdmissionConfig, state: GatewayState
 ) -> ModelRepository:
     from inferd.backends.base import BackendOptions
-    from inferd.batching.pipeline import QueueLimits
+    from inferd.batching.rules import QueueLimits
     from inferd.repository.manager import ModelRepository
 
     root = await asyncio.to_thread(resolve_repository, cfg.path)

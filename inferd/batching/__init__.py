@@ -1,7 +1,11 @@
-"""Dynamic batching for classic (stateless) models: the per-model pipeline and its batcher."""
+"""Dynamic batching for classic (stateless) models, in a request's order: validate.py (checks
+before queueing), batcher.py (when a batch runs), assembler.py (stack, pad, split, select
+outputs), pipeline.py (ServedModel, the per-model orchestrator); rules.py reads config.yaml."""
 
+from inferd.batching.assembler import BackendError
 from inferd.batching.batcher import BatchPolicy, DynamicBatcher, Queued
-from inferd.batching.pipeline import BackendError, QueueLimits, ServedModel
+from inferd.batching.pipeline import ServedModel
+from inferd.batching.rules import QueueLimits
 from inferd.batching.validate import InputValidator, QueueRules
 
 __all__ = [

@@ -19,7 +19,8 @@ from typing import Any
 
 from inferd.backends import open_backend
 from inferd.backends.base import Backend, BackendOptions, TensorSpec
-from inferd.batching.pipeline import QueueLimits, ServedModel
+from inferd.batching.pipeline import ServedModel
+from inferd.batching.rules import QueueLimits
 from inferd.errors import ModelConfigError
 from inferd.model_config import CONFIG_FILE, ModelRepoConfig, TensorConfig, load_model_config
 from inferd.steps.base import Step

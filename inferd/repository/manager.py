@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from inferd.backends.base import BackendOptions
-from inferd.batching.pipeline import QueueLimits, ServedModel
+from inferd.batching.pipeline import ServedModel
+from inferd.batching.rules import QueueLimits
 from inferd.errors import (
     InferdError,
     ModelConfigError,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from inferd.backends.base import TensorSpec
-from inferd.batching.pipeline import QueueLimits, batch_policy, queue_rules, variable_dims
+from inferd.batching.rules import QueueLimits, batch_policy, queue_rules, variable_dims
 from inferd.batching.validate import (
     InputValidator,
     QueueRules,
