@@ -8,7 +8,42 @@ SchedulerOutput and ScheduledChunk live in inferd.scheduler.output.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in the scheduler; the FINISHED_* values also say why it ended."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is terminal.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    # Past its deadline after its first output token: a generation timeout.
+    FINISHED_TIMEOUT = 6
+    # Past its deadline before its first output token (still queued, or in prefill): a queue
+    # timeout, which the server answers with an error instead of an empty completion.
+    FINISHED_EXPIRED_WAITING = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
+    RequestStatus.FINISHED_EXPIRED_WAITING: "timeout",
+}
 
 
 @dataclass
@@ -37,10 +72,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "timeout"; None while running
     stop_reason: int | str | None = None
     logprobs: list[SampleLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # Why the choice ended, finer than finish_reason (a "timeout" is a generation timeout or an
+    # expiry before the first token); None while running.
+    status: RequestStatus | None = None
 
     @property
     def finished(self) -> bool:

@@ -68,7 +68,7 @@ from inferd.errors import (
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.timeline import RequestTimeline
-from inferd.types import CompletionOutput, RequestMetrics, RequestOutput
+from inferd.types import CompletionOutput, RequestMetrics, RequestOutput, RequestStatus
 
 logger = logging.getLogger("inferd.engine.async")
 
@@ -432,7 +432,7 @@ class AsyncLLM:
     def _dispatch(self, stream: _Stream, out: RequestOutput) -> None:
         if out.finished:
             del self._streams[stream.request_id]
-            if _timed_out_unscheduled(out) and stream.num_yielded == 0 and stream.pending is None:
+            if _expired_waiting(out) and stream.num_yielded == 0 and stream.pending is None:
                 stream.fail(QueueTimeoutError(_QUEUE_TIMEOUT_MESSAGE))
                 return
         stream.deliver(out)
@@ -557,11 +557,9 @@ def _merge_choice(old: CompletionOutput, new: CompletionOutput) -> None:
     old.cumulative_logprob = new.cumulative_logprob
 
 
-def _timed_out_unscheduled(out: RequestOutput) -> bool:
-    """A timeout before any token: it was still waiting in the engine (a queue timeout)."""
-    return out.metrics.first_token_time is None and all(
-        c.finish_reason == "timeout" for c in out.outputs
-    )
+def _expired_waiting(out: RequestOutput) -> bool:
+    """The engine says the request's deadline passed before its first token (a queue timeout)."""
+    return all(c.status is RequestStatus.FINISHED_EXPIRED_WAITING for c in out.outputs)
 
 
 def _aborted_output(message: AddRequest) -> RequestOutput:

@@ -2,8 +2,10 @@
 
     while running:
         receive every queued message (block only when no request is unfinished)
-        finish requests past their deadline (finish_reason "timeout")
         if work: outputs = engine.step(); send one EngineOutputs (DELTA outputs + stats)
+
+Deadlines travel in AddRequest and are the engine's scheduler's from then on: each step first
+finishes the requests past theirs (inferd.scheduler.scheduler.Scheduler.expire).
 
 The front binds both ipc:// sockets; this process connects: PULL for EngineCoreRequest frames,
 PUSH for EngineCoreEvent frames. It sends CoreReady once the model is loaded (or CoreFailed and
@@ -17,12 +19,10 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import msgspec
 import zmq
 
-from inferd.admission.lazy_heap import LazyHeap
 from inferd.config import EngineConfig, read_environment
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.messages import (
@@ -40,7 +40,6 @@ from inferd.engine.messages import (
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
 from inferd.models.loader import resolve_model_path
-from inferd.scheduler.request import RequestStatus
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
@@ -96,10 +95,6 @@ class EngineCore:
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
         self.running = True
-        # Deadline order over request ids; `deadline_of` says which items are still current,
-        # so finished requests (and reused ids) leave stale heap items that are skipped.
-        self.deadline_of: dict[str, float] = {}
-        self.deadlines: LazyHeap[float, tuple[str, float]] = LazyHeap(self._is_current)
         self.rejected: list[RejectedRequest] = []
         self.num_added_total = 0
         self.num_steps_total = 0
@@ -108,7 +103,6 @@ class EngineCore:
         while self.running:
             idle = not self.engine.has_unfinished_requests()
             self.receive(block=idle)
-            self.expire(time.monotonic())
             if self.engine.has_unfinished_requests():
                 self.step()
             elif self.rejected:
@@ -141,6 +135,7 @@ class EngineCore:
                 message.params,
                 priority=message.priority,
                 arrival_time=message.arrival_time,
+                deadline=message.deadline,
                 output_kind=OutputKind.DELTA,
             )
         except InvalidRequestError as e:
@@ -150,27 +145,10 @@ class EngineCore:
             logger.exception("could not add request %s", message.request_id)
             self.rejected.append(_rejection(message.request_id, "internal", e))
             return
-        if message.deadline is not None:
-            self.deadline_of[message.request_id] = message.deadline
-            self.deadlines.push(message.deadline, (message.request_id, message.deadline))
-
-    def _is_current(self, item: tuple[str, float]) -> bool:
-        return self.deadline_of.get(item[0]) == item[1]
-
-    def expire(self, now: float) -> None:
-        """Finishes requests past their deadline with finish_reason "timeout"."""
-        expired = [rid for rid, _ in self.deadlines.pop_through(now)]
-        for rid in expired:
-            del self.deadline_of[rid]
-        if expired:
-            self.engine.abort_request(expired, RequestStatus.FINISHED_TIMEOUT)
 
     def step(self) -> None:
         outputs = self.engine.step()
         self.num_steps_total += 1
-        for out in outputs:
-            if out.finished:
-                self.deadline_of.pop(out.request_id, None)
         self.send(outputs)
 
     def send(self, outputs: list[RequestOutput]) -> None:

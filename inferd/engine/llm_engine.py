@@ -132,8 +132,11 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        deadline: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
+        """Queues a request; past `deadline` (a time.monotonic() instant) the scheduler finishes
+        it with finish_reason "timeout" (see Scheduler.expire)."""
         if request_id in self.outputs.states:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in flight", "request_id"
@@ -150,6 +153,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 priority=priority,
+                deadline=deadline,
             )
             for i in range(params.n)
         ]
@@ -187,9 +191,9 @@ class LLMEngine:
         request_ids: str | Sequence[str],
         status: RequestStatus = RequestStatus.FINISHED_ABORTED,
     ) -> None:
-        """Finishes requests at any point with `status` (abort, or timeout past a deadline).
+        """Finishes requests at any point with `status` (by default an abort).
 
-        The final output (finish_reason 'abort' / 'timeout') comes from the next step()."""
+        The final output (finish_reason 'abort') comes from the next step()."""
         assert status.finished, f"{status!r} is not a finished status"
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             child_ids = self.outputs.abort(rid, status)
@@ -206,6 +210,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         stat = StepStat()
+        self._expire(time.monotonic())
         outputs = self.outputs.drain_aborted(self._aborted)
         self._aborted = []
         with timed(stat, "schedule"):
@@ -229,6 +234,13 @@ class LLMEngine:
         stat.total = time.perf_counter() - t0
         self.step_stats.record(stat)
         return outputs + new_outputs
+
+    def _expire(self, now: float) -> None:
+        """Finishes requests past their deadline; their final outputs leave with this step."""
+        expired = self.scheduler.expire(now)
+        if expired:
+            self.runner.release([r.request_id for r in expired])
+            self._aborted.extend(self.outputs.finish_children(expired))
 
     def run_to_completion(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

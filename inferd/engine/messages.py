@@ -23,7 +23,8 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     prompt: str | None = None
     priority: int = 0
     arrival_time: float | None = None
-    # Past this monotonic time the core finishes the request with finish_reason "timeout".
+    # Past this monotonic time the engine's scheduler finishes the request (finish_reason
+    # "timeout"; status FINISHED_EXPIRED_WAITING before its first token).
     deadline: float | None = None
 
 

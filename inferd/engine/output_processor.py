@@ -34,6 +34,7 @@ class Choice:
     logprobs: list[SampleLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    status: RequestStatus | None = None  # why it finished
     # Text and token ids not yet handed out (DELTA mode).
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
@@ -135,13 +136,29 @@ class OutputProcessor:
         t0 = time.perf_counter()
         for choice in state.choices:
             if choice.finish_reason is None:
-                self._finish(choice, status.finish_reason)
+                self._finish(choice, status)
                 ids.append(choice.request.request_id)
         state.detokenize_s += time.perf_counter() - t0
         return ids
 
+    def finish_children(self, children: list[Request]) -> list[str]:
+        """Finishes the choices of children the scheduler already finished (their deadline
+        passed) with each child's status; returns the ids of the requests they belong to."""
+        touched: dict[str, None] = {}
+        for child in children:
+            entry = self.choice_of.get(child.request_id)
+            if entry is None or entry[1].finish_reason is not None:
+                continue
+            state, choice = entry
+            t0 = time.perf_counter()
+            self._finish(choice, child.status)
+            state.detokenize_s += time.perf_counter() - t0
+            touched[state.request_id] = None
+        return list(touched)
+
     def drain_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
-        states = [self.states[r] for r in request_ids if r in self.states]
+        # dict.fromkeys: one id may be listed twice (aborted, and expired in the same step).
+        states = [self.states[r] for r in dict.fromkeys(request_ids) if r in self.states]
         return self._emit(states, time.monotonic())
 
     def _advance(self, choice: Choice, req: Request, lp: SampleLogprobs | None) -> bool:
@@ -155,18 +172,19 @@ class OutputProcessor:
         delta = choice.stream.push(new_ids)
         self._append_text(choice, delta.text)
         if delta.stop is not None:
-            self._finish(choice, "stop", delta.stop)
+            self._finish(choice, RequestStatus.FINISHED_STOPPED, delta.stop)
             return True
         if req.status.finished:
-            self._finish(choice, req.status.finish_reason, req.stop_reason)
+            self._finish(choice, req.status, req.stop_reason)
         return False
 
     def _finish(
-        self, choice: Choice, reason: str | None, stop_reason: int | str | None = None
+        self, choice: Choice, status: RequestStatus, stop_reason: int | str | None = None
     ) -> None:
         self._append_text(choice, choice.stream.finish())
-        choice.finish_reason = reason
+        choice.finish_reason = status.finish_reason
         choice.stop_reason = stop_reason
+        choice.status = status
 
     @staticmethod
     def _append_text(choice: Choice, text: str) -> None:
@@ -199,6 +217,7 @@ class OutputProcessor:
                     stop_reason=c.stop_reason,
                     logprobs=_delta_logprobs(c) if delta else c.logprobs,
                     cumulative_logprob=_cumulative(c),
+                    status=c.status,
                 )
             )
             c.pending_text, c.pending_ids = "", []

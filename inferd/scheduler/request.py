@@ -6,38 +6,13 @@ deals with single sequences. Pure Python: no torch here.
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 
 from inferd.sampling.params import SamplingParams
+from inferd.types import RequestStatus
 
-
-class RequestStatus(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    # Everything from here on is terminal.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_TIMEOUT = 6  # past the request's deadline while generating
-
-    @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
-
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_TIMEOUT: "timeout",
-}
+__all__ = ["Request", "RequestStatus"]
 
 
 @dataclass(eq=False)
@@ -64,6 +39,9 @@ class Request:
     # The token id or stop string that ended the request, if one did.
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # time.monotonic() instant past which the scheduler finishes the request (see
+    # Scheduler.expire); None: no deadline.
+    deadline: float | None = None
     # prompt + output, kept as one list so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 

@@ -47,6 +47,10 @@ class Scheduler:
     it still counts only tokens whose K/V were in the cache before the step, as Request
     documents. A chunk's `start` is that value at schedule time; the runner reads `start`.
     Requests that finish leave the scheduler: `get_request` no longer knows them.
+
+    Deadlines live here and only here: `expire(now)` finishes every request whose
+    `Request.deadline` has passed, as FINISHED_EXPIRED_WAITING when it has no output token yet
+    (a queue timeout) and FINISHED_TIMEOUT otherwise (a generation timeout).
     """
 
     def __init__(
@@ -61,6 +65,8 @@ class Scheduler:
         self._running: list[Request] = []
         # Every unfinished request, by id.
         self._requests: dict[str, Request] = {}
+        # Deadline order over unfinished requests with a deadline; finished ones are stale.
+        self._deadlines: LazyHeap[float, Request] = LazyHeap(_is_unfinished)
 
     @property
     def num_running(self) -> int:
@@ -82,6 +88,28 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self._waiting.push(request)
+        if request.deadline is not None:
+            self._deadlines.push(request.deadline, request)
+
+    def expire(self, now: float) -> list[Request]:
+        """Finishes the requests whose deadline is <= now; returns them, earliest deadline first.
+
+        A request with no output token yet gets FINISHED_EXPIRED_WAITING, any other
+        FINISHED_TIMEOUT; either frees its blocks at once."""
+        expired = self._deadlines.pop_through(now)
+        for request in expired:
+            status = (
+                RequestStatus.FINISHED_EXPIRED_WAITING
+                if request.num_output_tokens == 0
+                else RequestStatus.FINISHED_TIMEOUT
+            )
+            self._finish(request, status)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of an unfinished request, None if none has one."""
+        top = self._deadlines.peek()
+        return None if top is None else top[0]
 
     # -- schedule ------------------------------------------------------------------------------
 
@@ -230,21 +258,25 @@ class Scheduler:
         finished: list[Request] = []
         for request_id in ids:
             request = self._requests.get(request_id)
-            if request is None:
-                continue
-            if request.status is RequestStatus.RUNNING:
-                self._running.remove(request)
-            else:
-                self._waiting.remove(request)
-            self._release(request, status)
-            finished.append(request)
+            if request is not None:
+                self._finish(request, status)
+                finished.append(request)
         return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Takes an unfinished request out of running / waiting and releases it."""
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self._release(request, status)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Terminal bookkeeping; the caller takes the request out of running / waiting."""
         request.status = status
         self.block_manager.free(request.request_id)
         del self._requests[request.request_id]
+        self._deadlines.compact(len(self._requests))
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -298,6 +330,10 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None
+
+
+def _is_unfinished(request: Request) -> bool:
+    return not request.is_finished
 
 
 def _preemption_key(request: Request) -> tuple[int, float]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
 from inferd import LLM, SamplingParams
 from inferd.errors import InvalidRequestError
+from inferd.types import RequestStatus
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +127,22 @@ def test_engine_abort_mid_flight(llm: LLM) -> None:
     engine.abort_request("abort-me")
     outs = engine.run_to_completion()
     assert [o.outputs[0].finish_reason for o in outs if o.request_id == "abort-me"] == ["abort"]
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_offline_engine_honours_deadlines(llm: LLM) -> None:
+    engine = llm.llm_engine
+    now = time.monotonic()
+    engine.add_request("expired", "Hello", _greedy(50), deadline=now)
+    engine.add_request("generating", "Hello there", _greedy(500), deadline=now + 0.5)
+    first = engine.step()  # "expired" ends before it is scheduled; "generating" gets a token
+    outs = {o.request_id: o for o in [*first, *engine.run_to_completion()] if o.finished}
+    queued, late = outs["expired"].outputs[0], outs["generating"].outputs[0]
+    assert queued.finish_reason == "timeout" and not queued.token_ids
+    assert queued.status is RequestStatus.FINISHED_EXPIRED_WAITING
+    assert late.finish_reason == "timeout" and 0 < len(late.token_ids) < 500
+    assert late.status is RequestStatus.FINISHED_TIMEOUT
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
