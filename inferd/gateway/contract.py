@@ -28,7 +28,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from inferd.gateway.kserve.codec import KNOWN_DATATYPES, MAX_RANK
+from inferd.gateway.kserve.json_tensors import KNOWN_DATATYPES
+from inferd.gateway.kserve.raw import MAX_RANK
 
 Responses = dict[int | str, dict[str, Any]]
 

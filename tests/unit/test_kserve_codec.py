@@ -17,7 +17,7 @@ import pytest
 import tritonclient.http as triton
 
 from inferd.errors import InvalidRequestError
-from inferd.gateway.kserve import codec
+from inferd.gateway.kserve import codec, compression, raw_request
 from inferd.tensors import InferRequest, InferResponse, OutputTensor
 
 pytestmark = pytest.mark.unit
@@ -168,21 +168,21 @@ def test_mixed_json_and_binary_inputs() -> None:
 
 
 def test_raw_request_fills_the_variable_dim_and_adds_batch() -> None:
-    spec = codec.raw_input_spec(
+    spec = raw_request.raw_input_spec(
         {"max_batch_size": 8, "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1, 2]}]}
     )
     data = np.arange(6, dtype=np.float32)
-    req = codec.decode_raw_request(data.tobytes(), spec, "m")
+    req = raw_request.decode_raw_request(data.tobytes(), spec, "m")
     assert req.inputs["x"].shape == (1, 3, 2)
     np.testing.assert_array_equal(req.inputs["x"].reshape(-1), data)
     assert req.parameters["binary_data_output"] is True
 
 
 def test_raw_request_bytes_input_is_one_element() -> None:
-    spec = codec.raw_input_spec(
+    spec = raw_request.raw_input_spec(
         {"input": [{"name": "img", "data_type": "TYPE_STRING", "dims": [1]}]}
     )
-    req = codec.decode_raw_request(b"\x89PNG...", spec, "m")
+    req = raw_request.decode_raw_request(b"\x89PNG...", spec, "m")
     assert req.inputs["img"].shape == (1,) and req.inputs["img"][0] == b"\x89PNG..."
 
 
@@ -198,7 +198,7 @@ def test_raw_request_bytes_input_is_one_element() -> None:
 )
 def test_raw_request_errors(config: dict[str, Any], body: bytes, message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
-        codec.decode_raw_request(body, codec.raw_input_spec(config), "m")
+        raw_request.decode_raw_request(body, raw_request.raw_input_spec(config), "m")
 
 
 def test_raw_request_is_recognized_by_a_zero_header_length() -> None:
@@ -409,21 +409,21 @@ def test_non_utf8_bytes_output_goes_binary_even_in_json_mode() -> None:
 
 def test_decompress_gzip_and_deflate() -> None:
     body = b'{"inputs": []}' * 10
-    assert codec.decompress(gzip.compress(body), "gzip", 1000) == body
-    assert codec.decompress(zlib.compress(body), "deflate", 1000) == body
-    assert codec.decompress(body, None, 1000) == body
+    assert compression.decompress(gzip.compress(body), "gzip", 1000) == body
+    assert compression.decompress(zlib.compress(body), "deflate", 1000) == body
+    assert compression.decompress(body, None, 1000) == body
 
 
 def test_decompress_refuses_bombs_corrupt_and_unknown() -> None:
     bomb = gzip.compress(b"\x00" * 100_000)
-    with pytest.raises(codec.BodyTooLargeError):
-        codec.decompress(bomb, "gzip", 1000)
+    with pytest.raises(compression.BodyTooLargeError):
+        compression.decompress(bomb, "gzip", 1000)
     with pytest.raises(InvalidRequestError, match="corrupt"):
-        codec.decompress(b"not gzip at all", "gzip", 1000)
+        compression.decompress(b"not gzip at all", "gzip", 1000)
     with pytest.raises(InvalidRequestError, match="truncated"):
-        codec.decompress(gzip.compress(b"abc" * 100)[:-12], "gzip", 1000)
+        compression.decompress(gzip.compress(b"abc" * 100)[:-12], "gzip", 1000)
     with pytest.raises(InvalidRequestError, match="unsupported"):
-        codec.decompress(b"x", "br", 1000)
+        compression.decompress(b"x", "br", 1000)
 
 
 @pytest.mark.parametrize(
@@ -437,10 +437,10 @@ def test_decompress_refuses_bombs_corrupt_and_unknown() -> None:
     ],
 )
 def test_choose_encoding(header: str | None, expected: str | None) -> None:
-    assert codec.choose_encoding(header) == expected
+    assert compression.choose_encoding(header) == expected
 
 
 def test_compress_round_trips() -> None:
     body = b"x" * 5000
-    assert gzip.decompress(codec.compress(body, "gzip")) == body
-    assert zlib.decompress(codec.compress(body, "deflate")) == body
+    assert gzip.decompress(compression.compress(body, "gzip")) == body
+    assert zlib.decompress(compression.compress(body, "deflate")) == body

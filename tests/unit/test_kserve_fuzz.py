@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from inferd.errors import InvalidRequestError
-from inferd.gateway.kserve import codec, grpc_codec
+from inferd.gateway.kserve import codec, grpc_codec, json_tensors, raw_request
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.kserve.raw import decode_raw, element_size, encode_raw
 from inferd.tensors import DATATYPES, InferRequest
@@ -41,7 +41,7 @@ DIMS = st.one_of(
     st.sampled_from([2**31, 2**32 + 1, 2**62, 2**63 - 1, 2**64, 2**70]),
 )
 SHAPES = st.lists(DIMS, max_size=5)
-DATATYPE_NAMES = st.sampled_from([*codec.KNOWN_DATATYPES, "FP8", "", "fp32"])
+DATATYPE_NAMES = st.sampled_from([*json_tensors.KNOWN_DATATYPES, "FP8", "", "fp32"])
 FIXED = sorted(d for d in DATATYPES if d != "BYTES")
 
 
@@ -169,8 +169,8 @@ def test_raw_binary_requests_decode_or_400(
     datatype: str, dims: list[int], body: bytes, batched: bool
 ) -> None:
     """`Inference-Header-Content-Length: 0`: the whole body is the single input."""
-    spec = codec.InputSpec("x", datatype, tuple(dims), batched)
-    request = decodes_or_refuses(codec.decode_raw_request, body, spec, "m")
+    spec = raw_request.InputSpec("x", datatype, tuple(dims), batched)
+    request = decodes_or_refuses(raw_request.decode_raw_request, body, spec, "m")
     if request is not None and datatype != "BYTES":
         assert request.inputs["x"].size * element_size(datatype) == len(body)
 

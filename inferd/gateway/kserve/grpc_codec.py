@@ -14,10 +14,9 @@ import numpy as np
 from google.protobuf import json_format
 
 from inferd.errors import InvalidRequestError
-from inferd.gateway.kserve.codec import MAX_RANK
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.kserve.proto import model_config_pb2 as mc
-from inferd.gateway.kserve.raw import check_extent, decode_raw, encode_raw
+from inferd.gateway.kserve.raw import MAX_RANK, check_extent, decode_raw, encode_raw
 from inferd.tensors import DATATYPES, InferRequest, InferResponse, RequestedOutput
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from inferd.gateway.contract import (
     raw_body,
 )
 from inferd.gateway.errors import APIError
-from inferd.gateway.kserve import codec
+from inferd.gateway.kserve import codec, compression, raw_request
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.responses import FinalizingResponse, json_response
 from inferd.gateway.state import GatewayState, gateway
@@ -209,10 +209,10 @@ async def infer(request: Request) -> Response:
 async def _read_body(request: Request, state: GatewayState) -> bytes:
     body = await request.body()
     try:
-        return codec.decompress(
+        return compression.decompress(
             body, request.headers.get("content-encoding"), state.server.max_body_bytes
         )
-    except codec.BodyTooLargeError as e:
+    except compression.BodyTooLargeError as e:
         raise APIError(413, str(e), code="request_too_large", reason="too_large") from None
 
 
@@ -221,8 +221,8 @@ def _decode(
 ) -> InferRequest:
     header_length = request.headers.get(codec.HEADER_LENGTH)
     if codec.is_raw_request(header_length):
-        spec = codec.raw_input_spec(repo.config_dict(model, version))
-        return codec.decode_raw_request(body, spec, model, version)
+        spec = raw_request.raw_input_spec(repo.config_dict(model, version))
+        return raw_request.decode_raw_request(body, spec, model, version)
     return codec.decode_request(body, header_length, model, version)
 
 
@@ -234,9 +234,9 @@ def _respond(
     encode_start: float,
 ) -> Response:
     body, headers = encoded.body, dict(encoded.headers)
-    encoding = codec.choose_encoding(request.headers.get("accept-encoding"))
-    if encoding is not None and len(body) >= codec.MIN_COMPRESS_BYTES:
-        body = codec.compress(body, encoding)
+    encoding = compression.choose_encoding(request.headers.get("accept-encoding"))
+    if encoding is not None and len(body) >= compression.MIN_COMPRESS_BYTES:
+        body = compression.compress(body, encoding)
         headers["Content-Encoding"] = encoding
 
     async def done() -> None:

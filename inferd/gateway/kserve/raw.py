@@ -22,6 +22,7 @@ _LEN = struct.Struct("<I")
 # More elements than any tensor a server holds; below numpy's limit, which it applies to the
 # non-zero dims even of an empty tensor (a [0, 2**63 - 1] shape is refused by numpy).
 MAX_ELEMENTS = 2**40
+MAX_RANK = 32  # numpy's limit is 64; no served model comes near either
 
 
 def check_extent(shape: list[int], name: str) -> None:
@@ -100,3 +101,19 @@ def encode_raw(array: np.ndarray) -> bytes:
             parts.append(data)
         return b"".join(parts)
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def from_binary(raw: memoryview, datatype: str, shape: list[int], name: str) -> np.ndarray:
+    """A tensor from request bytes (HTTP binary extension, raw binary request), writeable, with
+    the size checked before anything of the claimed size is allocated."""
+    count = math.prod(shape)
+    if datatype == "BF16":
+        raise InvalidRequestError(f"input {name!r}: BF16 is not supported by inferd", name)
+    if datatype == "BYTES" and count * 4 > len(raw):
+        # Each element carries a 4-byte length: refuse before allocating `count` objects.
+        raise InvalidRequestError(
+            f"input {name!r}: {len(raw)} bytes cannot hold {count} BYTES elements", name
+        )
+    array = decode_raw(raw, datatype, shape, name)
+    # frombuffer over the request body is read-only; steps and backends may write in place.
+    return array if array.flags.writeable else array.copy()
