@@ -24,6 +24,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check inferd tests bench
 	$(BIN)/ruff format --check inferd tests bench
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
