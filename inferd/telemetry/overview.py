@@ -24,7 +24,7 @@ from prometheus_client import Histogram
 
 from inferd.telemetry.metrics import EngineGauges
 from inferd.telemetry.request_log import LANE_STAGES, OTHER, Lane, RequestLog, RequestRecord
-from inferd.telemetry.stages import Stage
+from inferd.telemetry.stages import STAGE_HELP, Stage
 
 PERCENTILES = (50, 90, 99)
 # Inter-token gaps are one sample per token: the newest this many are enough for percentiles.
@@ -63,6 +63,7 @@ def _lane(records: Sequence[RequestRecord], window_s: float, lane: Lane) -> dict
         "rps": round(len(records) / window_s, 3),
         "e2e": percentiles([r.e2e for r in records]),
         "stage_order": [str(s) for s in LANE_STAGES[lane]] + [OTHER],
+        "stage_help": {str(s): STAGE_HELP[s] for s in LANE_STAGES[lane]},
         "stage_seconds": stage_seconds(records),
     }
 
