@@ -29,8 +29,13 @@ pipeline computes it.
 Threading: everything here runs on the event loop except `run`, which runs on one of
 `len(backends)` worker threads with exclusive use of one backend (a backend need not be
 thread-safe). Per batch there is one hop to a worker and one `call_soon_threadsafe` back.
-Nothing sleeps: arrivals and finished batches call `_schedule`, and one loop timer wakes it for
-the next batch delay or queue deadline (deadlines fire even when no batch runs).
+Nothing sleeps: arrivals and finished batches call `_schedule`, and one timer wakes it for the
+next batch delay or queue deadline (deadlines fire even when no batch runs).
+
+Time: every instant (arrival, dispatch, timer) comes from one injectable `Clock`; the default is
+time.monotonic() with the running loop's timers. Tests pass a fake clock they advance by hand,
+so "sent when the oldest request has waited max_delay_s" is checked exactly, not within a
+tolerance of the machine's load.
 """
 
 from __future__ import annotations
@@ -58,6 +63,39 @@ R = TypeVar("R")
 
 class Closable(Protocol):
     def close(self) -> None: ...
+
+
+class Timer(Protocol):
+    """A pending wake-up (asyncio.TimerHandle is one)."""
+
+    def cancel(self) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+    def when(self) -> float: ...
+
+
+class Clock(Protocol):
+    """The batcher's only source of time: `now()` in seconds, and a callback at an instant
+    of that clock. Called on the event loop only."""
+
+    def now(self) -> float: ...
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Timer: ...
+
+
+class MonotonicClock:
+    """time.monotonic() and the running loop's timers (asyncio's loop clock is monotonic too,
+    so a gateway's `time.monotonic()` deadline and a loop timer agree)."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_at(when, callback)
+
+
+MONOTONIC = MonotonicClock()
 
 
 B = TypeVar("B", bound=Closable)
@@ -98,7 +136,7 @@ class Queued(Generic[T]):
     rows: int
     key: Hashable
     seq: int  # arrival order across every bucket
-    enqueued: float  # time.monotonic()
+    enqueued: float  # the batcher clock's now() (time.monotonic() by default)
     length: int = 0  # longest variable dim (0: none), for the padding ratio of a batch
     # Its wait, split in two: `batch_s` inside its batch's window (max_queue_delay from the
     # batch's oldest request: the cost of the batching policy), `queue_s` the rest (every
@@ -173,6 +211,7 @@ class DynamicBatcher(Generic[T, B, R]):
         done: Callable[[list[Queued[T]], R | BaseException], None],
         expired: Callable[[T], None],
         name: str = "model",
+        clock: Clock = MONOTONIC,
     ) -> None:
         if not backends:
             raise ValueError("a batcher needs at least one backend")
@@ -183,12 +222,13 @@ class DynamicBatcher(Generic[T, B, R]):
         self._done = done
         self._expired = expired
         self._name = name
+        self._clock = clock
         self._buckets: dict[Hashable, _Bucket[T]] = {}
         self._num_queued = 0
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
         self._schedule_soon = False
         self._closed = False
         self._finished: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
@@ -250,7 +290,7 @@ class DynamicBatcher(Generic[T, B, R]):
         if self._loop is None or self._closed:
             raise RuntimeError("the batcher is not running")
         self.check_room()
-        queued = Queued(item, rows, key, next(self._seq), time.monotonic(), length)
+        queued = Queued(item, rows, key, next(self._seq), self._clock.now(), length)
         bucket = self._buckets.get(key)
         if bucket is None:
             max_rows = self.policy.max_queue_size * max(1, self.policy.max_batch_size)
@@ -297,7 +337,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._schedule_soon = False
         if self._closed:
             return
-        now = time.monotonic()
+        now = self._clock.now()
         self._expire(now)
         due = math.inf
         while self._free and self._buckets:
@@ -436,8 +476,7 @@ class DynamicBatcher(Generic[T, B, R]):
             return  # an earlier wake-up is armed; it re-arms for this one
         if timer is not None:
             timer.cancel()
-        assert self._loop is not None
-        self._timer = self._loop.call_at(due, self._on_timer)
+        self._timer = self._clock.call_at(due, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -459,7 +498,7 @@ class DynamicBatcher(Generic[T, B, R]):
             _close_quietly(backend)
 
     def _finish(self, backend: B, batch: list[Queued[T]], result: R | BaseException) -> None:
-        self._finished.append((time.monotonic(), len(batch)))
+        self._finished.append((self._clock.now(), len(batch)))
         if self._closed:
             assert self._loop is not None
             self._loop.run_in_executor(None, _close_quietly, backend)

@@ -10,6 +10,7 @@ from inferd.batching.assembler import (
     BackendError,
     OutputSelector,
     Placement,
+    Tensors,
     assemble,
     backend_error,
     check_rows,
@@ -52,8 +53,8 @@ def test_stack_refuses_different_ranks() -> None:
 
 
 def test_assemble_reports_the_padding_ratio_of_variable_tensors_only() -> None:
-    a = {"ids": np.ones((1, 4), np.int64), "x": np.ones((1, 2), np.float32)}
-    b = {"ids": np.ones((1, 2), np.int64), "x": np.ones((1, 2), np.float32)}
+    a: Tensors = {"ids": np.ones((1, 4), np.int64), "x": np.ones((1, 2), np.float32)}
+    b: Tensors = {"ids": np.ones((1, 2), np.int64), "x": np.ones((1, 2), np.float32)}
     batch, ratio = assemble([a, b], variable={"ids"})
     assert batch["ids"].shape == (2, 4) and batch["x"].shape == (2, 2)
     assert ratio == pytest.approx(2 / 8)  # "x" is fixed-length: not in the ratio
@@ -81,7 +82,7 @@ def test_split_rows_refuses_an_output_without_the_batch_rows() -> None:
     with pytest.raises(BackendError, match="for a batch of 3 rows"):
         split_rows({"y": np.arange(2)}, [1, 2], batched=True)
     with pytest.raises(BackendError, match="shape \\[\\]"):
-        split_rows({"y": np.float32(1.0)}, [1], batched=True)
+        split_rows({"y": np.array(1.0, np.float32)}, [1], batched=True)
 
 
 def test_split_rows_of_an_unbatched_model_is_the_whole_output() -> None:
@@ -144,7 +145,11 @@ def test_select_defaults_to_the_config_outputs_and_casts_to_their_type() -> None
 
 
 def test_select_without_config_outputs_returns_every_public_tensor() -> None:
-    tensors = {"a": np.zeros(1, np.int32), NUM_TOKENS: np.zeros(1), "b": np.zeros(1, np.int8)}
+    tensors: Tensors = {
+        "a": np.zeros(1, np.int32),
+        NUM_TOKENS: np.zeros(1),
+        "b": np.zeros(1, np.int8),
+    }
     outs = selector(config_outputs=(), output_types={}, known=None).select(None, tensors)
     assert [(o.name, o.datatype) for o in outs] == [("a", "INT32"), ("b", "INT8")]
 

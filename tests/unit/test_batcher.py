@@ -2,15 +2,17 @@
 
 The fake backend's `run` records each batch it is given; a request named "gate" blocks its
 worker until the test opens the gate, which makes "the worker is busy" deterministic instead
-of a matter of sleeps.
+of a matter of sleeps. Time is a FakeClock the test advances by hand: batch delays and queue
+deadlines fire exactly when the clock passes them, whatever the machine's load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import threading
-import time
 from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,56 @@ def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., No
         asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 20))
 
     return run
+
+
+@dataclass(eq=False)
+class FakeTimer:
+    at: float
+    callback: Callable[[], None]
+    done: bool = False
+
+    def cancel(self) -> None:
+        self.done = True
+
+    def cancelled(self) -> bool:
+        return self.done
+
+    def when(self) -> float:
+        return self.at
+
+
+class FakeClock:
+    """A clock that moves only in `advance`, firing the timers it passes in time order (each
+    with the clock set to its instant, as a real timer would see it)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.t = start
+        self._timers: list[tuple[float, int, FakeTimer]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> FakeTimer:
+        timer = FakeTimer(when, callback)
+        heapq.heappush(self._timers, (when, next(self._seq), timer))
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        target = self.t + seconds
+        while self._timers and self._timers[0][0] <= target:
+            when, _, timer = heapq.heappop(self._timers)
+            if not timer.done:
+                self.t = max(self.t, when)
+                timer.done = True
+                timer.callback()
+        self.t = target
+
+
+async def settle() -> None:
+    """Lets the loop run what is ready now (the scheduling pass an arrival queued)."""
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 @dataclass(eq=False)
@@ -62,11 +114,17 @@ class Harness:
     submitted: dict[str, float] = field(default_factory=dict)
     handles: dict[str, Queued[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    clock: FakeClock = field(default_factory=FakeClock)
 
     def __post_init__(self) -> None:
         self.backends = [FakeBackend() for _ in range(self.workers)]
         self.batcher: DynamicBatcher[str, FakeBackend, list[str]] = DynamicBatcher(
-            self.policy, self.backends, run=self.run, done=self.done, expired=self.expired
+            self.policy,
+            self.backends,
+            run=self.run,
+            done=self.done,
+            expired=self.expired,
+            clock=self.clock,
         )
         self.batcher.start()
 
@@ -79,7 +137,7 @@ class Harness:
             self.ran.append(
                 Ran(
                     names,
-                    time.monotonic(),
+                    self.clock.now(),
                     threading.current_thread().name,
                     [q.queue_s for q in batch],
                     [q.batch_s for q in batch],
@@ -122,7 +180,7 @@ class Harness:
     ) -> asyncio.Future[list[str]]:
         future: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         self.futures[name] = future
-        self.submitted[name] = time.monotonic()
+        self.submitted[name] = self.clock.now()
         self.handles[name] = self.batcher.submit(
             name,
             rows=rows,
@@ -146,8 +204,11 @@ class Harness:
         return self.submit(name, key=1 << (length - 1).bit_length(), length=length, **kw)
 
     async def hold(self) -> asyncio.Future[list[str]]:
-        """Occupies the (single) worker until `gate` opens, so requests pile up meanwhile."""
+        """Occupies the (single) worker until `gate` opens, so requests pile up meanwhile.
+        The clock moves past gate's batch delay (a lone request waits that long)."""
         gate = self.submit("gate")
+        await settle()
+        self.clock.advance(self.policy.max_delay_s if self.policy.dynamic else 0.0)
         await self.wait_running("gate")
         return gate
 
@@ -184,27 +245,34 @@ async def test_largest_preferred_size_is_sent_at_once() -> None:
 async def test_partial_batch_waits_for_the_oldest_requests_delay() -> None:
     h = Harness(dynamic(8, delay=0.3))
     first = h.submit("a")
-    await asyncio.sleep(0.1)
-    await asyncio.gather(first, h.submit("b"))
+    await settle()
+    h.clock.advance(0.1)
+    second = h.submit("b")
+    await settle()
+    h.clock.advance(0.2 - 1e-3)
+    await settle()
+    assert h.batches() == [] and h.batcher.num_queued == 2  # not a hair early
+    h.clock.advance(1e-3)
+    await asyncio.gather(first, second)
     assert h.batches() == [["a", "b"]]
     waited = h.ran[0].started - h.submitted["a"]
-    assert 0.29 <= waited < 5
+    assert waited == pytest.approx(0.3)
     # The time went to batch formation (a worker was free all along), not to the queue.
-    assert h.ran[0].queue_s[0] < 0.2 and h.ran[0].queue_s[0] + h.ran[0].batch_s[0] >= 0.29
+    assert h.ran[0].queue_s[0] == pytest.approx(0.0, abs=1e-9)
+    assert h.ran[0].batch_s[0] == pytest.approx(0.3)
 
 
 @async_test
 async def test_wait_for_a_busy_instance_is_queue_not_batch() -> None:
     h = Harness(dynamic(8, delay=0.05))
-    gate = h.submit("gate")
-    await h.wait_running("gate")
+    gate = await h.hold()
     waiting = h.submit("a")
-    await asyncio.sleep(0.3)  # far past the 50 ms window: the instance is the hold-up
-    h.gate.set()
-    await asyncio.gather(gate, waiting)
+    await settle()
+    h.clock.advance(0.3)  # far past the 50 ms window: the instance is the hold-up
+    await h.release(gate, waiting)
     batch_s, queue_s = h.ran[1].batch_s[0], h.ran[1].queue_s[0]
-    assert batch_s == pytest.approx(0.05, abs=0.01)
-    assert queue_s >= 0.24
+    assert batch_s == pytest.approx(0.05)
+    assert queue_s == pytest.approx(0.25)
     unbatched = Harness(BatchPolicy(max_batch_size=8, dynamic=False))
     await unbatched.submit("b")
     assert unbatched.ran[0].batch_s == [0.0]
@@ -214,12 +282,15 @@ async def test_wait_for_a_busy_instance_is_queue_not_batch() -> None:
 async def test_the_oldest_request_not_the_first_in_line_sets_the_delay() -> None:
     h = Harness(dynamic(8, delay=0.6))
     low = h.submit("low", priority=2)
-    await asyncio.sleep(0.5)
+    await settle()
+    h.clock.advance(0.5)
     high = h.submit("high", priority=1)  # first in line now, but 0.5 s younger
+    await settle()
+    h.clock.advance(0.1)
     await asyncio.gather(low, high)
     assert h.batches() == [["high", "low"]]
     # Sent when "low" had waited 0.6 s; waiting on "high" would have taken until 1.1 s.
-    assert 0.59 <= h.ran[0].started - h.submitted["low"] < 1.0
+    assert h.ran[0].started - h.submitted["low"] == pytest.approx(0.6)
 
 
 @async_test
@@ -236,7 +307,7 @@ async def test_rows_count_and_a_batch_stops_at_the_first_request_that_does_not_f
     await h.wait_running("gate")
     rest = [h.submit("r3", rows=3), h.submit("r2", rows=2), h.submit("r1", rows=1)]
     rest.append(h.submit("s1", rows=1))
-    await asyncio.sleep(0.02)
+    await settle()
     h.gate.set()
     await asyncio.gather(gate, *rest)
     assert h.batches() == [["gate"], ["r3"], ["r2", "r1", "s1"]]
@@ -249,7 +320,7 @@ async def test_priority_first_then_fifo() -> None:
     await h.wait_running("gate")
     order = [("lo1", 2), ("hi1", 1), ("lo2", 2), ("hi2", 1)]
     rest = [h.submit(n, priority=p) for n, p in order]
-    await asyncio.sleep(0.02)
+    await settle()
     h.gate.set()
     await asyncio.gather(gate, *rest)
     assert h.batches() == [["gate"], ["hi1"], ["hi2"], ["lo1"], ["lo2"]]
@@ -260,7 +331,12 @@ async def test_deadline_fires_while_no_batch_runs() -> None:
     h = Harness(BatchPolicy(max_batch_size=1, dynamic=False))
     gate = h.submit("gate")
     await h.wait_running("gate")
-    late = h.submit("late", deadline=time.monotonic() + 0.1)
+    late = h.submit("late", deadline=h.clock.now() + 0.1)
+    await settle()
+    h.clock.advance(0.1 - 1e-3)
+    await settle()
+    assert not late.done()
+    h.clock.advance(1e-3)
     with pytest.raises(QueueTimeoutError):
         await late  # the only worker is still blocked: a timer, not a dispatch, failed it
     assert not gate.done() and h.batcher.num_queued == 0
@@ -311,7 +387,7 @@ async def test_removed_request_never_runs() -> None:
     assert not h.batcher.remove(h.handles["gone"]) and h.batcher.num_queued == 0
     h.gate.set()
     await gate
-    await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)  # time for a (wrongly) dispatched batch to reach a worker
     assert h.batches() == [["gate"]]
 
 
@@ -342,6 +418,72 @@ async def test_close_returns_the_queue_and_closes_every_backend() -> None:
         await asyncio.sleep(0.01)
     assert all(b.closed for b in h.backends)
     assert h.batches() == [["gate1"], ["gate2"]]
+
+
+# -- when a batch is sent, on the fake clock -------------------------------------------------
+
+
+@async_test
+async def test_a_preferred_size_reached_inside_the_window_is_sent_without_waiting() -> None:
+    h = Harness(dynamic(8, delay=1.0, preferred_batch_sizes=(3,)))
+    futures = [h.submit("a"), h.submit("b")]
+    await settle()
+    h.clock.advance(0.25)
+    assert h.batcher.num_queued == 2  # 2 rows: no preferred size, the window is still open
+    futures.append(h.submit("c"))
+    await asyncio.gather(*futures)
+    assert h.batches() == [["a", "b", "c"]]
+    assert h.ran[0].started - h.submitted["a"] == pytest.approx(0.25)
+
+
+@async_test
+async def test_rows_beyond_a_full_batch_wait_their_own_window() -> None:
+    h = Harness(dynamic(3, delay=0.5))
+    first = [h.submit(n) for n in "abce"]
+    await asyncio.gather(*first[:3])  # max_batch_size rows: sent at once
+    assert h.batches() == [["a", "b", "c"]] and h.batcher.num_queued == 1
+    h.clock.advance(0.2)
+    d = h.submit("d")
+    await settle()
+    h.clock.advance(0.3 - 1e-3)
+    await settle()
+    assert h.batcher.num_queued == 2  # e arrived at 0: due at 0.5, not before
+    h.clock.advance(1e-3)
+    await asyncio.gather(first[3], d)
+    # The window of the oldest request left (e) sent e and d together at 0.5.
+    assert h.batches()[1] == ["e", "d"]
+    assert h.ran[1].started - h.submitted["e"] == pytest.approx(0.5)
+    assert h.ran[1].batch_s == pytest.approx([0.5, 0.3])
+
+
+@async_test
+async def test_a_due_bucket_goes_even_while_another_waits_for_its_window() -> None:
+    h = Harness(dynamic(4, delay=0.4), workers=2)
+    young = h.submit("young", key=16)
+    await settle()
+    h.clock.advance(0.1)
+    full = [h.submit(n, key=8) for n in ("p", "q", "r", "s")]
+    await asyncio.gather(*full)
+    assert h.batches() == [["p", "q", "r", "s"]] and h.batcher.num_queued == 1
+    h.clock.advance(0.3)
+    await young
+    assert h.batches()[1] == ["young"]
+    assert h.ran[1].started - h.submitted["young"] == pytest.approx(0.4)
+
+
+@async_test
+async def test_a_bucket_due_by_delay_fills_from_others_within_the_padding_bound() -> None:
+    h = Harness(filling(8, ratio=0.4, delay=0.2))
+    a = h.submit_len("a30", 30)
+    await settle()
+    h.clock.advance(0.1)
+    b = h.submit_len("b14", 14)  # another bucket; its own window would end at 0.3
+    await settle()
+    h.clock.advance(0.1)  # a30's window ends: it goes, and b14 fills (ratio 0.27)
+    await asyncio.gather(a, b)
+    assert h.batches() == [["a30", "b14"]]
+    assert h.ran[0].batch_s == pytest.approx([0.2, 0.1])
+    assert h.ran[0].queue_s == pytest.approx([0.0, 0.0], abs=1e-9)
 
 
 # -- cross-bucket filling ------------------------------------------------------------------------
@@ -415,9 +557,11 @@ async def test_a_filled_request_splits_its_wait_from_its_own_arrival() -> None:
     h = Harness(filling(8, ratio=0.4, delay=0.05))
     gate = await h.hold()
     old = h.submit_len("old14", 14, priority=2)
-    await asyncio.sleep(0.1)
+    await settle()
+    h.clock.advance(0.1)
     new = h.submit_len("new30", 30, priority=1)  # ranks first: its bucket goes, old14 fills
-    await asyncio.sleep(0.2)
+    await settle()
+    h.clock.advance(0.2)
     await h.release(gate, old, new)
     ran = h.ran[1]
     assert ran.names == ["new30", "old14"]
@@ -425,6 +569,6 @@ async def test_a_filled_request_splits_its_wait_from_its_own_arrival() -> None:
     # later, before new30 even arrived: new30's whole wait was for the instance.
     batch_s = dict(zip(ran.names, ran.batch_s, strict=True))
     queue_s = dict(zip(ran.names, ran.queue_s, strict=True))
-    assert batch_s["old14"] == pytest.approx(0.05, abs=0.01)
+    assert batch_s["old14"] == pytest.approx(0.05)
     assert batch_s["new30"] == 0.0
-    assert queue_s["old14"] >= 0.24 and queue_s["new30"] >= 0.15
+    assert queue_s["old14"] == pytest.approx(0.25) and queue_s["new30"] == pytest.approx(0.2)
