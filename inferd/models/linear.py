@@ -154,7 +154,8 @@ def resolve_linear_kind(
                 "--quantization int8 needs a CPU with AVX512-VNNI or AVX-VNNI (int8 dot products)"
             )
         return "int8"
-    onednn_ok = cpu and torch.backends.mkldnn.is_available() and dtype != torch.float16
+    mkldnn = torch.backends.mkldnn.is_available()
+    onednn_ok = cpu and mkldnn and dtype != torch.float16
     if backend == "onednn" and not onednn_ok:
         raise ModelLoadError(
             "--linear-backend onednn needs a CPU device and PyTorch built with oneDNN"

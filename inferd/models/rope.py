@@ -65,7 +65,8 @@ def _llama3_inv_freq(inv_freq: Tensor, rope_scaling: dict[str, Any]) -> Tensor:
 def dynamic_ntk_base(base: float, head_dim: int, max_position: int, factor: float) -> float:
     """The NTK base for a sequence of max_position * factor tokens (vLLM's fixed choice)."""
     max_len = int(max_position * factor)
-    return base * ((factor * max_len / max_position) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    scale = (factor * max_len / max_position) - (factor - 1)
+    return base * float(scale ** (head_dim / (head_dim - 2)))
 
 
 def compute_inv_freq(
