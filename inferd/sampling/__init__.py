@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters (vLLM's names), penalties, and the batched sampler."""
