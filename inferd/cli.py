@@ -8,20 +8,26 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import TypeVar, get_args
 
 from inferd.config import (
     DEFAULT_MODEL,
+    AdmissionConfig,
     AttentionBackend,
     CacheConfig,
     Device,
     DType,
     EngineConfig,
+    Environment,
     KVCacheDType,
     LinearBackend,
     LoadFormat,
     Quantization,
+    RepositoryConfig,
     SchedulerConfig,
+    ServeConfig,
+    ServerConfig,
+    read_environment,
 )
 from inferd.errors import InferdError
 
@@ -148,84 +154,78 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from inferd.config import AdmissionConfig, RepositoryConfig, ServerConfig
     from inferd.serve import serve
 
-    if args.model_pos is not None:
-        args.model = args.model_pos
+    return serve(serve_config(args, read_environment()))
+
+
+def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:
+    """`inferd serve`'s flags and the environment -> the config tree: the one place that maps
+    one onto the other. A flag that is None was not given, so its field keeps the config's
+    default; flags named like their field need no mapping, the few others are below."""
+    model = args.model_pos if args.model_pos is not None else args.model
     # With a model repository and no LLM named, the server serves only the repository.
-    serves_llm = args.model is not None or args.model_repository is None
-    if args.model is None:
-        args.model = DEFAULT_MODEL
-    admission = AdmissionConfig(
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        request_timeout_s=args.request_timeout,
-        min_engine_waiting=args.min_engine_waiting,
+    serves_llm = model is not None or args.model_repository is None
+    engine = {**engine_kwargs(args), "model": model or DEFAULT_MODEL}
+    return ServeConfig(
+        env=env,
+        engine=EngineConfig.from_kwargs(**engine) if serves_llm else None,
+        admission=_given(AdmissionConfig, args),
+        server=_server_config(args, env),
+        repository=None if args.model_repository is None else _given(RepositoryConfig, args),
     )
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        **_security(args),
-        shutdown_timeout_s=args.shutdown_timeout,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
-        served_model_name=args.served_model_name,
-        access_log=not (args.disable_access_log or args.disable_telemetry),
-        telemetry=not args.disable_telemetry,
-        dashboard=not args.disable_dashboard,
-        grpc_port=None if args.grpc_port < 0 else args.grpc_port,
-    )
-    repository = None
-    if args.model_repository is not None:
-        repository = RepositoryConfig(
-            path=args.model_repository,
-            load_models=tuple(args.load_model or ()),
-            allow_pickle=args.allow_pickle,
-            backend_threads=args.backend_threads,
-        )
-    engine = engine_config(args) if serves_llm else None
-    return serve(engine, admission, server, repository)
 
 
-def _security(args: argparse.Namespace) -> dict[str, Any]:
-    """Keys, limits, TLS and connection bounds. --max-body-bytes, when given, bounds gRPC
-    messages too (unless --grpc-max-message-bytes says otherwise); left out, both keep their
-    defaults (4 MiB HTTP, 64 MiB gRPC)."""
-    from inferd.config import ServerConfig, read_environment
+# Config field -> the flag's argparse dest, where the two names differ.
+_FLAG_OF = {
+    "request_timeout_s": "request_timeout",
+    "shutdown_timeout_s": "shutdown_timeout",
+    "read_timeout_s": "read_timeout",
+    "path": "model_repository",
+    "load_models": "load_model",
+}
+_Section = TypeVar("_Section", AdmissionConfig, ServerConfig, RepositoryConfig)
 
-    env_key = read_environment().api_key
-    out: dict[str, Any] = {
-        "api_keys": (*(args.api_key or ()), *((env_key,) if env_key else ())),
-        "api_key_file": args.api_key_file,
-        "rate_limit_rpm": args.rate_limit_rpm,
-        "rate_limit_tpm": args.rate_limit_tpm,
-        "rate_limit_concurrency": args.rate_limit_concurrency,
-        "ssl_keyfile": args.ssl_keyfile,
-        "ssl_certfile": args.ssl_certfile,
-        "ssl_ca_certs": args.ssl_ca_certs,
-        "timeout_keep_alive": args.timeout_keep_alive,
-        "read_timeout_s": args.read_timeout,
-        "limit_concurrency": args.limit_concurrency,
+
+def _given(section: type[_Section], args: argparse.Namespace, **derived: object) -> _Section:
+    """`section` from the flags given for its fields, then the `derived` values."""
+    given = {}
+    for field in section.model_fields:
+        value = getattr(args, _FLAG_OF.get(field, field), None)
+        if value is not None:
+            given[field] = value
+    return section.model_validate({**given, **derived})
+
+
+def _server_config(args: argparse.Namespace, env: Environment) -> ServerConfig:
+    """Keys (--api-key, then INFERD_API_KEY), switches and bounds. --max-body-bytes, when given,
+    bounds gRPC messages too (unless --grpc-max-message-bytes says otherwise); left out, both
+    keep their defaults (4 MiB HTTP, 64 MiB gRPC)."""
+    _check_tls(args)
+    derived: dict[str, object] = {
+        "api_keys": (*(args.api_key or ()), *((env.api_key,) if env.api_key else ())),
+        "access_log": not (args.disable_access_log or args.disable_telemetry),
+        "telemetry": not args.disable_telemetry,
+        "dashboard": not args.disable_dashboard,
+        "grpc_port": None if args.grpc_port < 0 else args.grpc_port,
     }
     grpc_bytes = args.grpc_max_message_bytes or args.max_body_bytes
-    if args.max_body_bytes is not None:
-        out["max_body_bytes"] = args.max_body_bytes
     if grpc_bytes is not None:
-        out["grpc_max_message_bytes"] = grpc_bytes
+        derived["grpc_max_message_bytes"] = grpc_bytes
+    return _given(ServerConfig, args, **derived)
+
+
+def _check_tls(args: argparse.Namespace) -> None:
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise InferdError("--ssl-keyfile and --ssl-certfile must be given together")
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, flag)
         if path is not None and not os.path.isfile(path):
             raise InferdError(f"--{flag.replace('_', '-')} {path!r} is not a file")
-    assert set(out) <= set(ServerConfig.model_fields)
-    return out
 
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     """Keys, per-key limits, TLS and hostile-connection bounds (docs/configuration.md)."""
-    from inferd.config import ServerConfig
-
     srv = ServerConfig.model_fields
     g = p.add_argument_group("security (keys, limits, TLS, connections)")
     g.add_argument("--api-key", action="append", help="accepted Bearer key, admin (repeatable)")
@@ -266,8 +266,6 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server flags, vLLM's names where the concept is the same."""
-    from inferd.config import AdmissionConfig, ServerConfig
-
     adm, srv = AdmissionConfig.model_fields, ServerConfig.model_fields
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
     p.add_argument("--host", default=srv["host"].default)

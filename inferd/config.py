@@ -221,3 +221,18 @@ class RepositoryConfig(_Frozen):
     allow_pickle: bool = False
     # ONNX Runtime / torch intra-op threads per model instance when its config does not say.
     backend_threads: int | None = Field(default=None, gt=0)
+
+
+class ServeConfig(_Frozen):
+    """Everything `inferd serve` runs with: built once, at start-up, from the command line and
+    the environment (`inferd.cli.serve_config`, the only place flags become config), then
+    handed down whole.
+
+    A server runs an LLM (`engine`), a model repository (`repository`), or both."""
+
+    env: Environment
+    # None: no LLM; the server serves only the model repository.
+    engine: EngineConfig | None = EngineConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    server: ServerConfig = ServerConfig()
+    repository: RepositoryConfig | None = None

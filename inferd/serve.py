@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from inferd.config import AdmissionConfig, EngineConfig, RepositoryConfig, ServerConfig
+from inferd.config import AdmissionConfig, RepositoryConfig, ServeConfig, ServerConfig
 from inferd.errors import ModelLoadError
 from inferd.gateway.app import create_app, gateway_state, set_engine
 from inferd.gateway.state import GatewayState
@@ -50,19 +50,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def run_server(
-    engine: EngineConfig | None,
-    admission: AdmissionConfig,
-    server: ServerConfig,
-    repository: RepositoryConfig | None = None,
-) -> int:
-    """Serves an LLM (`engine`), a model repository, or both; returns the exit code."""
+async def run_server(config: ServeConfig) -> int:
+    """Serves an LLM (`config.engine`), a model repository, or both; returns the exit code."""
+    server = config.server
     app = create_app(None, server)
     state = gateway_state(app)
-    state.serves_llm = engine is not None
-    state.serves_repository = repository is not None
-    config = uvicorn.Config(app, **uvicorn_options(server))
-    http = _Server(config)
+    state.serves_llm = config.engine is not None
+    state.serves_repository = config.repository is not None
+    http = _Server(uvicorn.Config(app, **uvicorn_options(server)))
     http_task = asyncio.create_task(http.serve())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -70,7 +65,7 @@ async def run_server(
         loop.add_signal_handler(sig, stop.set)
     parts = _Parts()
     try:
-        await _start_parts(parts, app, engine, admission, server, repository)
+        await _start_parts(parts, app, config)
     except Exception:
         logger.exception("the server failed to start")
         http.should_exit = True
@@ -154,19 +149,16 @@ class _Parts:
             await self.llm.shutdown()
 
 
-async def _start_parts(
-    parts: _Parts,
-    app: Any,
-    engine: EngineConfig | None,
-    admission: AdmissionConfig,
-    server: ServerConfig,
-    repository: RepositoryConfig | None,
-) -> None:
+async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
     from inferd.engine.async_client import AsyncLLM
 
     state = gateway_state(app)
-    if repository is not None:
-        parts.repository = await _start_repository(repository, admission, state)
+    server, admission, engine = config.server, config.admission, config.engine
+    if config.repository is not None:
+        root = await asyncio.to_thread(
+            resolve_repository, config.repository.path, config.env.cache_dir
+        )
+        parts.repository = await _start_repository(root, config.repository, admission, state)
         state.repository = parts.repository
         if server.grpc_port is not None:
             from inferd.gateway.kserve.grpc_server import start_grpc_server
@@ -183,13 +175,12 @@ async def _start_parts(
 
 
 async def _start_repository(
-    cfg: RepositoryConfig, admission: AdmissionConfig, state: GatewayState
+    root: Path, cfg: RepositoryConfig, admission: AdmissionConfig, state: GatewayState
 ) -> ModelRepository:
     from inferd.backends.base import BackendOptions
     from inferd.batching.rules import QueueLimits
     from inferd.repository.manager import ModelRepository
 
-    root = await asyncio.to_thread(resolve_repository, cfg.path)
     repo = ModelRepository(
         root,
         options=BackendOptions(allow_pickle=cfg.allow_pickle, intra_op_threads=cfg.backend_threads),
@@ -203,13 +194,14 @@ async def _start_repository(
     return repo
 
 
-def resolve_repository(path: str) -> Path:
-    """`examples` -> the built-in example repository (built on first use); else a folder."""
+def resolve_repository(path: str, cache_dir: Path) -> Path:
+    """`examples` -> the built-in example repository (built on first use, under `cache_dir`);
+    else a folder."""
     if path == EXAMPLES:
         from inferd.examples import ensure_example_repository
 
         try:
-            return ensure_example_repository()
+            return ensure_example_repository(cache_dir / "repository")
         except ImportError as e:
             raise ModelLoadError(
                 f"building the example repository needs the `examples` extra ({e.name} is "
@@ -242,14 +234,10 @@ async def _wait_inflight(state: object, timeout_s: float) -> None:
         await asyncio.sleep(_POLL_S)
 
 
-def serve(
-    engine: EngineConfig | None,
-    admission: AdmissionConfig,
-    server: ServerConfig,
-    repository: RepositoryConfig | None = None,
-) -> int:
+def serve(config: ServeConfig) -> int:
+    """Runs the server `config` describes until SIGTERM/SIGINT or engine death; the exit code."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(run_server(engine, admission, server, repository))
+        return runner.run(run_server(config))
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

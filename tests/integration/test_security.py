@@ -30,7 +30,6 @@ from openai import OpenAI
 from tritonclient.utils import InferenceServerException
 from websockets.sync.client import connect as ws_connect
 
-from inferd.cli import _security, build_parser
 from inferd.config import ServerConfig
 from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
 from inferd.serve import uvicorn_options
@@ -324,15 +323,6 @@ def test_a_whole_request_is_not_cut_off(secure: Secure) -> None:
         assert c.get("/v2/health/live").status_code == 200
         time.sleep(READ_TIMEOUT_S + 0.5)  # idle but under the 5 s keep-alive
         assert c.get("/v2/health/live").status_code == 200
-
-
-def test_max_body_bytes_bounds_grpc_messages_too() -> None:
-    parse = build_parser().parse_args
-    args = parse(["serve", "--max-body-bytes", "1MiB"])
-    assert _security(args)["grpc_max_message_bytes"] == 2**20
-    args = parse(["serve", "--max-body-bytes", "1MiB", "--grpc-max-message-bytes", "8MiB"])
-    assert _security(args)["grpc_max_message_bytes"] == 8 * 2**20
-    assert "grpc_max_message_bytes" not in _security(parse(["serve"]))  # the default stays
 
 
 # httpx leaves the socket of the refused TLS handshake for the garbage collector to close.

@@ -1,0 +1,82 @@
+"""`inferd serve`'s flags -> ServeConfig (cli.serve_config): defaults are the config's own,
+renamed and derived flags land on their fields, the environment's key joins the flags'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferd.cli import build_parser, serve_config
+from inferd.config import (
+    AdmissionConfig,
+    EngineConfig,
+    Environment,
+    RepositoryConfig,
+    ServeConfig,
+    ServerConfig,
+)
+from inferd.errors import InferdError
+
+ENV = Environment(cache_dir=Path("/nonexistent/cache"), hf_offline=True)
+
+
+def config(*argv: str, env: Environment = ENV) -> ServeConfig:
+    return serve_config(build_parser().parse_args(["serve", *argv]), env)
+
+
+def test_no_flags_give_the_config_defaults() -> None:
+    assert config() == ServeConfig(env=ENV)
+    assert config().engine == EngineConfig()
+
+
+def test_a_repository_alone_serves_no_llm() -> None:
+    cfg = config("--model-repository", "repo", "--load-model", "a", "--load-model", "b")
+    assert cfg.engine is None
+    assert cfg.repository == RepositoryConfig(path="repo", load_models=("a", "b"))
+
+
+def test_the_positional_model_names_the_llm_beside_a_repository() -> None:
+    cfg = config("m", "--model-repository", "repo")
+    assert cfg.engine is not None and cfg.engine.model.model == "m"
+    assert config("--model", "x").engine == EngineConfig.from_kwargs(model="x")
+
+
+def test_renamed_and_derived_flags_land_on_their_fields() -> None:
+    cfg = config(
+        *("--request-timeout", "3.5", "--shutdown-timeout", "2", "--read-timeout", "1.5"),
+        *("--max-queued-requests", "7", "--grpc-port", "-1", "--disable-telemetry"),
+    )
+    assert cfg.admission == AdmissionConfig(request_timeout_s=3.5, max_queued_requests=7)
+    assert cfg.server == ServerConfig(
+        shutdown_timeout_s=2.0,
+        read_timeout_s=1.5,
+        grpc_port=None,
+        telemetry=False,
+        access_log=False,
+    )
+    assert config("--disable-access-log").server.telemetry
+    assert not config("--disable-dashboard").server.dashboard
+
+
+def test_the_environment_key_comes_after_the_flags_keys() -> None:
+    env = ENV.model_copy(update={"api_key": "from-env"})
+    assert config("--api-key", "a", env=env).server.api_keys == ("a", "from-env")
+    assert config().server.api_keys == ()
+
+
+def test_max_body_bytes_bounds_grpc_messages_too() -> None:
+    assert config("--max-body-bytes", "1MiB").server.grpc_max_message_bytes == 2**20
+    both = config("--max-body-bytes", "1MiB", "--grpc-max-message-bytes", "8MiB")
+    assert both.server.grpc_max_message_bytes == 8 * 2**20
+    default = ServerConfig().grpc_max_message_bytes
+    assert config().server.grpc_max_message_bytes == default  # the default stays
+
+
+def test_tls_flags_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(InferdError, match="given together"):
+        config("--ssl-keyfile", __file__)
+    with pytest.raises(InferdError, match="is not a file"):
+        config("--ssl-keyfile", __file__, "--ssl-certfile", str(tmp_path / "missing"))
+    tls = config("--ssl-keyfile", __file__, "--ssl-certfile", __file__).server
+    assert (tls.ssl_keyfile, tls.ssl_certfile) == (__file__, __file__)
