@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from inferd.telemetry.stages import StageTimings, ordered
+
 # KServe v2 datatype -> numpy dtype (BYTES: object array of bytes).
 DATATYPES: dict[str, np.dtype[Any]] = {
     "BOOL": np.dtype(np.bool_),
@@ -99,8 +101,15 @@ class InferResponse:
     model_version: str
     id: str
     outputs: list[OutputTensor]
-    # Stage name -> seconds for this request (same names as the per-model histograms).
-    timings: dict[str, float] = field(default_factory=dict)
+    # Seconds per stage for this request (the per-model histograms' stages); the gateway adds
+    # `receive` and `stream`, and sends `timings.as_dict()`.
+    timings: StageTimings = field(default_factory=StageTimings)
     # Tokens the text preprocess produced (for /v1/embeddings usage); None for non-text models.
     num_input_tokens: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def stage_seconds(timings: StageTimings) -> dict[str, float]:
+    """`{stage: seconds}` in lifecycle order, unrounded (the access log's form; the response
+    body's is `timings.as_dict()`, rounded to microseconds)."""
+    return {str(stage): timings.seconds[stage] for stage in ordered(timings.seconds)}

@@ -72,7 +72,7 @@ from inferd.errors import (
 )
 from inferd.model_config import ModelRepoConfig
 from inferd.steps.base import Step
-from inferd.telemetry.stages import StageTimings
+from inferd.telemetry.stages import Stage, StageTimings
 from inferd.tensors import InferRequest, InferResponse
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class _Work:
 
     request: InferRequest
     future: asyncio.Future[InferResponse]
-    timings: dict[str, float]
+    timings: StageTimings
     rows: int
     priority: int
     deadline: float | None
@@ -229,7 +229,7 @@ class ServedModel:
     # -- the request path (event loop) -------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        timings: dict[str, float] = {}
+        timings = StageTimings()
         outcome: str | None = "error"
         try:
             response = await self._infer(request, timings)
@@ -245,7 +245,7 @@ class ServedModel:
             if outcome is not None and self._observer is not None:
                 self._observe_request(timings, outcome)
 
-    async def _infer(self, request: InferRequest, timings: dict[str, float]) -> InferResponse:
+    async def _infer(self, request: InferRequest, timings: StageTimings) -> InferResponse:
         if self._state != "ready":
             raise self._not_ready("is not ready" if self._state == "new" else "is stopping")
         work = self._validate(request, timings)
@@ -270,7 +270,7 @@ class ServedModel:
             if self._idle is not None and not self._live:
                 self._idle.set()
 
-    def _validate(self, request: InferRequest, timings: dict[str, float]) -> _Work:
+    def _validate(self, request: InferRequest, timings: StageTimings) -> _Work:
         """Everything that can be known wrong about a request before queueing (400s)."""
         start = time.perf_counter()
         arrival = request.arrival or time.monotonic()
@@ -287,7 +287,7 @@ class ServedModel:
             priority,
             None if timeout is None else arrival + timeout,
         )
-        timings["validate"] = time.perf_counter() - start
+        timings.set(Stage.VALIDATE, time.perf_counter() - start)
         return work
 
     def _preprocess(self, work: _Work) -> None:
@@ -307,7 +307,7 @@ class ServedModel:
             work.num_tokens = num_tokens(work.extras)
         except Exception as exc:
             error = step_error("preprocess", exc)
-        work.timings["preprocess"] = time.perf_counter() - start
+        work.timings.set(Stage.PREPROCESS, time.perf_counter() - start)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
             self._loop.call_soon_threadsafe(self._preprocessed, work, error)
 
@@ -343,7 +343,7 @@ class ServedModel:
 
     def _expire(self, work: _Work) -> None:
         if work.queued is not None:
-            work.timings["queue"] = time.monotonic() - work.queued.enqueued
+            work.timings.set(Stage.QUEUE, time.monotonic() - work.queued.enqueued)
         _fail(work.future, QueueTimeoutError("the request's queue timeout passed before it ran"))
 
     # -- one batch (worker thread) -----------------------------------------------------------
@@ -351,8 +351,8 @@ class ServedModel:
     def _run_batch(self, backend: Backend, batch: list[Queued[_Work]]) -> _Executed:
         works = []
         for queued in batch:
-            queued.item.timings["queue"] = queued.queue_s
-            queued.item.timings["batch"] = queued.batch_s
+            queued.item.timings.set(Stage.QUEUE, queued.queue_s)
+            queued.item.timings.set(Stage.BATCH, queued.batch_s)
             works.append(queued.item)
         executed: _Executed = []
         self._execute(backend, works, executed)
@@ -391,7 +391,9 @@ class ServedModel:
         t3 = time.perf_counter()
         offset = 0
         for work, outs in zip(works, parts, strict=True):
-            work.timings.update(compute_input=t1 - t0, infer=t2 - t1, compute_output=t3 - t2)
+            work.timings.set(Stage.COMPUTE_INPUT, t1 - t0)
+            work.timings.set(Stage.INFER, t2 - t1)
+            work.timings.set(Stage.COMPUTE_OUTPUT, t3 - t2)
             work.result = self._respond(work, inputs, offset, outs)
             offset += work.rows
 
@@ -412,7 +414,7 @@ class ServedModel:
         except Exception as exc:
             return step_error("postprocess", exc)
         if self._post or any(o.classification for o in work.request.outputs or ()):
-            work.timings["postprocess"] = time.perf_counter() - start
+            work.timings.set(Stage.POSTPROCESS, time.perf_counter() - start)
         return InferResponse(
             self.name, self.version, work.request.id, selected, work.timings, work.num_tokens
         )
@@ -458,11 +460,12 @@ class ServedModel:
                 except Exception:
                     logger.exception("observe_batch failed")
 
-    def _observe_request(self, timings: Mapping[str, float], outcome: str) -> None:
+    def _observe_request(self, timings: StageTimings, outcome: str) -> None:
         assert self._observer is not None
         try:
-            # A copy: after a stop timeout a worker may still be writing the live dict.
-            self._observer.observe_request(self.name, StageTimings.from_mapping(timings), outcome)
+            # A copy: after a stop timeout a worker may still be writing the live one.
+            copy = StageTimings(dict(timings.seconds), dict(timings.starts))
+            self._observer.observe_request(self.name, copy, outcome)
         except Exception:  # metrics must never fail a request
             logger.exception("observe_request failed")
 

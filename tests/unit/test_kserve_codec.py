@@ -18,6 +18,7 @@ import tritonclient.http as triton
 
 from inferd.errors import InvalidRequestError
 from inferd.gateway.kserve import codec, compression, raw_request
+from inferd.telemetry.stages import StageTimings
 from inferd.tensors import InferRequest, InferResponse, OutputTensor
 
 pytestmark = pytest.mark.unit
@@ -329,7 +330,9 @@ def test_errors_name_the_input() -> None:
 
 
 def response(*outputs: OutputTensor) -> InferResponse:
-    return InferResponse("m", "1", "id-1", list(outputs), timings={"infer": 0.001})
+    return InferResponse(
+        "m", "1", "id-1", list(outputs), timings=StageTimings.from_mapping({"infer": 0.001})
+    )
 
 
 def request(**params: Any) -> InferRequest:

@@ -28,7 +28,7 @@ from inferd.errors import (
 )
 from inferd.model_config import ModelRepoConfig
 from inferd.steps.classification import classify
-from inferd.telemetry.stages import StageTimings
+from inferd.telemetry.stages import Stage, StageTimings
 from inferd.tensors import InferRequest, InferResponse, RequestedOutput
 
 POISON = -100.0  # a row starting with this fails the backend (a server-side failure)
@@ -530,11 +530,22 @@ async def test_timings_cover_every_stage() -> None:
         "compute_output",
         "postprocess",
     }
-    assert set(response.timings) == stages
-    assert all(v >= 0 for v in response.timings.values())
+    seconds = response.timings.seconds
+    assert set(seconds) == stages
+    assert all(v >= 0 for v in seconds.values())
     # Alone in its bucket with a free worker: it waited out the 100 ms batch delay.
-    assert response.timings["queue"] + response.timings["batch"] >= 0.099
-    assert observer.requests == [("text", response.timings, "success")]
+    assert seconds[Stage.QUEUE] + seconds[Stage.BATCH] >= 0.099
+    assert observer.requests == [("text", seconds, "success")]
+    assert list(response.timings.as_dict()) == [  # the response body's order
+        "validate",
+        "preprocess",
+        "queue",
+        "batch",
+        "compute_input",
+        "infer",
+        "compute_output",
+        "postprocess",
+    ]
     await model.stop()
 
 

@@ -39,6 +39,7 @@ from inferd.gateway.kserve.json_tensors import (
     to_json,
 )
 from inferd.gateway.kserve.raw import encode_raw, from_binary
+from inferd.telemetry.stages import Stage, StageTimings
 from inferd.tensors import InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -252,7 +253,7 @@ def binary_outputs(request: InferRequest) -> tuple[bool, dict[str, bool]]:
 def encode_response(response: InferResponse, request: InferRequest) -> EncodedResponse:
     """InferResponse -> JSON, or a JSON header + raw outputs when any output goes binary.
 
-    The time spent encoding is added to `response.timings["stream"]` before the header is
+    The time spent encoding is added to the response's `stream` timing before the header is
     serialized, so the body reports it."""
     t0 = time.perf_counter()
     default, overrides = binary_outputs(request)
@@ -271,8 +272,9 @@ def encode_response(response: InferResponse, request: InferRequest) -> EncodedRe
         if params:
             entry["parameters"] = params
         outputs.append(entry)
-    timings = dict(response.timings)
-    timings["stream"] = timings.get("stream", 0.0) + time.perf_counter() - t0
+    timings = StageTimings()
+    timings.merge(response.timings)  # a copy: a stopped model's worker may still write it
+    timings.add(Stage.STREAM, time.perf_counter() - t0)
     response.timings = timings
     header = orjson.dumps(_envelope(response, outputs), option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
@@ -282,7 +284,7 @@ def encode_response(response: InferResponse, request: InferRequest) -> EncodedRe
 
 
 def _envelope(response: InferResponse, outputs: list[dict[str, Any]]) -> dict[str, Any]:
-    timings = {k: round(v, 6) for k, v in response.timings.items()}
+    timings = response.timings.as_dict()
     return {
         "model_name": response.model_name,
         "model_version": response.model_version,

@@ -211,9 +211,8 @@ def encode_response(response: InferResponse, *, timings: bool = True) -> pb.Mode
     )
     for key, value in response.parameters.items():
         set_param(msg.parameters[key], value)
-    if timings and response.timings:
-        rounded = {stage: round(seconds, 6) for stage, seconds in response.timings.items()}
-        msg.parameters["timings"].string_param = json.dumps(rounded)
+    if timings and response.timings.seconds:
+        msg.parameters["timings"].string_param = json.dumps(response.timings.as_dict())
     for out in response.outputs:
         tensor = msg.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
         for key, value in out.parameters.items():

@@ -50,6 +50,7 @@ from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.kserve.proto import SERVICE_NAME
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
 from inferd.gateway.state import GatewayState
+from inferd.telemetry.stages import Stage
 
 if TYPE_CHECKING:
     from inferd.repository.manager import ModelRepository
@@ -131,7 +132,7 @@ class InferenceService:
         finally:
             self.state.inflight -= 1
         encode_start = time.monotonic()
-        response.timings = {"receive": receive_s, **response.timings}
+        response.timings.set(Stage.RECEIVE, receive_s)
         message = encode_response(response, timings=self.state.server.telemetry)
         # `stream` here is the encode only: grpc sends the bytes after the handler returns.
         stream_s = time.monotonic() - encode_start

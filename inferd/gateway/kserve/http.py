@@ -52,7 +52,8 @@ from inferd.gateway.kserve import codec, compression, raw_request
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.responses import FinalizingResponse, json_response
 from inferd.gateway.state import GatewayState, gateway
-from inferd.tensors import InferRequest, InferResponse
+from inferd.telemetry.stages import Stage
+from inferd.tensors import InferRequest, InferResponse, stage_seconds
 
 if TYPE_CHECKING:
     from inferd.repository.manager import ModelRepository
@@ -197,7 +198,7 @@ async def infer(request: Request) -> Response:
     state.inflight += 1
     try:
         response = await served.infer(infer_request)
-        response.timings = {"receive": receive_s, **response.timings}
+        response.timings.set(Stage.RECEIVE, receive_s)
         encode_start = time.monotonic()
         encoded = codec.encode_response(response, infer_request)
         return _respond(request, state, encoded, response, encode_start)
@@ -243,12 +244,12 @@ def _respond(
         state.inflight -= 1
         stream_s = time.monotonic() - encode_start
         state.model_metrics.observe_gateway(
-            response.model_name, response.timings["receive"], stream_s
+            response.model_name, response.timings.seconds[Stage.RECEIVE], stream_s
         )
         request.state.access_extra = {
             "model": response.model_name,
             "model_version": response.model_version,
-            "timings": {**response.timings, "stream": stream_s},
+            "timings": {**stage_seconds(response.timings), "stream": stream_s},
         }
 
     out = FinalizingResponse(body, done, media_type=encoded.media_type)

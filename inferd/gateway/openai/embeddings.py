@@ -35,7 +35,8 @@ from inferd.gateway.openai.protocol import JsonInt
 from inferd.gateway.responses import FinalizingResponse
 from inferd.gateway.state import GatewayState, gateway
 from inferd.model_config import EmbeddingConfig
-from inferd.tensors import InferRequest, InferResponse
+from inferd.telemetry.stages import Stage, StageTimings
+from inferd.tensors import InferRequest, InferResponse, stage_seconds
 
 if TYPE_CHECKING:
     from inferd.batching.pipeline import ServedModel
@@ -129,7 +130,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         if body.dimensions is not None:
             check_dimensions(body.dimensions, model.spec.dimensions, vectors.shape[1])
             vectors = truncate(vectors, body.dimensions)
-        timings = {"receive": receive_s, **merge_timings(responses)}
+        timings = merge_timings(responses)
+        timings.set(Stage.RECEIVE, receive_s)
         name = model.served.name
         result = _body(body, name, vectors, responses, timings, stream_start)
         return _respond(request, state, name, result, timings, stream_start)
@@ -201,12 +203,12 @@ def _vectors(responses: list[InferResponse], output: str, n: int) -> np.ndarray:
     return vectors
 
 
-def merge_timings(responses: list[InferResponse]) -> dict[str, float]:
+def merge_timings(responses: list[InferResponse]) -> StageTimings:
     """The chunks ran concurrently, so each stage took as long as its slowest chunk."""
-    out: dict[str, float] = {}
+    out = StageTimings()
     for r in responses:
-        for stage, seconds in r.timings.items():
-            out[stage] = max(out.get(stage, 0.0), seconds)
+        for stage, seconds in r.timings.seconds.items():
+            out.set(stage, max(out.seconds.get(stage, 0.0), seconds))
     return out
 
 
@@ -215,7 +217,7 @@ def _body(
     model: str,
     vectors: np.ndarray,
     responses: list[InferResponse],
-    timings: dict[str, float],
+    timings: StageTimings,
     stream_start: float,
 ) -> bytes:
     data = [
@@ -223,13 +225,13 @@ def _body(
         for i, v in enumerate(vectors)
     ]
     tokens = sum(r.num_input_tokens or 0 for r in responses)
-    timings["stream"] = time.monotonic() - stream_start
+    timings.set(Stage.STREAM, time.monotonic() - stream_start)
     doc = {
         "object": "list",
         "data": data,
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        "timings": {k: round(v, 6) for k, v in timings.items()},
+        "timings": timings.as_dict(),
     }
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
@@ -246,13 +248,14 @@ def _respond(
     state: GatewayState,
     model: str,
     content: bytes,
-    timings: dict[str, float],
+    timings: StageTimings,
     stream_start: float,
 ) -> Response:
     async def done() -> None:
         state.inflight -= 1
         stream_s = time.monotonic() - stream_start
-        state.model_metrics.observe_gateway(model, timings["receive"], stream_s)
-        request.state.access_extra = {"model": model, "timings": {**timings, "stream": stream_s}}
+        state.model_metrics.observe_gateway(model, timings.seconds[Stage.RECEIVE], stream_s)
+        extra_timings = {**stage_seconds(timings), "stream": stream_s}
+        request.state.access_extra = {"model": model, "timings": extra_timings}
 
     return FinalizingResponse(content, done, media_type="application/json")
