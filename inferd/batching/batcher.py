@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from inferd.admission.queue import AdmissionQueue
+from inferd.admission.retry_after import CompletionRate
 from inferd.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._timer: Timer | None = None
         self._schedule_soon = False
         self._closed = False
-        self._finished: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
+        self._completions = CompletionRate(_RATE_WINDOW)  # requests finished, for Retry-After
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -324,12 +325,7 @@ class DynamicBatcher(Generic[T, B, R]):
 
     def retry_after(self) -> float:
         """Seconds until the queue has likely drained, from the recent completion rate."""
-        if len(self._finished) < 2:
-            return 1.0
-        span = self._finished[-1][0] - self._finished[0][0]
-        done = sum(n for _, n in itertools.islice(self._finished, 1, None))
-        rate = done / span if span > 0 else math.inf
-        return float(min(60, max(1, math.ceil(self._num_queued / rate))))
+        return self._completions.retry_after(self._num_queued)
 
     # -- scheduling (event loop) -------------------------------------------------------------
 
@@ -498,7 +494,7 @@ class DynamicBatcher(Generic[T, B, R]):
             _close_quietly(backend)
 
     def _finish(self, backend: B, batch: list[Queued[T]], result: R | BaseException) -> None:
-        self._finished.append((self._clock.now(), len(batch)))
+        self._completions.record(self._clock.now(), len(batch))
         if self._closed:
             assert self._loop is not None
             self._loop.run_in_executor(None, _close_quietly, backend)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from inferd.admission.timeouts import effective_timeout
 from inferd.backends.base import TensorSpec
 from inferd.errors import InvalidRequestError
 from inferd.model_config import ModelRepoConfig
@@ -178,5 +179,4 @@ class QueueRules:
             raise InvalidRequestError("timeout must be >= 0", param="timeout")
         if timeout_us == 0 or not self.allow_timeout_override:
             return self.default_timeout_s
-        asked = timeout_us / 1e6
-        return asked if self.default_timeout_s is None else min(asked, self.default_timeout_s)
+        return effective_timeout(self.default_timeout_s, timeout_us / 1e6)

@@ -360,6 +360,20 @@ async def test_full_queue_rejects_with_a_retry_hint() -> None:
 
 
 @async_test
+async def test_the_retry_hint_is_the_queue_over_the_recent_completion_rate() -> None:
+    h = Harness(BatchPolicy(max_batch_size=1, dynamic=False, max_queue_size=2))
+    for name in "abc":  # one completion per second of the fake clock
+        await h.submit(name)
+        h.clock.advance(1.0)
+    gate = await h.hold()
+    queued = [h.submit("d"), h.submit("e")]
+    with pytest.raises(QueueFullError) as info:
+        h.submit("f")
+    assert info.value.retry_after == 2.0  # 2 queued at 1 request/s
+    await h.release(gate, *queued)
+
+
+@async_test
 async def test_instances_run_batches_concurrently_one_backend_each() -> None:
     h = Harness(BatchPolicy(max_batch_size=4, dynamic=False), workers=3)
     h.meet = threading.Barrier(3)  # only passes if three batches run at the same time
