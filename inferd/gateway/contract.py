@@ -1,5 +1,8 @@
 """What /openapi.json promises: every route's bodies, its errors and their status codes.
 
+Shared here: the error bodies, health, how raw and streamed bodies are declared, and the
+document itself; each protocol's own bodies are in openai/contract.py and kserve/contract.py.
+
 The document is a contract (client generators, gateways and schemathesis read it), built by
 FastAPI from the pydantic models here and the routes' `responses=` declarations, never written
 by hand:
@@ -22,14 +25,11 @@ Rules it keeps:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
-
-from inferd.gateway.kserve.json_tensors import KNOWN_DATATYPES
-from inferd.gateway.kserve.raw import MAX_RANK
+from pydantic import BaseModel, ConfigDict
 
 Responses = dict[int | str, dict[str, Any]]
 
@@ -130,146 +130,10 @@ def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def binary_header(description: str) -> dict[str, Any]:
-    """`Inference-Header-Content-Length`, the binary tensor extension's header parameter."""
-    return {
-        "name": "Inference-Header-Content-Length",
-        "in": "header",
-        "required": False,
-        "description": description,
-        "schema": {"type": "string", "pattern": "^[0-9]+$"},
-    }
-
-
-# -- KServe v2 (Open Inference Protocol) -------------------------------------------------------
-
-Datatype = Literal[
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
-    "FP32", "FP64", "BYTES", "BF16",
-]  # fmt: skip
-assert set(Datatype.__args__) == set(KNOWN_DATATYPES)  # type: ignore[attr-defined]
-NonNegative = Annotated[StrictInt, Field(ge=0)]
-
-
-class _Open(BaseModel):
-    """Extra keys are accepted (and ignored), as the server does."""
+class OpenModel(BaseModel):
+    """A body whose extra keys are accepted (and ignored), as the server does."""
 
     model_config = ConfigDict(extra="allow")
-
-
-class InputParameters(_Open):
-    binary_data_size: NonNegative | None = Field(
-        default=None, description="Bytes of this input in the binary section, in input order"
-    )
-
-
-class RequestInput(_Open):
-    name: str = Field(min_length=1)
-    shape: list[NonNegative] = Field(max_length=MAX_RANK)
-    datatype: Datatype
-    data: Any = Field(
-        default=None,
-        description="Row-major, flat or nested in `shape`: numbers, true/false, or strings "
-        "(BYTES). Absent when parameters.binary_data_size is given.",
-    )
-    parameters: InputParameters | None = None
-
-
-class OutputParameters(_Open):
-    binary_data: StrictBool | None = None
-    classification: NonNegative = Field(default=0, description="Top-k labels; 0: none")
-
-
-class RequestOutput(_Open):
-    name: str
-    parameters: OutputParameters | None = None
-
-
-class RequestParameters(_Open):
-    priority: NonNegative = Field(default=0, description="1 is served first; 0: the default")
-    timeout: NonNegative = Field(
-        default=0, description="Microseconds; may only shorten the model's default"
-    )
-    binary_data_output: StrictBool = False
-
-
-class InferenceRequest(_Open):
-    """POST /v2/models/{model}[/versions/{version}]/infer, JSON form."""
-
-    id: str | None = None
-    parameters: RequestParameters | None = None
-    inputs: list[RequestInput] = Field(min_length=1)
-    outputs: list[RequestOutput] | None = None
-
-
-class ResponseOutput(_Open):
-    name: str
-    datatype: str
-    shape: list[int]
-    data: list[Any] | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class InferenceResponse(_Open):
-    model_name: str
-    model_version: str
-    id: str
-    parameters: dict[str, Any]
-    outputs: list[ResponseOutput]
-
-
-class ServerMetadata(_Open):
-    name: str
-    version: str
-    extensions: list[str]
-
-
-class ModelList(_Open):
-    models: list[str]
-
-
-class TensorMetadata(_Open):
-    name: str
-    datatype: str
-    shape: list[int]
-
-
-class ModelMetadata(_Open):
-    name: str
-    versions: list[str]
-    platform: str
-    inputs: list[TensorMetadata]
-    outputs: list[TensorMetadata]
-
-
-class ModelReady(_Open):
-    name: str
-    ready: bool
-
-
-class ModelStatistics(_Open):
-    model_stats: list[dict[str, Any]]
-
-
-class RepositoryEntry(_Open):
-    name: str
-    version: str
-    state: str
-    reason: str
-
-
-class RepositoryIndexRequest(_Open):
-    ready: StrictBool = Field(default=False, description="List only the ready models")
-
-
-class ModelLoadRequest(_Open):
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="`config` and `file:...` (inline configs/files): refused, 400"
-    )
-
-
-class AnyObject(_Open):
-    """Any JSON object (its keys are ignored); `{}` as a response."""
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -285,83 +149,6 @@ class V2Live(BaseModel):
 
 class V2Ready(BaseModel):
     ready: bool
-
-
-# -- OpenAI responses --------------------------------------------------------------------------
-
-
-class Usage(_Open):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class _Choice(_Open):
-    index: int
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-
-
-class CompletionChoice(_Choice):
-    text: str
-
-
-class AssistantMessage(_Open):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(_Choice):
-    message: AssistantMessage
-
-
-class _Completion(_Open):
-    id: str
-    created: int
-    model: str
-    usage: Usage
-    timings: dict[str, float] | None = Field(default=None, description="Stage seconds")
-
-
-class CompletionResponse(_Completion):
-    object: Literal["text_completion"]
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(_Completion):
-    object: Literal["chat.completion"]
-    choices: list[ChatChoice]
-
-
-class ModelCard(_Open):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelCards(_Open):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Embedding(_Open):
-    object: Literal["embedding"]
-    index: int
-    embedding: list[float] | str = Field(description="floats, or base64 of float32 LE")
-
-
-class EmbeddingUsage(_Open):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(_Open):
-    object: Literal["list"]
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
 
 
 # One server-sent event (OpenAPI 3.1: a text/event-stream `schema` describes each event).

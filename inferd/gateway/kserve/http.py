@@ -30,7 +30,10 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from inferd.errors import DrainingError, InvalidRequestError, ModelNotFoundError, ModelNotReadyError
-from inferd.gateway.contract import (
+from inferd.gateway.contract import json_or_binary, kserve_errors, raw_body
+from inferd.gateway.errors import APIError
+from inferd.gateway.kserve import codec, compression, raw_request
+from inferd.gateway.kserve.contract import (
     AnyObject,
     InferenceRequest,
     InferenceResponse,
@@ -43,12 +46,7 @@ from inferd.gateway.contract import (
     RepositoryIndexRequest,
     ServerMetadata,
     binary_header,
-    json_or_binary,
-    kserve_errors,
-    raw_body,
 )
-from inferd.gateway.errors import APIError
-from inferd.gateway.kserve import codec, compression, raw_request
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.responses import FinalizingResponse, json_response
 from inferd.gateway.state import GatewayState, gateway

@@ -29,8 +29,9 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import Response
 
 from inferd.errors import DrainingError, ModelNotFoundError
-from inferd.gateway.contract import EmbeddingResponse, openai_errors
+from inferd.gateway.contract import openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
+from inferd.gateway.openai.contract import EmbeddingResponse
 from inferd.gateway.openai.protocol import JsonInt
 from inferd.gateway.responses import FinalizingResponse
 from inferd.gateway.state import GatewayState, gateway

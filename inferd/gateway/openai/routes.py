@@ -13,13 +13,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from inferd.gateway.contract import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    ModelCards,
-    openai_errors,
-    sse_or_json,
-)
+from inferd.gateway.contract import openai_errors, sse_or_json
+from inferd.gateway.openai.contract import ChatCompletionResponse, CompletionResponse, ModelCards
 from inferd.gateway.openai.formatting import Json, Kind
 from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from inferd.gateway.openai.serving import (
