@@ -263,6 +263,10 @@ class DynamicBatcher(Generic[T, B, R]):
 
     # -- admission ---------------------------------------------------------------------------
 
+    def now(self) -> float:
+        """The batcher's clock (`Queued.enqueued` is an instant of it)."""
+        return self._clock.now()
+
     @property
     def num_queued(self) -> int:
         return self._num_queued

@@ -343,7 +343,7 @@ class ServedModel:
 
     def _expire(self, work: _Work) -> None:
         if work.queued is not None:
-            work.timings.set(Stage.QUEUE, time.monotonic() - work.queued.enqueued)
+            work.timings.set(Stage.QUEUE, self._batcher.now() - work.queued.enqueued)
         _fail(work.future, QueueTimeoutError("the request's queue timeout passed before it ran"))
 
     # -- one batch (worker thread) -----------------------------------------------------------
