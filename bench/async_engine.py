@@ -20,6 +20,7 @@ from common import WorkloadSpec, make_workload, workload_stats
 from inferd import LLM, SamplingParams
 from inferd.config import AdmissionConfig, EngineConfig
 from inferd.engine.async_client import AsyncLLM
+from inferd.engine.generate_request import GenerateRequest
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,7 +77,7 @@ async def run_served(args: argparse.Namespace, prompts: list[list[int]], params:
 
 async def _consume(llm: AsyncLLM, rid: str, ids: list[int], params: SamplingParams) -> int:
     n = 0
-    async for out in llm.generate(rid, ids, params):
+    async for out in llm.generate(GenerateRequest(rid, ids, params)):
         n += len(out.outputs[0].token_ids)
     return n
 

@@ -18,6 +18,11 @@ class InvalidRequestError(InferdError, ValueError):
         self.param = param
 
 
+class ContextWindowError(InvalidRequestError):
+    """The prompt, or prompt + max_tokens, does not fit the model's context window (HTTP 400,
+    code "context_length_exceeded")."""
+
+
 class ModelLoadError(InferdError):
     """A model folder, file, tensor or architecture that cannot be loaded.
 

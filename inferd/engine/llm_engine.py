@@ -17,6 +17,7 @@ from typing import TypedDict
 
 import torch
 
+from inferd.admission.prompt_check import check_prompt
 from inferd.config import EngineConfig, read_environment
 from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
@@ -163,28 +164,12 @@ class LLMEngine:
 
     def validate(self, ids: Sequence[int], params: SamplingParams) -> int:
         """Checks a tokenized prompt against the model; returns the resolved max_tokens."""
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab})", "prompt"
-            )
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}",
-                "prompt",
-            )
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context window of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        return params.max_tokens
+        return check_prompt(
+            ids,
+            params.max_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+        )
 
     def abort_request(
         self,

@@ -10,18 +10,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
 
 from inferd.config import ServerConfig
+from inferd.engine.generate_request import GenerateRequest
+from inferd.engine.info import EngineStats
 from inferd.gateway.errors import unavailable
 from inferd.preprocess.tokenizer import Tokenizer
-from inferd.sampling.params import SamplingParams
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics
-from inferd.telemetry.timeline import RequestTimeline
 from inferd.telemetry.tracing import RequestTracer
 from inferd.types import RequestOutput
 
@@ -51,19 +51,9 @@ class EngineClient(Protocol):
     @property
     def dead(self) -> bool: ...
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        timeline: RequestTimeline | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
 
 @dataclass
@@ -136,23 +126,15 @@ def gateway(conn: HTTPConnection) -> GatewayState:
     return gateway_state(conn.app)
 
 
-def gauges_from_stats(s: Any) -> EngineGauges:
-    """Adapts the engine client's stats object (AsyncLLM.stats()) to the metrics' gauges."""
-
-    def get(*names: str) -> Any:
-        for name in names:
-            value = getattr(s, name, None)
-            if value is not None:
-                return value
-        return 0
-
+def gauges_from_stats(s: EngineStats) -> EngineGauges:
+    """The engine client's stats as the metrics' gauges."""
     return EngineGauges(
-        running=int(get("num_running", "running")),
-        waiting=int(get("num_waiting", "waiting")),
-        queued=int(get("num_queued", "queued")),
-        queued_prompt_tokens=int(get("queued_prompt_tokens", "num_queued_prompt_tokens")),
-        kv_cache_usage=float(get("kv_cache_usage")),
-        step_tokens=int(get("step_num_batched_tokens", "step_tokens")),
-        step_seqs=int(get("step_num_seqs", "step_seqs")),
-        preemptions_total=int(get("num_preemptions_total", "preemptions_total")),
+        running=s.running,
+        waiting=s.waiting,
+        queued=s.queued,
+        queued_prompt_tokens=s.queued_prompt_tokens,
+        kv_cache_usage=s.kv_cache_usage,
+        step_tokens=s.step_num_batched_tokens,
+        step_seqs=s.step_num_seqs,
+        preemptions_total=s.num_preemptions_total,
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from inferd.admission.lazy_heap import LazyHeap
+from inferd.admission.prompt_check import check_context_window
 from inferd.config import SchedulerConfig
 from inferd.errors import InvalidRequestError
 from inferd.kv_cache.block_manager import BlockManager
@@ -285,13 +286,10 @@ class Scheduler:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt must have at least one token", param="prompt")
+        if request.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        check_context_window(request.num_prompt_tokens, request.max_tokens, self.max_model_len)
         max_len = request.num_prompt_tokens + request.max_tokens
-        if request.max_tokens < 1 or max_len > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.max_tokens}) exceeds the context window ({self.max_model_len})",
-                param="max_tokens",
-            )
         # The last sampled token is never fed back, so K/V are needed for max_len - 1 tokens:
         # alone in the pool, the request then always fits and always makes progress.
         self._check_fits(max_len - 1)

@@ -20,6 +20,7 @@ import pytest
 from inferd import LLM, SamplingParams
 from inferd.config import AdmissionConfig, EngineConfig
 from inferd.engine.async_client import AsyncLLM
+from inferd.engine.generate_request import GenerateRequest
 from inferd.errors import (
     DrainingError,
     EngineDeadError,
@@ -104,7 +105,7 @@ def _long(h: Harness, rid: str, **kw: Any) -> AsyncIterator[RequestOutput]:
     """A request that runs for the rest of the context window unless stopped."""
     ids = h.llm.tokenizer.encode("a long story")
     room = h.llm.info.max_model_len - len(ids)
-    return h.llm.generate(rid, ids, _greedy(room), **kw)
+    return h.llm.generate(GenerateRequest(rid, ids, _greedy(room), **kw))
 
 
 # -- roomy ----------------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def test_streams_match_offline_greedy(roomy: Harness) -> None:
 
     async def main() -> list[list[RequestOutput]]:
         streams = [
-            llm.generate(f"m{i}", llm.tokenizer.encode(p), params, prompt=p)
+            llm.generate(GenerateRequest(f"m{i}", llm.tokenizer.encode(p), params, prompt=p))
             for i, p in enumerate(PROMPTS)
         ]
         return await asyncio.gather(*(_collect(s) for s in streams))
@@ -182,13 +183,15 @@ def test_drain_finishes_in_flight_then_refuses(roomy: Harness) -> None:
     llm = roomy.llm
 
     async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
-        short = asyncio.ensure_future(_collect(llm.generate("d1", [5, 6, 7], _greedy(8))))
+        short = asyncio.ensure_future(
+            _collect(llm.generate(GenerateRequest("d1", [5, 6, 7], _greedy(8))))
+        )
         long = asyncio.ensure_future(_collect(_long(roomy, "d2")))
         await asyncio.sleep(0.05)
         await llm.drain(timeout_s=3.0)
         assert not llm.ready
         with pytest.raises(DrainingError):
-            await _first(llm.generate("d3", [5, 6, 7], _greedy(4)))
+            await _first(llm.generate(GenerateRequest("d3", [5, 6, 7], _greedy(4))))
         return await short, await long
 
     short, long = roomy.run(main())
@@ -207,13 +210,13 @@ def test_queue_full_rejects_at_once(narrow: Harness) -> None:
         await _first(hog)
         # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
         reader = asyncio.ensure_future(_collect(hog))
-        queued = [llm.generate(f"q{i}", [5, 6], _greedy(2)) for i in range(3)]
+        queued = [llm.generate(GenerateRequest(f"q{i}", [5, 6], _greedy(2))) for i in range(3)]
         tasks = [asyncio.ensure_future(_collect(q)) for q in queued]
         await asyncio.sleep(0.05)
         assert llm.stats().queued == 3 and llm.stats().queued_prompt_tokens == 6
         t0 = time.monotonic()
         with pytest.raises(QueueFullError) as info:
-            await _first(llm.generate("over", [5, 6], _greedy(2)))
+            await _first(llm.generate(GenerateRequest("over", [5, 6], _greedy(2))))
         assert time.monotonic() - t0 < 0.05
         assert info.value.retry_after >= 1
         reader.cancel()
@@ -232,7 +235,9 @@ def test_queue_timeout(narrow: Harness) -> None:
         reader = asyncio.ensure_future(_collect(hog))
         t0 = time.monotonic()
         with pytest.raises(QueueTimeoutError):
-            await _first(narrow.llm.generate("late", [5, 6], _greedy(2), timeout_s=0.2))
+            await _first(
+                narrow.llm.generate(GenerateRequest("late", [5, 6], _greedy(2), timeout_s=0.2))
+            )
         assert 0.2 <= time.monotonic() - t0 < 1.0
         assert narrow.llm.stats().queued == 0
         reader.cancel()
@@ -246,7 +251,7 @@ def test_priority_order(narrow: Harness) -> None:
     order: list[str] = []
 
     async def run(rid: str, priority: int) -> None:
-        await _collect(llm.generate(rid, [5, 6, 7], _greedy(3), priority=priority))
+        await _collect(llm.generate(GenerateRequest(rid, [5, 6, 7], _greedy(3), priority=priority)))
         order.append(rid)
 
     async def main() -> None:
@@ -286,18 +291,18 @@ def test_engine_death_fails_in_flight(narrow: Harness) -> None:
 
     async def main() -> None:
         stream = _long(narrow, "doomed")
-        queued = llm.generate("queued", [5, 6], _greedy(2))
+        queued = llm.generate(GenerateRequest("queued", [5, 6], _greedy(2)))
         waiter = asyncio.ensure_future(_first(queued))
         await _first(stream)
-        proc = llm._proc
-        assert proc is not None and proc.pid is not None
-        os.kill(proc.pid, signal.SIGKILL)
+        pid = llm._core.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(_collect(stream), 5)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(waiter, 5)
         assert llm.dead and not llm.ready
         with pytest.raises(EngineDeadError):
-            await _first(llm.generate("after", [5, 6], _greedy(2)))
+            await _first(llm.generate(GenerateRequest("after", [5, 6], _greedy(2))))
 
     narrow.run(main())

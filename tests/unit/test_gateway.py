@@ -15,9 +15,10 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from inferd.config import ServerConfig
+from inferd.engine.generate_request import GenerateRequest
+from inferd.engine.info import EngineStats
 from inferd.errors import QueueFullError, QueueTimeoutError
 from inferd.gateway import create_app
-from inferd.sampling.params import SamplingParams
 from inferd.telemetry.timeline import RequestTimeline
 from inferd.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -54,21 +55,14 @@ class FakeLLM:
     fail_with: Exception | None = None
     seen: list[dict[str, Any]] = field(default_factory=list)
 
-    def stats(self) -> Any:
-        return None
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        prompt: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        timeline: RequestTimeline | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        self.seen.append({"priority": priority, "timeout_s": timeout_s, "params": params})
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        params = request.params
+        self.seen.append(
+            {"priority": request.priority, "timeout_s": request.timeout_s, "params": params}
+        )
         if self.fail_with is not None:
             raise self.fail_with
         limit = min(params.max_tokens or len(REPLY), len(REPLY))
@@ -79,7 +73,8 @@ class FakeLLM:
             metrics = RequestMetrics(0.0, first_scheduled_time=1.0, first_token_time=1.5)
             if last:
                 metrics.finished_time = 2.0
-            yield RequestOutput(request_id, prompt, prompt_token_ids, outs, last, metrics)
+            ids = request.prompt_token_ids
+            yield RequestOutput(request.request_id, request.prompt, ids, outs, last, metrics)
 
 
 def _choice(i: int, ch: str, reason: str | None, logprobs: int | None) -> CompletionOutput:

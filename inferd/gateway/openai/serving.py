@@ -21,7 +21,9 @@ from typing import Any
 
 import orjson
 
-from inferd.errors import InferdError
+from inferd.admission.prompt_check import check_prompt
+from inferd.engine.generate_request import GenerateRequest
+from inferd.errors import ContextWindowError, InferdError, InvalidRequestError
 from inferd.gateway.errors import APIError, bad_request, model_not_found, to_api_error
 from inferd.gateway.openai.formatting import (
     ChoiceState,
@@ -172,25 +174,15 @@ def _tokenize(tok: Tokenizer, body: Body) -> list[Prompt]:
 
 def _check_prompt(ids: list[int], params: SamplingParams, llm: EngineClient) -> None:
     """The engine's own checks, done here so a bad request is refused before it is queued."""
-    if not ids:
-        raise bad_request("the prompt is empty", "prompt")
-    vocab = llm.info.vocab_size
-    if any(t >= vocab for t in ids):
-        raise bad_request(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-    limit = llm.info.max_model_len
-    if len(ids) >= limit:
-        raise bad_request(
-            f"the prompt has {len(ids)} tokens; this model's context window is {limit} tokens",
-            "prompt",
-            "context_length_exceeded",
+    info = llm.info
+    try:
+        check_prompt(
+            ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size
         )
-    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-        raise bad_request(
-            f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-            f"context window of {limit} tokens",
-            "max_tokens",
-            "context_length_exceeded",
-        )
+    except ContextWindowError as e:
+        raise bad_request(str(e), e.param, "context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 # -- start: admission ----------------------------------------------------------------------------
@@ -210,13 +202,15 @@ async def start(state: GatewayState, job: Job) -> OutputStream:
         rid = job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{i}"
         streams.append(
             llm.generate(
-                rid,
-                p.ids,
-                job.params,
-                prompt=p.text,
-                priority=body.priority,
-                timeout_s=timeout,
-                timeline=job.timeline,
+                GenerateRequest(
+                    rid,
+                    p.ids,
+                    job.params,
+                    prompt=p.text,
+                    priority=body.priority,
+                    timeout_s=timeout,
+                    timeline=job.timeline,
+                )
             )
         )
     outputs = _merged(streams)
