@@ -12,12 +12,16 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 from conftest import ROOT, Server, start_server, stop_server
 
 from inferd.examples import ensure_example_repository
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
@@ -52,7 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def page(server: Server) -> Iterator[sync_api.Page]:
+def page(server: Server) -> Iterator[Page]:
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -82,7 +86,7 @@ def _send_traffic(server: Server) -> None:
         assert c.post("/v2/models/fraud/infer", json=bad).status_code == 400
 
 
-def _screenshot(page: sync_api.Page, tmp: Path, name: str, element: str | None = None) -> None:
+def _screenshot(page: Page, tmp: Path, name: str, element: str | None = None) -> None:
     target = ROOT / "docs" if os.environ.get("INFERD_SCREENSHOTS") == "1" else tmp
     path = target / name
     if element is None:
@@ -93,7 +97,7 @@ def _screenshot(page: sync_api.Page, tmp: Path, name: str, element: str | None =
 
 
 def test_a_person_sees_the_overview_stages_waterfall_and_failure(
-    server: Server, page: sync_api.Page, tmp_path: Path
+    server: Server, page: Page, tmp_path: Path
 ) -> None:
     page.goto(f"{server.url}/dashboard")
     page.wait_for_selector("#keyform:not([hidden])", timeout=WAIT_MS)  # data is behind the key
