@@ -6,6 +6,7 @@ pipeline, the Prometheus histograms (`inferd_request_<stage>_seconds` for the LL
 the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is* its name
 (`Stage.QUEUE == "queue"`) and serializes as one.
 
+    router:        route (in `inferd router`, before the replica's own stages)
     LLM lane:      receive -> validate -> tokenize -> queue -> prefill -> decode -> detokenize
                    -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
@@ -31,6 +32,8 @@ from enum import StrEnum
 
 
 class Stage(StrEnum):
+    # First: the router's decision happens before a replica receives the request.
+    ROUTE = "route"
     RECEIVE = "receive"
     VALIDATE = "validate"
     TOKENIZE = "tokenize"
@@ -70,12 +73,15 @@ CLASSIC_STAGES: tuple[Stage, ...] = (
     Stage.POSTPROCESS,
     Stage.STREAM,
 )
+# The router in front of replicas (`inferd router`), added to the replica's `timings`.
+ROUTER_STAGES: tuple[Stage, ...] = (Stage.ROUTE,)
 # Not stages: spans over several stages, reported after the stages in `timings`.
 SUMMARIES = ("ttft", "e2e")
 _ORDER = {stage: i for i, stage in enumerate(Stage)}
 
 # One line per stage: the Prometheus HELP text and the dashboard's legend.
 STAGE_HELP: dict[Stage, str] = {
+    Stage.ROUTE: "The router choosing a replica (tokenize, prefix match, load) before forwarding",
     Stage.RECEIVE: "Receiving and decoding the request body (HTTP/gRPC, JSON or tensors)",
     Stage.VALIDATE: "Semantic checks (model, parameters, shapes, context window)",
     Stage.TOKENIZE: "Chat template and tokenizer",

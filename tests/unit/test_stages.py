@@ -7,6 +7,7 @@ import pytest
 from inferd.telemetry.stages import (
     CLASSIC_STAGES,
     LLM_STAGES,
+    ROUTER_STAGES,
     STAGE_HELP,
     Stage,
     StageTimings,
@@ -17,7 +18,14 @@ from inferd.telemetry.timeline import RequestTimeline
 
 def test_every_stage_has_help_and_a_lane() -> None:
     assert set(STAGE_HELP) == set(Stage)
-    assert set(LLM_STAGES) | set(CLASSIC_STAGES) == set(Stage)
+    assert set(LLM_STAGES) | set(CLASSIC_STAGES) | set(ROUTER_STAGES) == set(Stage)
+
+
+def test_the_route_stage_comes_first_in_timings() -> None:
+    t = StageTimings()
+    t.add(Stage.RECEIVE, 0.1)
+    t.add(Stage.ROUTE, 0.2)
+    assert list(t.as_dict()) == ["route", "receive"]
 
 
 @pytest.mark.parametrize("lane", [LLM_STAGES, CLASSIC_STAGES])

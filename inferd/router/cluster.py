@@ -1,0 +1,144 @@
+"""The router's view of its replicas: membership, health, load, prefix index, and the decision.
+
+Pure bookkeeping, no I/O: the app calls `route` for a decision, `dispatch` (then the ticket's
+`first_byte`/`finish`) around each forwarded request, `failed` on a connect error or 5xx (passive
+health), and `set_health`/`report`/`set_members` from the active checker. A replica that fails
+or turns unready leaves the rotation at once and its prefix index is forgotten: whatever comes
+back at that address may be a restarted process with an empty cache.
+
+    cluster = Cluster(RouterConfig(replicas=("http://a", "http://b")))
+    for url in cluster.names(): cluster.set_health(url, ready=True)
+    routed = cluster.route(token_ids)          # Routed(decision, hashes, prompt_tokens)
+    ticket = cluster.dispatch(routed.decision.replica, routed)
+    ...; ticket.first_byte(); ...; ticket.finish()
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.router.config import RouterConfig
+from inferd.router.index import PrefixIndex
+from inferd.router.load import ReplicaLoad, ReplicaReport, Ticket
+from inferd.router.policy import Candidate, Decision, Policy, make_policy
+
+
+class NoReplicaError(Exception):
+    """No replica is ready (the app answers 503 with Retry-After)."""
+
+
+@dataclass
+class Replica:
+    url: str
+    ready: bool = False
+    # Why it is out of rotation (`unready`, `connect_error`, `5xx`, `draining`...), for logs.
+    reason: str = "not checked yet"
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    routed: int = 0
+    ejections: int = 0
+
+
+@dataclass(frozen=True)
+class Routed:
+    decision: Decision
+    hashes: tuple[int, ...]
+    prompt_tokens: int
+
+
+class Cluster:
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.index = PrefixIndex(config.index_capacity_blocks)
+        self.policy: Policy = make_policy(
+            config.policy,
+            rng or random.Random(config.seed),
+            config.balance_abs_threshold,
+            config.balance_rel_threshold,
+        )
+        self.replicas: dict[str, Replica] = {}
+        self.set_members(config.replicas)
+
+    # -- membership and health ------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self.replicas)
+
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.ready]
+
+    def set_members(self, urls: Iterable[str]) -> None:
+        """The replica set now; new ones start unready (until checked), gone ones are dropped."""
+        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for url in wanted:
+            self.replicas.setdefault(url, Replica(url))
+        for url in [u for u in self.replicas if u not in wanted]:
+            del self.replicas[url]
+            self.index.forget(url)
+
+    def set_health(self, url: str, ready: bool, reason: str = "unready") -> bool:
+        """Active check result; True when this took the replica out of rotation."""
+        replica = self.replicas.get(url)
+        if replica is None:
+            return False
+        if ready:
+            replica.ready, replica.reason = True, ""
+            return False
+        return self._eject(replica, reason)
+
+    def failed(self, url: str, reason: str) -> bool:
+        """Passive check: a connect error or 5xx. True when this ejected the replica."""
+        replica = self.replicas.get(url)
+        return False if replica is None else self._eject(replica, reason)
+
+    def _eject(self, replica: Replica, reason: str) -> bool:
+        was_ready = replica.ready
+        replica.ready, replica.reason = False, reason
+        self.index.forget(replica.url)
+        if was_ready:
+            replica.ejections += 1
+        return was_ready
+
+    def report(self, url: str, report: ReplicaReport) -> None:
+        if url in self.replicas:
+            self.replicas[url].load.report = report
+
+    # -- decisions and load ----------------------------------------------------------------------
+
+    def load_tokens(self, replica: Replica) -> int:
+        return replica.load.tokens(self.config.decode_weight)
+
+    def route(self, token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Routed:
+        """The decision for a prompt among the ready replicas not in `exclude`."""
+        skip = set(exclude)
+        ready = [r for r in self.ready() if r.url not in skip]
+        if not ready:
+            raise NoReplicaError("no replica is ready")
+        cfg = self.config
+        hashes = tuple(block_hashes(token_ids, cfg.block_size, cfg.max_match_blocks))
+        candidates = [
+            Candidate(
+                r.url,
+                self.load_tokens(r),
+                self.index.match(r.url, hashes) * cfg.block_size,
+                self.index.size(r.url),
+            )
+            for r in ready
+        ]
+        decision = self.policy.choose(candidates, len(token_ids))
+        return Routed(decision, hashes, len(token_ids))
+
+    def dispatch(self, url: str, routed: Routed) -> Ticket:
+        """The request goes to `url` (the decision's choice, or a retry's): count its uncached
+        prompt tokens as load there and record that `url` will hold its prompt's blocks."""
+        replica = self.replicas[url]
+        cached = self.cached_tokens(url, routed)
+        ticket = Ticket.dispatch(url, replica.load, max(routed.prompt_tokens - cached, 0))
+        replica.routed += 1
+        self.index.insert(url, routed.hashes)
+        return ticket
+
+    def cached_tokens(self, url: str, routed: Routed) -> int:
+        return self.index.match(url, routed.hashes) * self.config.block_size

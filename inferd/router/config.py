@@ -1,0 +1,48 @@
+"""The router's settings: one frozen, typed value built from `inferd router`'s flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inferd.router.policy import PolicyName
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Replicas are `replicas` (base URLs) plus every address `dns_name` resolves to (re-resolved
+    each health interval, as a Kubernetes headless Service gives them)."""
+
+    replicas: tuple[str, ...] = ()
+    dns_name: str | None = None  # host:port (scheme http)
+    model: str = "inferd-tiny"
+    tokenizer: str | None = None
+    revision: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: PolicyName = "cache_aware"
+    # Must equal the replicas' --block-size, or no block ever matches.
+    block_size: int = 16
+    # Prompts longer than this many blocks are matched on their first ones only (decision cost).
+    max_match_blocks: int = 1024
+    # Per replica; near one replica's KV capacity in blocks (too large: false hits).
+    index_capacity_blocks: int = 65536
+    # A sequence in flight counts this many tokens of load (its decode steps' share).
+    decode_weight: int = 32
+    balance_abs_threshold: int = 4096
+    balance_rel_threshold: float = 1.5
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    # Seconds a client is told to wait (Retry-After) when no replica is ready.
+    retry_after_s: int = 1
+    # Tries on other replicas for a request that failed before streaming.
+    max_retries: int = 2
+    connect_timeout_s: float = 5.0
+    # No read timeout by default: a long generation streams for as long as it needs.
+    read_timeout_s: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.replicas and self.dns_name is None:
+            raise ValueError("the router needs --replica URL (repeatable) or --replica-dns NAME")
+        if self.block_size < 1 or self.index_capacity_blocks < 1:
+            raise ValueError("block size and index capacity must be >= 1")

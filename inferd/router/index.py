@@ -1,0 +1,61 @@
+"""Approximate prefix index: which block hashes each replica probably holds in its KV cache.
+
+Built from the router's own decisions (a request routed to a replica leaves its prompt's blocks
+there), not from the replicas: it over-states what a replica still holds once the replica evicts,
+so it is bounded per replica with LRU eviction and should be sized near a replica's KV capacity
+(too small: false misses; too large: false hits, llm-d's sizing rule).
+
+Blocks are chained hashes (inferd.kv_cache.block_hash), so a replica holds the first k blocks of a
+prompt iff it holds hash k-1 and every hash before it. `insert` touches a prompt's blocks tail
+first, so a prefix block is always more recent than the blocks that extend it and LRU evicts
+leaves before the prefixes many requests share (as the engine's own prefix cache does).
+
+    index = PrefixIndex(capacity_blocks=4)
+    index.insert("a", [1, 2, 3])
+    index.match("a", [1, 2, 9])   # 2
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixIndex:
+    """Per-replica LRU sets of block hashes, at most `capacity_blocks` each."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self.evictions = 0
+
+    def match(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the replica holds (does not refresh them)."""
+        held = self._blocks.get(replica)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def insert(self, replica: str, hashes: Sequence[int]) -> None:
+        """Records that the replica now holds `hashes`, evicting its least recent blocks."""
+        held = self._blocks.setdefault(replica, OrderedDict())
+        for h in reversed(hashes):
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity_blocks:
+            held.popitem(last=False)
+            self.evictions += 1
+
+    def forget(self, replica: str) -> None:
+        """The replica restarted or left: nothing it held is known any more."""
+        self._blocks.pop(replica, None)
+
+    def size(self, replica: str) -> int:
+        return len(self._blocks.get(replica, ()))

@@ -1,0 +1,179 @@
+"""Routing policies: which replica gets a request, given each ready replica's cached prefix and
+load (both in tokens). Pure and deterministic: randomness comes from an injected `random.Random`,
+ties rotate with a per-policy counter, nothing reads a clock.
+
+Every policy returns a full ranking: the first replica is the choice, the rest are the order a
+request that fails before streaming is retried in.
+
+`cache_aware` (default) scores each replica with one cost in the engine's currency,
+
+    cost = prompt tokens it would have to prefill (uncached) + its load in tokens
+
+(Dynamo's and llm-d 2026's shape), so a warm replica keeps a prefix group until its load exceeds
+a cold one's by more than the tokens its cache would save. On top, SGLang's guard: when the
+cluster is imbalanced (`max - min > abs_threshold` and `max > rel_threshold * min`) only replicas
+within `abs_threshold` of the least loaded may be chosen, and among those the cost still prefers
+the one holding most of the prompt (sglang PR #32195: the fallback need not throw locality away).
+A prompt no replica holds any of (a new prefix group) goes, among the replicas within one prompt's
+tokens of the least loaded, to the one whose index holds the fewest blocks (SGLang's "smallest
+tree", bounded by load; llm-d-router#346: new groups piled onto the replica that happened to be
+idle, and evicted its groups).
+Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
+third replica.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+PolicyName = Literal["cache_aware", "least_load", "power_of_two", "round_robin"]
+POLICIES: tuple[PolicyName, ...] = ("cache_aware", "least_load", "power_of_two", "round_robin")
+# cache_hit: chose the replica holding most of the prompt; spill: another one held more but was
+# too loaded; cold: nobody held any of it; the rest name the policy that chose.
+Outcome = Literal["cache_hit", "spill", "cold", "least_load", "power_of_two", "round_robin"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ready replica as a policy sees it."""
+
+    name: str
+    load: int
+    cached_tokens: int = 0
+    # Blocks the router's index says it holds: how much cache it already "owns".
+    held_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    ranking: tuple[str, ...]
+    outcome: Outcome
+    cached_tokens: int
+
+    @property
+    def replica(self) -> str:
+        return self.ranking[0]
+
+
+class Policy(Protocol):
+    name: PolicyName
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Decision:
+        """`candidates` is non-empty; `prompt_tokens` is the request's prompt length."""
+        ...
+
+
+class _Rotation:
+    """Breaks ties in turn, so equal replicas share cold traffic instead of the first taking all."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def order(self, n: int) -> list[int]:
+        """Each index's tie rank for this decision; advances the turn."""
+        turn, self._turn = self._turn, self._turn + 1
+        return [(i - turn) % n for i in range(n)]
+
+
+def _decision(
+    ranked: Sequence[Candidate], outcome: Outcome, chosen: Candidate | None = None
+) -> Decision:
+    first = chosen or ranked[0]
+    rest = tuple(c.name for c in ranked if c.name != first.name)
+    return Decision((first.name, *rest), outcome, first.cached_tokens)
+
+
+class CacheAware:
+    name: PolicyName = "cache_aware"
+
+    def __init__(self, abs_threshold: int = 4096, rel_threshold: float = 1.5) -> None:
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+        self._ties = _Rotation()
+
+    def imbalanced(self, loads: Sequence[int]) -> bool:
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Decision:
+        tie = self._ties.order(len(candidates))
+        ranked = sorted(
+            range(len(candidates)),
+            key=lambda i: (
+                prompt_tokens - candidates[i].cached_tokens + candidates[i].load,
+                candidates[i].load,
+                tie[i],
+            ),
+        )
+        order = [candidates[i] for i in ranked]
+        low = min(c.load for c in candidates)
+        most = max(c.cached_tokens for c in candidates)
+        if most == 0:
+            near = [c for c in order if c.load <= low + prompt_tokens]
+            chosen = min(near, key=lambda c: c.held_blocks)  # stable: cost order breaks ties
+            return _decision(order, "cold", chosen)
+        pool = order
+        if self.imbalanced([c.load for c in candidates]):
+            pool = [c for c in order if c.load <= low + self.abs_threshold]
+        chosen = pool[0]
+        outcome: Outcome = "cache_hit" if chosen.cached_tokens == most else "spill"
+        return _decision(order, outcome, chosen)
+
+
+class LeastLoad:
+    name: PolicyName = "least_load"
+
+    def __init__(self) -> None:
+        self._ties = _Rotation()
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Decision:
+        tie = self._ties.order(len(candidates))
+        ranked = sorted(range(len(candidates)), key=lambda i: (candidates[i].load, tie[i]))
+        return _decision([candidates[i] for i in ranked], "least_load")
+
+
+class PowerOfTwo:
+    """Two replicas drawn at random, the less loaded wins (the rest follow by load)."""
+
+    name: PolicyName = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Decision:
+        picks = self._rng.sample(range(len(candidates)), min(2, len(candidates)))
+        best = min((candidates[i] for i in picks), key=lambda c: c.load)
+        ranked = sorted(candidates, key=lambda c: c.load)
+        return _decision(ranked, "power_of_two", best)
+
+
+class RoundRobin:
+    name: PolicyName = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Decision:
+        start, self._next = self._next % len(candidates), self._next + 1
+        ranked = [*candidates[start:], *candidates[:start]]
+        return _decision(ranked, "round_robin")
+
+
+def make_policy(
+    name: PolicyName,
+    rng: random.Random | None = None,
+    abs_threshold: int = 4096,
+    rel_threshold: float = 1.5,
+) -> Policy:
+    if name == "cache_aware":
+        return CacheAware(abs_threshold, rel_threshold)
+    if name == "least_load":
+        return LeastLoad()
+    if name == "power_of_two":
+        return PowerOfTwo(rng)
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy {name!r}; one of {', '.join(POLICIES)}")

@@ -1,0 +1,228 @@
+"""The router's bookkeeping on a simulated cluster: prefix hit rate against the ideal H*, balance,
+spill of a hot group, failover. Deterministic: discrete ticks, seeded RNG, no clock.
+
+Each simulated replica has a true LRU prefix cache (what the engine would hold) smaller than the
+prefixes of all groups, so a policy that scatters groups thrashes (the shape of bench/router.py's
+workload in issue 9, at unit-test size).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.router.cluster import Cluster, NoReplicaError
+from inferd.router.config import RouterConfig
+from inferd.router.load import ReplicaReport, Ticket
+from inferd.router.policy import PolicyName
+
+BS = 16
+PREFIX, SUFFIX = 32, 2  # blocks: a 512-token shared prefix, a 32-token unique suffix
+
+
+@dataclass
+class TrueCache:
+    capacity: int
+    blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def serve(self, hashes: list[int]) -> int:
+        """Cached leading blocks, then holds all of them (LRU, prefix most recent)."""
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.blocks:
+            hit += 1
+        for h in reversed(hashes):
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return hit
+
+
+@dataclass
+class Result:
+    hit_rate: float
+    prefill: dict[str, int]
+    groups_on: dict[int, set[str]]
+
+
+def prompt(group: int, request: int) -> list[int]:
+    head = [group * 1_000_003 + i for i in range(PREFIX * BS)]
+    return head + [50_000_000 + request * 997 + i for i in range(SUFFIX * BS)]
+
+
+def simulate(
+    policy: PolicyName,
+    groups: list[int],
+    replicas: int = 4,
+    cache_blocks: int = 100,
+    duration: int = 4,
+    eject_at: int | None = None,
+    abs_threshold: int = 4096,
+) -> tuple[Result, Cluster]:
+    urls = [f"http://r{i}" for i in range(replicas)]
+    cfg = RouterConfig(
+        replicas=tuple(urls),
+        policy=policy,
+        block_size=BS,
+        seed=0,
+        index_capacity_blocks=cache_blocks,
+        balance_abs_threshold=abs_threshold,
+    )
+    cluster = Cluster(cfg, random.Random(0))
+    for u in urls:
+        cluster.set_health(u, ready=True)
+    truth = {u: TrueCache(cache_blocks) for u in urls}
+    prefill = dict.fromkeys(urls, 0)
+    groups_on: dict[int, set[str]] = {}
+    running: list[tuple[int, Ticket]] = []
+    hit = total = 0
+    for t, g in enumerate(groups):
+        for end, ticket in [x for x in running if x[0] <= t]:
+            ticket.finish()
+            running.remove((end, ticket))
+        for _, ticket in running:
+            ticket.first_byte()  # every request in flight for a tick has its first token
+        if eject_at == t:
+            cluster.failed(urls[-1], "connect_error")
+        ids = prompt(g, t)
+        routed = cluster.route(ids)
+        url = routed.decision.replica
+        running.append((t + duration, cluster.dispatch(url, routed)))
+        cached = truth[url].serve(block_hashes(ids, BS)) * BS
+        hit, total = hit + cached, total + len(ids)
+        prefill[url] += len(ids) - cached
+        groups_on.setdefault(g, set()).add(url)
+    for _, ticket in running:
+        ticket.finish()
+    return Result(hit / total, prefill, groups_on), cluster
+
+
+def ideal(groups: list[int]) -> float:
+    """H* = 1 - (K*P + R*S) / (R*(P+S)): each prefix computed once cluster-wide."""
+    k, r = len(set(groups)), len(groups)
+    return 1 - (k * PREFIX + r * SUFFIX) / (r * (PREFIX + SUFFIX))
+
+
+def uniform(k: int = 8, per_group: int = 24, seed: int = 0) -> list[int]:
+    groups = [g for g in range(k) for _ in range(per_group)]
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+def test_cache_aware_reaches_the_ideal_hit_rate_where_round_robin_thrashes() -> None:
+    # 8 groups x 32 blocks = 256 prefix blocks: 2.6x one replica's cache, 64 % of the cluster's.
+    groups = uniform()
+    h_star = ideal(groups)
+    aware, _ = simulate("cache_aware", groups)
+    rr, _ = simulate("round_robin", groups)
+    least, _ = simulate("least_load", groups)
+    assert aware.hit_rate >= 0.9 * h_star
+    assert rr.hit_rate < 0.5 * h_star and least.hit_rate < 0.5 * h_star
+    # Each group lives on one replica; the groups are spread evenly (two per replica).
+    assert all(len(on) == 1 for on in aware.groups_on.values())
+    work = aware.prefill.values()
+    assert max(work) / (sum(work) / len(work)) <= 1.25
+
+
+def test_a_hot_group_spills_instead_of_overloading_its_replica() -> None:
+    # 70 % of the traffic is group 0 and requests last long: its replica's load passes the margin
+    # (1,024 tokens here) over the others', so the group spreads instead of queueing on one.
+    rng = random.Random(3)
+    groups = [0 if rng.random() < 0.7 else rng.randrange(1, 6) for _ in range(200)]
+    aware, cluster = simulate("cache_aware", groups, duration=40, abs_threshold=1024)
+    assert len(aware.groups_on[0]) >= 2
+    assert aware.hit_rate >= 0.85 * ideal(groups)
+    work = aware.prefill.values()
+    assert max(work) / (sum(work) / len(work)) <= 1.5
+    assert all(r.load.prefill_tokens == 0 and r.load.in_flight == 0 for r in cluster.ready())
+
+
+def test_a_failed_replica_leaves_rotation_and_its_groups_rehome() -> None:
+    groups = uniform(per_group=30)
+    res, cluster = simulate("cache_aware", groups, eject_at=120)
+    dead = cluster.replicas["http://r3"]
+    assert not dead.ready and dead.reason == "connect_error" and dead.ejections == 1
+    assert cluster.index.size("http://r3") == 0
+    assert dead.routed <= 120
+    # Its in-flight requests were still finished: nothing leaks into a later load estimate.
+    assert dead.load.prefill_tokens == 0 and dead.load.in_flight == 0
+    assert res.hit_rate >= 0.8 * ideal(groups)
+    # Routing never picks it again, and a second failure report is not a second ejection.
+    routed = cluster.route(prompt(0, 10_000))
+    assert "http://r3" not in routed.decision.ranking
+    assert cluster.failed("http://r3", "5xx") is False and dead.ejections == 1
+
+
+def test_no_ready_replica_raises_and_exclude_skips_tried_ones() -> None:
+    cluster = Cluster(RouterConfig(replicas=("http://a", "http://b")))
+    try:
+        cluster.route([1] * 40)
+    except NoReplicaError:
+        pass
+    else:
+        raise AssertionError("routed with no ready replica")
+    cluster.set_health("http://a", ready=True)
+    cluster.set_health("http://b", ready=True)
+    assert cluster.route([1] * 40, exclude=["http://a"]).decision.ranking == ("http://b",)
+
+
+def test_membership_changes_keep_known_replicas_and_forget_gone_ones() -> None:
+    cluster = Cluster(RouterConfig(replicas=("http://a/", "http://b")))
+    cluster.set_health("http://a", ready=True)
+    routed = cluster.route(list(range(64)))
+    ticket = cluster.dispatch("http://a", routed)
+    cluster.set_members(["http://a", "http://c"])
+    assert cluster.names() == ["http://a", "http://c"]
+    assert cluster.replicas["http://a"].ready and not cluster.replicas["http://c"].ready
+    cluster.set_members(["http://c"])
+    ticket.finish()  # a request on a removed replica still finishes cleanly
+    assert cluster.index.size("http://a") == 0
+
+
+def test_replica_reports_raise_the_load_estimate_but_never_hide_own_dispatches() -> None:
+    cluster = Cluster(RouterConfig(replicas=("http://a",), decode_weight=10))
+    cluster.set_health("http://a", ready=True)
+    a = cluster.replicas["http://a"]
+    routed = cluster.route(list(range(100)))
+    cluster.dispatch("http://a", routed)
+    assert cluster.load_tokens(a) == 100 + 10
+    cluster.report("http://a", ReplicaReport(running=3, queued_prompt_tokens=40))
+    assert cluster.load_tokens(a) == 100 + 30
+    cluster.report("http://a", ReplicaReport(queued_prompt_tokens=500))
+    assert cluster.load_tokens(a) == 500 + 10
+
+
+ops = st.lists(st.tuples(st.sampled_from(["route", "first", "finish", "fail"]), st.integers(0, 9)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_load_returns_to_zero_whatever_the_order_of_events(events: list[tuple[str, int]]) -> None:
+    urls = ("http://a", "http://b", "http://c")
+    cluster = Cluster(RouterConfig(replicas=urls, seed=0))
+    for u in urls:
+        cluster.set_health(u, ready=True)
+    tickets: list[Ticket] = []
+    for op, n in events:
+        if op == "route":
+            try:
+                routed = cluster.route([n] * (16 + n))
+            except NoReplicaError:
+                continue
+            tickets.append(cluster.dispatch(routed.decision.replica, routed))
+        elif op == "first" and tickets:
+            tickets[n % len(tickets)].first_byte()
+        elif op == "finish" and tickets:
+            tickets[n % len(tickets)].finish()
+        elif op == "fail":
+            cluster.failed(urls[n % 3], "5xx")
+        for r in cluster.replicas.values():
+            assert r.load.prefill_tokens >= 0 and r.load.in_flight >= 0
+    for t in tickets:
+        t.finish()
+    assert all(r.load.prefill_tokens == 0 == r.load.in_flight for r in cluster.replicas.values())

@@ -1,0 +1,87 @@
+"""The stable block hash and the router's approximate, LRU-bounded prefix index."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.router.index import PrefixIndex
+
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
+
+
+def test_hash_is_pinned_across_processes_and_seeds() -> None:
+    # A golden value: a change here changes every replica's and router's keys (bump the seed).
+    assert block_hashes([1, 2, 3, 4], 2) == [13462678241772528940, 17882284097655085562]
+    code = "from inferd.kv_cache.block_hash import block_hashes; print(block_hashes([1,2,3,4],2))"
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.stdout.strip() == "[13462678241772528940, 17882284097655085562]"
+
+
+def test_only_full_blocks_and_at_most_max_blocks() -> None:
+    assert block_hashes(list(range(15)), 16) == []
+    assert len(block_hashes(list(range(100)), 16)) == 6
+    assert len(block_hashes(list(range(100)), 16, max_blocks=2)) == 2
+
+
+@given(tokens, tokens, st.integers(1, 8))
+def test_hashes_agree_exactly_on_the_common_full_block_prefix(
+    a: list[int], b: list[int], bs: int
+) -> None:
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    ha, hb = block_hashes(a, bs), block_hashes(b, bs)
+    shared = 0
+    while shared < min(len(ha), len(hb)) and ha[shared] == hb[shared]:
+        shared += 1
+    assert shared == min(common // bs, len(ha), len(hb))
+
+
+def test_a_block_hash_depends_on_its_whole_prefix() -> None:
+    # Same second block, different first block: the chain makes the second hashes differ too.
+    assert block_hashes([1, 2, 5, 6], 2)[1] != block_hashes([3, 4, 5, 6], 2)[1]
+
+
+def test_match_counts_leading_blocks_only() -> None:
+    index = PrefixIndex(100)
+    index.insert("a", [1, 2, 3])
+    assert index.match("a", [1, 2, 9, 3]) == 2
+    assert index.match("a", [9, 1, 2]) == 0
+    assert index.match("b", [1]) == 0
+
+
+def test_lru_evicts_leaves_before_the_prefix_they_extend() -> None:
+    index = PrefixIndex(4)
+    index.insert("a", [1, 2, 3])  # shared prefix 1, 2 then leaf 3
+    index.insert("a", [1, 2, 4])  # touches 1, 2 again, adds leaf 4
+    index.insert("a", [1, 5])  # one over capacity: the oldest leaf (3) goes, not the prefix
+    assert index.match("a", [1, 2, 4]) == 3
+    assert index.match("a", [1, 2, 3]) == 2
+    assert index.evictions == 1
+
+
+@given(st.lists(st.lists(st.integers(0, 50), max_size=12), max_size=30), st.integers(1, 20))
+def test_memory_is_bounded_and_a_fresh_insert_always_matches_in_full(
+    prompts: list[list[int]], cap: int
+) -> None:
+    index = PrefixIndex(cap)
+    for p in prompts:
+        hashes = list(dict.fromkeys(p))  # distinct, as chained hashes are
+        index.insert("r", hashes)
+        assert index.size("r") <= cap
+        assert index.match("r", hashes) == min(len(hashes), cap)
+
+
+def test_forget_drops_a_replica() -> None:
+    index = PrefixIndex(10)
+    index.insert("a", [1, 2])
+    index.forget("a")
+    assert index.match("a", [1, 2]) == 0 and index.size("a") == 0

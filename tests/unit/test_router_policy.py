@@ -1,0 +1,116 @@
+"""Routing policies on their own: worked examples, determinism, and the bounds they promise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inferd.router.policy import (
+    POLICIES,
+    CacheAware,
+    Candidate,
+    LeastLoad,
+    PowerOfTwo,
+    RoundRobin,
+    make_policy,
+)
+
+
+def test_cache_aware_worked_example_from_the_docstring() -> None:
+    cands = [Candidate("a", 10, 0), Candidate("b", 200, 64), Candidate("c", 40, 96)]
+    d = CacheAware().choose(cands, 128)
+    assert d.replica == "c" and d.outcome == "cache_hit" and d.cached_tokens == 96
+    assert d.ranking == ("c", "a", "b")  # costs 72, 138, 264
+
+
+def test_cache_aware_keeps_a_warm_replica_until_its_load_exceeds_the_saving() -> None:
+    policy = CacheAware()
+    warm = lambda load: [Candidate("a", load, 1000), Candidate("b", 0, 0)]  # noqa: E731
+    assert policy.choose(warm(999), 1100).replica == "a"
+    d = policy.choose(warm(1001), 1100)
+    assert d.replica == "b" and d.outcome == "spill"
+
+
+def test_cache_aware_imbalance_guard_leaves_the_warm_replica_early() -> None:
+    # The saving (50k cached tokens) would keep "a"; the guard says a is 3x and 10k over the min.
+    policy = CacheAware(abs_threshold=10_000, rel_threshold=1.5)
+    cands = [Candidate("a", 15_001, 50_000), Candidate("b", 5_000, 0), Candidate("c", 6_000, 2_000)]
+    d = policy.choose(cands, 60_000)
+    assert (
+        d.replica == "c" and d.outcome == "spill"
+    )  # both in range: c saves more than its extra load
+
+
+def test_cold_prompts_rotate_over_equal_replicas() -> None:
+    policy = CacheAware()
+    cands = [Candidate(n, 0) for n in "abc"]
+    picks = [policy.choose(cands, 100) for _ in range(6)]
+    assert [d.replica for d in picks] == list("abcabc")
+    assert {d.outcome for d in picks} == {"cold"}
+
+
+def test_a_new_group_goes_to_the_replica_owning_least_cache_among_the_lightly_loaded() -> None:
+    cands = [Candidate("a", 0, 0, 900), Candidate("b", 50, 0, 10), Candidate("c", 5000, 0, 0)]
+    d = CacheAware().choose(cands, 100)
+    assert d.replica == "b" and d.outcome == "cold"  # c holds nothing but is far too loaded
+
+
+def test_round_robin_and_least_load() -> None:
+    rr = RoundRobin()
+    cands = [Candidate("a", 5), Candidate("b", 1), Candidate("c", 3)]
+    assert [rr.choose(cands, 1).replica for _ in range(4)] == ["a", "b", "c", "a"]
+    assert rr.choose(cands, 1).ranking == ("b", "c", "a")
+    d = LeastLoad().choose(cands, 1)
+    assert d.ranking == ("b", "c", "a") and d.outcome == "least_load"
+
+
+def test_power_of_two_is_deterministic_with_a_seeded_rng() -> None:
+    cands = [Candidate(str(i), i) for i in range(8)]
+    runs = [
+        [PowerOfTwo(random.Random(7)).choose(cands, 1).replica for _ in range(20)] for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    # Never the most loaded of all: it always loses its pair.
+    p2 = PowerOfTwo(random.Random(1))
+    assert all(p2.choose(cands, 1).replica != "7" for _ in range(200))
+
+
+def test_make_policy_names_every_policy() -> None:
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")  # type: ignore[arg-type]
+
+
+candidates = st.lists(
+    st.tuples(st.integers(0, 100_000), st.integers(0, 4096)), min_size=1, max_size=8
+).map(lambda xs: [Candidate(f"r{i}", load, cached) for i, (load, cached) in enumerate(xs)])
+
+
+@given(candidates, st.integers(4096, 8192), st.integers(0, 20_000), st.floats(1.0, 4.0))
+def test_cache_aware_bounds_the_load_it_adds_to(
+    cands: list[Candidate], prompt: int, abs_t: int, rel_t: float
+) -> None:
+    policy = CacheAware(abs_t, rel_t)
+    d = policy.choose(cands, prompt)
+    chosen = next(c for c in cands if c.name == d.replica)
+    low = min(c.load for c in cands)
+    # Never more loaded than the least loaded replica by more than the tokens its cache saves
+    # (a prompt nobody holds: by more than the prompt)...
+    assert chosen.load <= low + (chosen.cached_tokens if d.outcome != "cold" else prompt)
+    # ...and never past the imbalance margin while the cluster is imbalanced.
+    if policy.imbalanced([c.load for c in cands]):
+        assert chosen.load <= low + abs_t
+    assert sorted(d.ranking) == sorted(c.name for c in cands)
+
+
+@given(candidates, st.sampled_from(POLICIES), st.integers(0, 99))
+def test_every_policy_ranks_every_candidate_once(
+    cands: list[Candidate], name: str, seed: int
+) -> None:
+    d = make_policy(name, random.Random(seed)).choose(cands, 100)  # type: ignore[arg-type]
+    assert sorted(d.ranking) == sorted(c.name for c in cands)
+    assert d.ranking[0] == d.replica
