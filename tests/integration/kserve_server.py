@@ -31,7 +31,7 @@ import uvicorn
 from onnx import TensorProto, helper, numpy_helper
 
 from inferd.config import ServerConfig
-from inferd.gateway import create_app
+from inferd.gateway import create_app, gateway_state
 from inferd.gateway.state import GatewayState
 from inferd.repository.manager import ModelRepository
 from inferd.serve import uvicorn_options
@@ -216,7 +216,7 @@ def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
     """The app with `root` as its model repository and no LLM, on a free port."""
     config = ServerConfig(access_log=False, **server)
     app = create_app(None, config)
-    state: GatewayState = app.state.gateway
+    state = gateway_state(app)
     state.serves_llm = False
     port = free_port()
     # The server's own uvicorn options (TLS, timeouts, connection bounds) on a test port.
