@@ -22,6 +22,7 @@ whose dashboard nobody opens pays one small object per request.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import sys
@@ -165,7 +166,7 @@ class RequestRecord:
 
 
 def exclusive_path(
-    bars: Sequence[tuple[Stage, float, float]], e2e: float, order: Sequence[Stage]
+    bars: Sequence[tuple[Stage, float, float]], e2e: float, order: tuple[Stage, ...]
 ) -> list[tuple[str, float, float]]:
     """Tiles [0, e2e]: each instant belongs to the earliest (in lifecycle order) stage running
     then, or to `other` when none is. Nested stages (detokenize inside decode, stream chunks sent
@@ -187,7 +188,8 @@ def exclusive_path(
     return tiles
 
 
-def _rank(order: Sequence[Stage]) -> Callable[[Stage], int]:
+@functools.cache
+def _rank(order: tuple[Stage, ...]) -> Callable[[Stage], int]:
     # A stage of the other lane (never expected) sorts last rather than failing a request.
     return {s: order.index(s) if s in order else len(order) for s in Stage}.__getitem__
 
