@@ -225,6 +225,10 @@ async function openRequest(id) {
   box.dataset.e2e = doc.e2e;
   $("#wf-id").textContent = doc.request_id;
   const meta = [`${doc.lane} · ${doc.model}`, `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
+  const own = {};
+  for (const p of doc.path) if (p.stage !== "other") own[p.stage] = (own[p.stage] || 0) + p.seconds;
+  const top = Object.entries(own).sort((a, b) => b[1] - a[1])[0];
+  if (top) meta.push(`mostly ${top[0]} (${((100 * top[1]) / Math.max(doc.e2e, 1e-9)).toFixed(0)} %)`);
   if (doc.ttft !== null) meta.push(`TTFT ${ms(doc.ttft)}`);
   if (doc.output_tokens) meta.push(`${doc.output_tokens} tokens`);
   if (doc.num_preemptions) meta.push(`${doc.num_preemptions} preemptions`);
