@@ -1,4 +1,5 @@
-"""`inferd` command line. Subcommands: `generate` (offline, streams to stdout), `serve` (HTTP)."""
+"""`inferd` command line. Subcommands: `generate` (offline, streams to stdout), `serve` (HTTP),
+`router` (over replicas, inferd/router/command.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from inferd.config import (
     read_environment,
 )
 from inferd.errors import InferdError
+from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
 
 DEMO_PROMPTS = ("The quick brown fox", "Once upon a time", "def fibonacci(n):")
 
@@ -155,6 +157,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from inferd.serve import serve
+
+    if args.data_parallel_size > 1:
+        return serve_data_parallel(args)
 
     return serve(serve_config(args, read_environment()))
 
@@ -344,11 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.set_defaults(model=None)  # resolved in _serve: no LLM when only a repository is given
     srv.set_defaults(func=_serve)
+    add_data_parallel_args(srv)
+    add_router_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # --data-parallel-size's replicas
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

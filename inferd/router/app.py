@@ -1,0 +1,139 @@
+"""`inferd router`: an HTTP front speaking the replicas' own APIs, routing each request.
+
+    POST /v1/completions, /v1/chat/completions, /v1/embeddings   validated, tokenized, routed by
+                                                                  the policy on the prompt
+    any other /v1/*, /v2/* (models, KServe v2 infer by name...)   forwarded as is, routed on load
+    /health/live, /health/ready, /health, /v2/health/*            the router's own (ready: some
+                                                                  replica is in rotation)
+    /metrics                                                      the router's own metrics
+
+Errors leave in each protocol's own form (the gateway's handlers): a malformed request is
+answered here and never forwarded; 503 + Retry-After when no replica is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from inferd.gateway.errors import bad_request, install_error_handlers
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.router.cluster import Cluster, Routed
+from inferd.router.config import RouterConfig
+from inferd.router.health import HealthChecker
+from inferd.router.metrics import RouterMetrics
+from inferd.router.proxy import Forward, Proxy
+from inferd.router.tokenize import TOKENIZED_PATHS, load_tokenizer, prompt_token_ids, validate
+
+logger = logging.getLogger("inferd.router")
+
+
+class Router:
+    """What the app's routes share."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.cluster = Cluster(config)
+        self.metrics = RouterMetrics(self.cluster)
+        timeout = httpx.Timeout(config.connect_timeout_s, read=config.read_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.health = HealthChecker(self.cluster, self.client, self.metrics)
+        self.proxy = Proxy(self.cluster, self.client, self.metrics)
+
+    async def routed_request(self, request: Request) -> Response:
+        """Validate and tokenize (4xx here), decide, forward."""
+        body = await request.body()
+        t0 = time.perf_counter()
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
+        ids = prompt_token_ids(self.tokenizer, validate(request.url.path, doc))
+        routed = self._route(ids)
+        route_s = time.perf_counter() - t0
+        self.metrics.decision.observe(route_s)
+        return await self.proxy.forward(request, Forward.of(request, body, ids, route_s), routed)
+
+    async def passthrough(self, request: Request) -> Response:
+        body = await request.body()
+        return await self.proxy.forward(request, Forward.of(request, body, [], 0.0), None)
+
+    def _route(self, ids: list[int]) -> Routed | None:
+        """None when no replica is ready: `forward` answers the 503."""
+        return self.cluster.route(ids) if self.cluster.ready() else None
+
+    def readiness(self) -> Response:
+        ready = len(self.cluster.ready())
+        status = {"status": "ready" if ready else "no_replica", "replicas_ready": ready}
+        return JSONResponse(status, 200 if ready else 503)
+
+
+def create_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    tok = tokenizer or load_tokenizer(config.model, config.tokenizer, config.revision)
+    router = Router(config, tok)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.health.check_all()  # in rotation before the first request, not an interval on
+        router.health.start()
+        yield
+        await router.health.stop()
+        await router.client.aclose()
+
+    app = FastAPI(title="inferd router", lifespan=lifespan, openapi_url=None)
+    app.state.router = router
+    install_error_handlers(app)
+
+    async def routed(request: Request) -> Response:
+        return await router.routed_request(request)
+
+    for path in TOKENIZED_PATHS:
+        app.add_api_route(path, routed, methods=["POST"])
+
+    @app.get("/health/live")
+    @app.get("/v2/health/live")
+    async def live() -> Response:
+        return JSONResponse({"status": "live", "live": True})
+
+    @app.get("/health/ready")
+    @app.get("/health")
+    @app.get("/v2/health/ready")
+    async def ready() -> Response:
+        return router.readiness()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def passthrough(request: Request) -> Response:
+        return await router.passthrough(request)
+
+    for prefix in ("/v1", "/v2"):
+        app.add_api_route(prefix + "/{rest:path}", passthrough, methods=["GET", "POST", "DELETE"])
+    app.add_api_route("/v2", passthrough, methods=["GET"])
+    return app
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit code."""
+    app = create_router_app(config)
+    replicas = ", ".join(config.replicas) or config.dns_name
+    logger.info(
+        "router on http://%s:%d, policy %s: %s", config.host, config.port, config.policy, replicas
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False)
+    )
+    server.run()
+    return 0

@@ -1,0 +1,117 @@
+"""`inferd router` and `inferd serve --data-parallel-size N`: their flags and what they run.
+
+Kept out of inferd/cli.py, which only registers them: the router's flags map onto RouterConfig's
+fields one to one (defaults come from the dataclass, so the two cannot drift).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any, get_args
+
+from inferd.router.config import RouterConfig
+from inferd.router.policy import PolicyName
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RouterConfig)}
+
+
+def add_router_parser(sub: Any) -> None:
+    """Registers `inferd router` on the CLI's subparsers."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "router", help="route OpenAI / KServe v2 requests over inferd replicas (cache-aware)"
+    )
+    d = _DEFAULTS
+    p.add_argument(
+        "--replica", action="append", default=[], metavar="URL", help="replica base URL (repeat)"
+    )
+    p.add_argument(
+        "--replica-dns",
+        default=None,
+        metavar="HOST:PORT",
+        help="every address HOST resolves to is a replica (re-resolved each health interval)",
+    )
+    p.add_argument("--policy", default=d["policy"], choices=get_args(PolicyName))
+    p.add_argument("--host", default=d["host"])
+    p.add_argument("--port", type=int, default=d["port"])
+    p.add_argument("--model", default=d["model"], help="the replicas' model: its tokenizer")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--revision", default=None)
+    p.add_argument("--block-size", type=int, default=d["block_size"], help="the replicas' own")
+    p.add_argument(
+        "--index-capacity-blocks",
+        type=int,
+        default=d["index_capacity_blocks"],
+        help="prefix index blocks per replica (about its KV cache size in blocks)",
+    )
+    p.add_argument(
+        "--decode-weight",
+        type=int,
+        default=d["decode_weight"],
+        help="tokens of load each request in flight counts",
+    )
+    p.add_argument("--balance-abs-threshold", type=int, default=d["balance_abs_threshold"])
+    p.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"])
+    p.add_argument("--health-interval", type=float, default=d["health_interval_s"])
+    p.add_argument("--max-retries", type=int, default=d["max_retries"])
+    p.add_argument("--seed", type=int, default=None, help="power_of_two's RNG seed")
+    p.set_defaults(func=run_router_command)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        replicas=tuple(args.replica),
+        dns_name=args.replica_dns,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        host=args.host,
+        port=args.port,
+        policy=args.policy,
+        block_size=args.block_size,
+        index_capacity_blocks=args.index_capacity_blocks,
+        decode_weight=args.decode_weight,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        health_interval_s=args.health_interval,
+        max_retries=args.max_retries,
+        seed=args.seed,
+    )
+
+
+def run_router_command(args: argparse.Namespace) -> int:
+    from inferd.errors import InferdError
+    from inferd.router.app import run_router
+
+    try:
+        config = router_config(args)
+    except ValueError as e:
+        raise InferdError(str(e)) from e
+    return run_router(config)
+
+
+def add_data_parallel_args(serve_parser: argparse.ArgumentParser) -> None:
+    serve_parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="N > 1: N engine replicas on this machine behind the cache-aware router",
+    )
+
+
+def serve_data_parallel(args: argparse.Namespace) -> int:
+    """`inferd serve --data-parallel-size N ...`: the replicas get the same flags."""
+    from inferd.router.launch import run_data_parallel
+
+    model = args.model_pos if args.model_pos is not None else args.model
+    config = RouterConfig(
+        replicas=("http://unused",),  # replaced by the launched replicas' URLs
+        model=model or _DEFAULTS["model"],
+        tokenizer=args.tokenizer,
+        revision=args.revision,
+        host=args.host,
+        port=args.port,
+        block_size=args.block_size,
+    )
+    grace = args.shutdown_timeout if args.shutdown_timeout is not None else 30.0
+    return run_data_parallel(args.argv, args.data_parallel_size, config, grace)

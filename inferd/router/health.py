@@ -1,0 +1,122 @@
+"""Active health checks and replica discovery, once per interval.
+
+Each interval: re-resolve `--replica-dns` (every address it gives is a replica, as a Kubernetes
+headless Service lists pods), then GET each replica's `/health/ready` (200: in rotation; 503
+`loading`/`draining`/`engine_dead` or no answer: out) and, for a ready one, its `/metrics` for the
+engine's own load gauges. Passive checks (a connect error or 5xx while forwarding) live in the
+proxy and eject a replica at once, without waiting for the next interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import httpx
+
+from inferd.router.cluster import Cluster
+from inferd.router.load import ReplicaReport
+from inferd.router.metrics import RouterMetrics
+from inferd.telemetry.metrics import parse_samples
+
+logger = logging.getLogger("inferd.router")
+
+# Replica gauge -> ReplicaReport field (inferd.telemetry.metrics names them).
+_GAUGES = {
+    "inferd_num_requests_running": "running",
+    "inferd_num_requests_waiting": "waiting",
+    "inferd_num_requests_queued": "queued",
+    "inferd_queued_prompt_tokens": "queued_prompt_tokens",
+    "inferd_kv_cache_usage_ratio": "kv_cache_usage",
+}
+
+
+def report_from_metrics(text: str) -> ReplicaReport:
+    """The engine gauges of a replica's /metrics page (absent ones stay 0)."""
+    samples = parse_samples(text)
+    fields: dict[str, float] = {f: samples[g] for g, f in _GAUGES.items() if g in samples}
+    return ReplicaReport(
+        running=int(fields.get("running", 0)),
+        waiting=int(fields.get("waiting", 0)),
+        queued=int(fields.get("queued", 0)),
+        queued_prompt_tokens=int(fields.get("queued_prompt_tokens", 0)),
+        kv_cache_usage=fields.get("kv_cache_usage", 0.0),
+    )
+
+
+async def resolve(dns_name: str) -> list[str]:
+    """`host:port` -> one `http://ip:port` per address the name has now."""
+    host, _, port = dns_name.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--replica-dns wants HOST:PORT, got {dns_name!r}")
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [f"http://[{h}]:{port}" if ":" in h else f"http://{h}:{port}" for h in hosts]
+
+
+class HealthChecker:
+    def __init__(self, cluster: Cluster, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
+        self.cluster = cluster
+        self.client = client
+        self.metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+
+    async def check_all(self) -> None:
+        cfg = self.cluster.config
+        if cfg.dns_name is not None:
+            try:
+                found = await resolve(cfg.dns_name)
+            except OSError as e:
+                logger.warning("resolving %s: %s (keeping the last replica set)", cfg.dns_name, e)
+            else:
+                self.cluster.set_members([*cfg.replicas, *found])
+        await asyncio.gather(*(self.check(url) for url in self.cluster.names()))
+
+    async def check(self, url: str) -> None:
+        timeout = self.cluster.config.health_timeout_s
+        try:
+            ready = await self.client.get(f"{url}/health/ready", timeout=timeout)
+        except httpx.HTTPError as e:
+            self.eject(url, "unreachable", repr(e))
+            return
+        if ready.status_code != 200:
+            self.eject(url, _reason(ready), ready.text[:200])
+            return
+        self.cluster.set_health(url, ready=True)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            page = await self.client.get(f"{url}/metrics", timeout=timeout)
+            self.cluster.report(url, report_from_metrics(page.text))
+
+    def eject(self, url: str, reason: str, detail: str = "") -> None:
+        if self.cluster.failed(url, reason):
+            self.metrics.ejections.labels(url, reason).inc()
+            logger.warning("replica %s out of rotation: %s %s", url, reason, detail)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.cluster.config.health_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _reason(response: httpx.Response) -> str:
+    """`draining`, `loading`, ... from a replica's 503 readiness body, else `status_<code>`."""
+    with contextlib.suppress(ValueError):
+        body = response.json()
+        if isinstance(body, dict) and isinstance(body.get("status"), str):
+            return str(body["status"])
+    return f"status_{response.status_code}"

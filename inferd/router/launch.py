@@ -1,0 +1,90 @@
+"""`inferd serve --data-parallel-size N`: N engine replicas on this machine behind the router.
+
+Each replica is a child `inferd serve` with the same flags on its own free loopback port (gRPC
+off: the router speaks HTTP); the router takes the main --host/--port and routes with the default
+cache-aware policy over them. SIGTERM/SIGINT stops the router, then the replicas drain (SIGTERM,
+up to --shutdown-timeout) and are killed past that. A replica that dies is taken out of rotation
+by the router's health checks; it is not restarted (an orchestrator restarts the whole command).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from inferd.router.config import RouterConfig
+
+logger = logging.getLogger("inferd.router")
+
+# Flags the children get from here instead (value-taking flags: their value goes too).
+_PARENT_ONLY = ("--data-parallel-size", "--host", "--port", "--grpc-port")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def replica_argv(argv: Sequence[str], port: int) -> list[str]:
+    """`argv` (the parent's, from `serve` on) without the parent-only flags, on `port`.
+
+    >>> replica_argv(["serve", "--port", "8000", "--data-parallel-size=2", "--seed", "1"], 9)
+    ['serve', '--seed', '1', '--host', '127.0.0.1', '--port', '9', '--grpc-port', '-1']
+    """
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _PARENT_ONLY:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return [*out, "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1"]
+
+
+def start_replicas(argv: Sequence[str], n: int) -> list[tuple[str, subprocess.Popen[bytes]]]:
+    start = list(argv).index("serve")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    replicas = []
+    for _ in range(n):
+        port = free_port()
+        cmd = [sys.executable, "-m", "inferd.cli", *argv[:start], *replica_argv(argv[start:], port)]
+        replicas.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env)))
+    return replicas
+
+
+def stop_replicas(replicas: Sequence[tuple[str, subprocess.Popen[bytes]]], grace_s: float) -> None:
+    for _, proc in replicas:
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: the replica drains
+    for url, proc in replicas:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("replica %s did not drain in %.0f s; killing it", url, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
+def run_data_parallel(argv: Sequence[str], n: int, config: RouterConfig, grace_s: float) -> int:
+    """Starts `n` replicas from `argv` and serves the router (`config` without replicas yet)."""
+    from dataclasses import replace
+
+    from inferd.router.app import run_router
+
+    replicas = start_replicas(argv, n)
+    logger.info("data parallel: %d replicas %s", n, [url for url, _ in replicas])
+    try:
+        return run_router(replace(config, replicas=tuple(url for url, _ in replicas)))
+    finally:
+        stop_replicas(replicas, grace_s + 5.0)

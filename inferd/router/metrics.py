@@ -1,0 +1,84 @@
+"""The router's /metrics: what it decided, how fast, where load sits, what failed.
+
+inferd_router_requests_total{replica, outcome}   routed requests (outcome: cache_hit, spill,
+                                                 cold, least_load, power_of_two, round_robin,
+                                                 passthrough for requests that are not routed
+                                                 on a prompt)
+inferd_router_decision_seconds                   tokenize + match + policy, per request
+inferd_router_prompt_tokens_total{replica}       prompt tokens routed
+inferd_router_estimated_cached_tokens_total{replica}  of those, what the index expected cached
+inferd_router_retries_total{reason}              tries moved to another replica
+inferd_router_ejections_total{replica, reason}   a replica taken out of rotation
+inferd_router_no_replica_total                   503s for want of a ready replica
+inferd_router_replica_ready{replica}             1 in rotation, 0 out (at scrape time)
+inferd_router_in_flight{replica}                 requests the router has there (at scrape time)
+inferd_router_load_tokens{replica}               the policy's load estimate (at scrape time)
+inferd_router_index_blocks{replica}              prefix index size (at scrape time)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferd.router.cluster import Cluster
+
+DECISION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class _ClusterCollector(Collector):
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._cluster
+        families = (
+            ("inferd_router_replica_ready", "1 when the replica is in rotation", lambda r: r.ready),
+            ("inferd_router_in_flight", "Requests in flight there", lambda r: r.load.in_flight),
+            ("inferd_router_load_tokens", "Load estimate in tokens", c.load_tokens),
+            ("inferd_router_index_blocks", "Prefix index blocks", lambda r: c.index.size(r.url)),
+        )
+        for name, help_text, value in families:
+            family = GaugeMetricFamily(name, help_text, labels=["replica"])
+            for replica in c.replicas.values():
+                family.add_metric([replica.url], float(value(replica)))
+            yield family
+
+
+class RouterMetrics:
+    def __init__(self, cluster: Cluster) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "inferd_router_requests", "Routed requests", ["replica", "outcome"], registry=r
+        )
+        self.decision = Histogram(
+            "inferd_router_decision_seconds",
+            "Routing decision time (tokenize, prefix match, policy)",
+            registry=r,
+            buckets=DECISION_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "inferd_router_prompt_tokens", "Prompt tokens routed", ["replica"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "inferd_router_estimated_cached_tokens",
+            "Prompt tokens the prefix index expected cached",
+            ["replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "inferd_router_retries", "Tries moved to another replica", ["reason"], registry=r
+        )
+        self.ejections = Counter(
+            "inferd_router_ejections",
+            "Replicas taken out of rotation",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.no_replica = Counter(
+            "inferd_router_no_replica", "Requests refused: no replica ready", registry=r
+        )
+        r.register(_ClusterCollector(cluster))

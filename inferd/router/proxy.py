@@ -1,0 +1,245 @@
+"""Forwarding one request to the replica the policy chose, with failover.
+
+A try that fails before anything reached the client (connect error, the replica dying before its
+answer is complete for a non-streamed request, 429/502/503/504) moves to the next-best replica,
+with the same `X-Request-Id`, up to `max_retries` times; the last answer is passed through when
+every try fails. A connect error, 502, 504, or a 503 saying `draining`/`engine_dead`/`not_ready`
+also takes the replica out of rotation at once (passive health check). A 500 is the request's own
+failure and passes through without a retry (another replica would likely fail it the same way).
+
+Streams (`text/event-stream`) pass through chunk by chunk as they arrive, never buffered; a stream
+the replica breaks ends with an SSE error event and `[DONE]`, never a hang. A client that goes
+away closes the upstream request, so the replica aborts the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from inferd.gateway.errors import APIError
+from inferd.router.cluster import Cluster, NoReplicaError, Routed
+from inferd.router.load import Ticket
+from inferd.router.metrics import RouterMetrics
+
+logger = logging.getLogger("inferd.router")
+
+# Not forwarded either way: hop-by-hop, recomputed, or (accept-encoding) kept identity so a
+# non-streamed body can be read and extended.
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "accept-encoding",
+}
+_DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "date"}
+_RETRY_STATUS = {429, 502, 503, 504}
+_EJECT_503 = {"draining", "engine_dead", "not_ready"}
+REPLICA_HEADER = "x-inferd-replica"
+CACHED_HEADER = "x-inferd-route-cached-tokens"
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One client request, read and decided on: what each try sends."""
+
+    method: str
+    path: str  # with the query string
+    headers: list[tuple[str, str]]
+    body: bytes
+    token_ids: list[int]
+    route_s: float
+
+    @classmethod
+    def of(cls, request: Request, body: bytes, token_ids: list[int], route_s: float) -> Forward:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
+        if "x-request-id" not in request.headers:
+            headers.append(("x-request-id", uuid.uuid4().hex))  # retries carry the same id
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return cls(request.method, path, headers, body, token_ids, route_s)
+
+
+class Proxy:
+    def __init__(self, cluster: Cluster, client: httpx.AsyncClient, metrics: RouterMetrics):
+        self.cluster = cluster
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(self, request: Request, fwd: Forward, routed: Routed | None) -> Response:
+        tried: list[str] = []
+        last: Response | None = None
+        retries = self.cluster.config.max_retries
+        for attempt in range(retries + 1):
+            try:
+                routed = routed or self.cluster.route(fwd.token_ids, exclude=tried)
+            except NoReplicaError:
+                break
+            url = routed.decision.replica
+            tried.append(url)
+            answer = await self._try(request, fwd, routed, url, final=attempt == retries)
+            if isinstance(answer, Response):
+                return answer
+            last, routed = answer.response, None
+            self.metrics.retries.labels(answer.reason).inc()
+        if last is not None:
+            return last
+        self.metrics.no_replica.inc()
+        seconds = str(self.cluster.config.retry_after_s)
+        raise APIError(
+            503,
+            "no replica is ready",
+            type="service_unavailable",
+            code="no_replica",
+            reason="no_replica",
+            headers={"Retry-After": seconds},
+        )
+
+    async def _try(
+        self, request: Request, fwd: Forward, routed: Routed, url: str, final: bool
+    ) -> Response | _Failed:
+        ticket = self.cluster.dispatch(url, routed)
+        req = self.client.build_request(
+            fwd.method, url + fwd.path, headers=fwd.headers, content=fwd.body
+        )
+        try:
+            upstream = await self.client.send(req, stream=True)
+        except httpx.TransportError as e:
+            ticket.finish()
+            self._eject(url, "connect_error", repr(e))
+            return _Failed("connect_error")
+        if upstream.status_code in _RETRY_STATUS and not final:
+            return await self._refused(upstream, ticket, url)
+        ticket.first_byte()
+        self._count(url, routed)
+        headers = _response_headers(upstream, url, ticket, routed)
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            stream = self._stream(upstream, ticket, url)
+            return StreamingResponse(stream, upstream.status_code, headers)
+        try:
+            body = await _read_unless_gone(request, upstream)
+        except httpx.HTTPError as e:
+            self._eject(url, "broken_response", repr(e))
+            return _Failed("broken_response")
+        finally:
+            ticket.finish()
+            await upstream.aclose()
+        if body is None:  # the client left; nobody is listening any more
+            return Response(status_code=499)
+        return Response(_with_route_timing(body, fwd.route_s), upstream.status_code, headers)
+
+    async def _refused(self, upstream: httpx.Response, ticket: Ticket, url: str) -> _Failed:
+        try:
+            body = await upstream.aread()
+        except httpx.HTTPError:
+            body = b""
+        finally:
+            ticket.finish()
+            await upstream.aclose()
+        code = _error_code(body) or f"status_{upstream.status_code}"
+        if upstream.status_code in (502, 504) or code in _EJECT_503:
+            self._eject(url, code)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+        return _Failed(code, Response(body, upstream.status_code, headers))
+
+    async def _stream(
+        self, upstream: httpx.Response, ticket: Ticket, url: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self._eject(url, "broken_stream", repr(e))
+            error = {
+                "error": {"message": f"replica {url} failed mid-stream", "type": "server_error"}
+            }
+            yield b"\n\ndata: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+        finally:
+            ticket.finish()
+            await upstream.aclose()
+
+    def _eject(self, url: str, reason: str, detail: str = "") -> None:
+        if self.cluster.failed(url, reason):
+            self.metrics.ejections.labels(url, reason).inc()
+            logger.warning("replica %s out of rotation: %s %s", url, reason, detail)
+
+    def _count(self, url: str, routed: Routed) -> None:
+        outcome = routed.decision.outcome if routed.prompt_tokens else "passthrough"
+        self.metrics.requests.labels(url, outcome).inc()
+        if routed.prompt_tokens:
+            self.metrics.prompt_tokens.labels(url).inc(routed.prompt_tokens)
+            self.metrics.cached_tokens.labels(url).inc(routed.decision.cached_tokens)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A try that reached no client: why, and the replica's answer to pass on if it was the last."""
+
+    reason: str
+    response: Response | None = None
+
+
+def _response_headers(
+    upstream: httpx.Response, url: str, ticket: Ticket, routed: Routed
+) -> dict[str, str]:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
+    headers[REPLICA_HEADER] = url
+    cached = routed.prompt_tokens - ticket.prefill_tokens if routed.prompt_tokens else 0
+    headers[CACHED_HEADER] = str(cached)
+    return headers
+
+
+async def _read_unless_gone(request: Request, upstream: httpx.Response) -> bytes | None:
+    """The whole body, or None when the client disconnects first (the read is cancelled)."""
+    read = asyncio.ensure_future(upstream.aread())
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not read.done():
+        read.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await read
+        return None
+    return read.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (its body was already read, so only that can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error_code(body: bytes) -> str | None:
+    """`code` of OpenAI's error body (`{"error": {"code": ...}}`), if it is one."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        err = orjson.loads(body).get("error") if body.startswith(b"{") else None
+        if isinstance(err, dict) and isinstance(err.get("code"), str):
+            return str(err["code"])
+    return None
+
+
+def _with_route_timing(body: bytes, route_s: float) -> bytes:
+    """Adds `timings.route` (seconds, first) to a JSON body that carries `timings`."""
+    if b'"timings"' not in body:
+        return body
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    timings = doc.get("timings") if isinstance(doc, dict) else None
+    if not isinstance(timings, dict):
+        return body
+    doc["timings"] = {"route": round(route_s, 6), **timings}
+    return orjson.dumps(doc)
