@@ -85,7 +85,9 @@ def _ready_message(engine: LLMEngine, config: EngineConfig) -> CoreReady:
 class EngineCore:
     """Owns the LLMEngine and the two sockets; `run()` returns on ShutdownCore or parent exit."""
 
-    def __init__(self, engine: LLMEngine, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    def __init__(
+        self, engine: LLMEngine, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]
+    ) -> None:
         self.engine = engine
         self.inputs = inputs
         self.outputs = outputs
