@@ -1,6 +1,7 @@
 """Dynamic batching for classic (stateless) models, in a request's order: validate.py (checks
 before queueing), batcher.py (when a batch runs), assembler.py (stack, pad, split, select
-outputs), pipeline.py (ServedModel, the per-model orchestrator); rules.py reads config.yaml."""
+outputs), pipeline.py (ServedModel, the per-model orchestrator); rules.py reads config.yaml;
+clock.py is the batcher's injectable time source."""
 
 from inferd.batching.assembler import BackendError
 from inferd.batching.batcher import BatchPolicy, DynamicBatcher, Queued

@@ -45,7 +45,6 @@ import bisect
 import itertools
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from inferd.admission.queue import AdmissionQueue
 from inferd.admission.retry_after import CompletionRate
+from inferd.batching.clock import MONOTONIC, Clock, Timer
 from inferd.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -64,39 +64,6 @@ R = TypeVar("R")
 
 class Closable(Protocol):
     def close(self) -> None: ...
-
-
-class Timer(Protocol):
-    """A pending wake-up (asyncio.TimerHandle is one)."""
-
-    def cancel(self) -> None: ...
-
-    def cancelled(self) -> bool: ...
-
-    def when(self) -> float: ...
-
-
-class Clock(Protocol):
-    """The batcher's only source of time: `now()` in seconds, and a callback at an instant
-    of that clock. Called on the event loop only."""
-
-    def now(self) -> float: ...
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> Timer: ...
-
-
-class MonotonicClock:
-    """time.monotonic() and the running loop's timers (asyncio's loop clock is monotonic too,
-    so a gateway's `time.monotonic()` deadline and a loop timer agree)."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def call_at(self, when: float, callback: Callable[[], None]) -> Timer:
-        return asyncio.get_running_loop().call_at(when, callback)
-
-
-MONOTONIC = MonotonicClock()
 
 
 B = TypeVar("B", bound=Closable)
