@@ -13,9 +13,12 @@ answered here and never forwarded; 503 + Retry-After when no replica is ready.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -127,13 +130,30 @@ def create_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) 
 
 def run_router(config: RouterConfig) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     app = create_router_app(config)
     replicas = ", ".join(config.replicas) or config.dns_name
     logger.info(
         "router on http://%s:%d, policy %s: %s", config.host, config.port, config.policy, replicas
     )
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False)
     )
-    server.run()
+    asyncio.run(_serve_until_signal(server))
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling, which re-raises SIGTERM after shutdown and so
+    would kill the process before `--data-parallel-size` stops its replicas."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def _serve_until_signal(server: uvicorn.Server) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    await server.serve()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,8 +59,19 @@ def start_replicas(argv: Sequence[str], n: int) -> list[tuple[str, subprocess.Po
     for _ in range(n):
         port = free_port()
         cmd = [sys.executable, "-m", "inferd.cli", *argv[:start], *replica_argv(argv[start:], port)]
-        replicas.append((f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env)))
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        replicas.append((f"http://127.0.0.1:{port}", proc))
     return replicas
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM (drain) when the launching process dies, even by
+    SIGKILL, so no replica outlives the command (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def stop_replicas(replicas: Sequence[tuple[str, subprocess.Popen[bytes]]], grace_s: float) -> None:

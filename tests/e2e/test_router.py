@@ -1,0 +1,182 @@
+"""`inferd router` over two real `inferd-tiny` replicas on loopback: prefix locality, bad input
+answered by the router, streaming pass-through, failover when a replica dies or drains.
+
+The tests run in file order and the last ones take the replicas down one by one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import ROOT, Server, free_port, start_server, stop_server
+
+PREFIX = (
+    "You are a careful assistant for the city archive. The history of the city begins with a "
+    "long account of its founding by travellers from the north, who crossed the mountains and "
+    "settled by the river. "
+)
+
+
+@dataclass
+class Cluster:
+    replicas: list[Server]
+    router: Server
+
+    def post(self, path: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(f"{self.router.url}{path}", json=body, timeout=60)
+
+    def router_metrics(self) -> dict[str, float]:
+        return self.router.metrics()
+
+
+def start_router(tmp: Path, replicas: list[Server]) -> Server:
+    port = free_port()
+    log = tmp / "router.log"
+    cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", str(port)]
+    cmd += ["--health-interval", "0.5", "--max-retries", "2"]
+    for r in replicas:
+        cmd += ["--replica", r.url]
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    router = Server(proc, port, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            ready = httpx.get(f"{router.url}/health/ready", timeout=1).json()
+            if ready.get("replicas_ready") == len(replicas):
+                return router
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"router not ready:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("router")
+    with ThreadPoolExecutor(2) as pool:
+        replicas = list(pool.map(lambda _: start_server(tmp), range(2)))
+    router = start_router(tmp, replicas)
+    yield Cluster(replicas, router)
+    router.proc.terminate()
+    router.proc.wait(timeout=30)
+    for r in replicas:
+        stop_server(r)
+
+
+def completion(c: Cluster, prompt: str, max_tokens: int = 2) -> httpx.Response:
+    return c.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens})
+
+
+def test_requests_sharing_a_prefix_land_on_one_replica_and_groups_spread(c: Cluster) -> None:
+    first = [completion(c, PREFIX + f"Question {i}: what happened?") for i in range(4)]
+    other = [completion(c, "Unrelated topic number two, about rivers and lakes. " * 3)]
+    assert all(r.status_code == 200 for r in first + other)
+    homes = {r.headers["x-inferd-replica"] for r in first}
+    assert len(homes) == 1
+    # A new group goes to the replica holding less, not to the warm one.
+    assert other[0].headers["x-inferd-replica"] not in homes
+    assert int(first[-1].headers["x-inferd-route-cached-tokens"]) >= 32
+    timings = first[-1].json()["timings"]
+    assert next(iter(timings)) == "route" and timings["route"] >= 0
+    hits = c.router_metrics()
+    home = homes.pop()
+    assert hits[f'inferd_router_requests_total{{outcome="cache_hit",replica="{home}"}}'] >= 3
+
+
+def test_multi_turn_chats_match_on_their_whole_history(c: Cluster) -> None:
+    history: list[dict[str, str]] = [{"role": "system", "content": PREFIX}]
+    seen = set()
+    for turn in range(3):
+        history.append({"role": "user", "content": f"Tell me more, part {turn}."})
+        r = c.post("/v1/chat/completions", {"messages": history, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-inferd-replica"])
+        history.append(
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]}
+        )
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/embeddings", {"model": "m"}, "input"),
+    ],
+)
+def test_bad_input_is_answered_by_the_router(
+    c: Cluster, path: str, body: dict[str, object], param: str
+) -> None:
+    before = sum(v for k, v in c.router_metrics().items() if "router_requests_total" in k)
+    r = c.post(path, body)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert param in (r.json()["error"]["param"] or "")
+    assert "x-inferd-replica" not in r.headers  # never forwarded
+    after = sum(v for k, v in c.router_metrics().items() if "router_requests_total" in k)
+    assert after == before
+
+
+def test_malformed_json_is_a_400(c: Cluster) -> None:
+    r = httpx.post(f"{c.router.url}/v1/completions", content=b"{bad", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_streaming_passes_through_with_the_openai_client(c: Cluster) -> None:
+    with openai.OpenAI(base_url=f"{c.router.url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model="inferd-tiny",
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=6,
+            stream=True,
+        )
+        chunks = [ch for ch in stream if ch.choices]
+        models = client.models.list()
+    assert len(chunks) >= 2
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert [m.id for m in models.data] == ["inferd-tiny"]
+
+
+def test_a_replica_killed_mid_run_costs_no_request_not_yet_streaming(c: Cluster) -> None:
+    prompts = [PREFIX + f"Long answer {i}." for i in range(4)]
+    prompts += [f"Another group entirely, item {i}. " * 4 for i in range(4)]
+    body = {"max_tokens": 48, "ignore_eos": True}
+    victim = c.replicas[0]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(c.post, "/v1/completions", {**body, "prompt": p}) for p in prompts * 2
+        ]
+        time.sleep(0.3)
+        stop_server(victim)
+        answers = [f.result() for f in futures]
+    assert [r.status_code for r in answers] == [200] * len(answers)
+    assert {r.headers["x-inferd-replica"] for r in answers[-4:]} <= {c.replicas[1].url}
+    m = c.router_metrics()
+    assert m[f'inferd_router_replica_ready{{replica="{victim.url}"}}'] == 0.0
+    after = [completion(c, PREFIX + "After the failure.") for _ in range(3)]
+    assert {r.headers["x-inferd-replica"] for r in after} == {c.replicas[1].url}
+
+
+def test_a_draining_replica_leaves_rotation_and_then_503_with_retry_after(c: Cluster) -> None:
+    last = c.replicas[1]
+    last.proc.send_signal(signal.SIGTERM)  # drains: readiness red, then exits
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{c.router.url}/health/ready", timeout=5).status_code == 200:
+        assert time.monotonic() < deadline, "the draining replica stayed in rotation"
+        time.sleep(0.1)
+    r = completion(c, "hello")
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "no_replica"
