@@ -18,6 +18,7 @@ from starlette.requests import HTTPConnection
 from inferd.config import ServerConfig
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
+from inferd.errors import DrainingError
 from inferd.gateway.errors import unavailable
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics
@@ -93,6 +94,12 @@ class GatewayState:
         if not self.serves_repository:
             return True
         return self.repository is not None and self.repository.ready()
+
+    def admitting(self) -> None:
+        """Raises DrainingError (503 "draining", gRPC UNAVAILABLE) once the server drains:
+        every route that starts new work calls it first."""
+        if self.draining:
+            raise DrainingError("the server is shutting down")
 
     def engine(self) -> EngineClient:
         """The engine, or the 503 that says why there is none to use."""

@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from inferd.errors import DrainingError, ModelNotFoundError, ModelNotReadyError
+from inferd.errors import ModelNotFoundError, ModelNotReadyError
 from inferd.gateway.kserve.grpc_codec import decode_request, encode_response, triton_config
 from inferd.gateway.kserve.grpc_security import add_port, interceptors
 from inferd.gateway.kserve.grpc_status import (
@@ -81,10 +81,6 @@ class InferenceService:
             raise ModelNotFoundError("this server runs without a model repository")
         return repository
 
-    def _admitting(self) -> None:
-        if self.state.draining:
-            raise DrainingError("the server is shutting down")
-
     async def server_live(self, _: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
@@ -119,7 +115,7 @@ class InferenceService:
 
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         arrival = time.monotonic()
-        self._admitting()
+        self.state.admitting()
         repository = self._repository()
         infer_request = decode_request(request, arrival)
         # get -> infer with no await in between: a reload swapping versions cannot stop the
@@ -214,7 +210,7 @@ class InferenceService:
                 grpc.StatusCode.UNIMPLEMENTED,
                 "loading with config or file overrides is not supported; edit the repository",
             )
-        self._admitting()
+        self.state.admitting()
         await self._repository().load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from inferd.errors import DrainingError, InvalidRequestError, ModelNotFoundError, ModelNotReadyError
+from inferd.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from inferd.gateway.contract import json_or_binary, kserve_errors, raw_body
 from inferd.gateway.errors import APIError
 from inferd.gateway.kserve import codec, compression, raw_request
@@ -181,8 +181,7 @@ _INFER: dict[str, Any] = {
 @router.post(_VERSION + "/infer", dependencies=BY_VERSION, **_INFER)
 async def infer(request: Request) -> Response:
     state = gateway(request)
-    if state.draining:
-        raise DrainingError("the server is shutting down")
+    state.admitting()
     model, version = _target(request)
     repo = repository(state)
     body = await _read_body(request, state)
@@ -290,8 +289,7 @@ async def load_model(request: Request) -> Response:
     """Reloads the model from disk. Triton's `config` / `file:` parameters (a config or files
     sent inline) are refused: they would silently not apply."""
     state = gateway(request)
-    if state.draining:
-        raise DrainingError("the server is shutting down")
+    state.admitting()
     doc = await _optional_json(request)
     params = doc.get("parameters")
     params = {} if params is None else params

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.responses import Response
 
-from inferd.errors import DrainingError, ModelNotFoundError
+from inferd.errors import ModelNotFoundError
 from inferd.gateway.contract import openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
 from inferd.gateway.openai.contract import EmbeddingResponse
@@ -113,8 +113,7 @@ class EmbeddingModel:
 )
 async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     state = gateway(request)
-    if state.draining:
-        raise DrainingError("the server is shutting down")
+    state.admitting()
     texts = parse_input(body.input)
     model = embedding_model(state, body.model)
     if body.dimensions is not None:
