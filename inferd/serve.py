@@ -26,8 +26,8 @@ import uvicorn
 
 from inferd.config import AdmissionConfig, RepositoryConfig, ServeConfig, ServerConfig
 from inferd.errors import ModelLoadError
-from inferd.gateway.app import create_app, gateway_state, set_engine
-from inferd.gateway.state import GatewayState
+from inferd.gateway.app import create_app, set_engine
+from inferd.gateway.state import GatewayState, gateway_state
 
 if TYPE_CHECKING:
     from inferd.engine.async_client import AsyncLLM

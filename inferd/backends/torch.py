@@ -146,7 +146,7 @@ def _load_torchscript(
     path: Path, options: BackendOptions, device: torch.device
 ) -> Callable[..., Any]:
     try:
-        module = torch.jit.load(str(path), map_location=device)
+        module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
     except Exception as e:
         if not _is_pickled_module(path):
             raise ModelLoadError(f"{path}: torch.jit.load failed: {e}") from e

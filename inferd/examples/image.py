@@ -95,10 +95,11 @@ def train_shape_cnn(epochs: int = 6, n_per_class: int = 500) -> Any:
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(SEED)
     for _ in range(epochs):
-        for idx in torch.randperm(len(ys), generator=gen).split(64):
+        batches = torch.randperm(len(ys), generator=gen).split(64)  # type: ignore[no-untyped-call]
+        for idx in batches:
             loss = torch.nn.functional.cross_entropy(model(xs[idx]), ys[idx])
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
     return model.eval()
 

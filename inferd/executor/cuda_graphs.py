@@ -117,7 +117,7 @@ class DecodeGraphs:
         if not self.capture:
             return lambda: self._forward(b, nb)
         # Warm up on a side stream (allocator, lazy kernels), then capture into the shared pool.
-        stream = torch.cuda.Stream(self.device)
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward(b, nb)

@@ -15,6 +15,7 @@ responses.py (JSON and the responses that finalize after sending), contract.py (
 The gateway never imports the executor or model code (an import-linter contract).
 """
 
-from inferd.gateway.app import create_app, gateway_state, set_engine
+from inferd.gateway.app import create_app, set_engine
+from inferd.gateway.state import gateway_state
 
 __all__ = ["create_app", "gateway_state", "set_engine"]

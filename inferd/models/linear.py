@@ -154,7 +154,7 @@ def resolve_linear_kind(
                 "--quantization int8 needs a CPU with AVX512-VNNI or AVX-VNNI (int8 dot products)"
             )
         return "int8"
-    mkldnn = torch.backends.mkldnn.is_available()
+    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
     onednn_ok = cpu and mkldnn and dtype != torch.float16
     if backend == "onednn" and not onednn_ok:
         raise ModelLoadError(

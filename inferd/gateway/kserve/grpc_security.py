@@ -31,7 +31,8 @@ _STATUS = {
 Handler = Any  # grpc.RpcMethodHandler (untyped in grpc)
 
 
-class GuardInterceptor(grpc.aio.ServerInterceptor):
+# grpcio ships no type information, so its base classes are Any to mypy.
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Admits each call of inference.GRPCInferenceService under its key (see auth.Guard)."""
 
     def __init__(self, guard: Guard, on_reject: Callable[[str], None] | None = None) -> None:

@@ -260,7 +260,8 @@ class InferenceService:
 # Health
 
 
-class ReadinessHealth(health_aio.HealthServicer):
+# grpcio ships no type information, so its base classes are Any to mypy.
+class ReadinessHealth(health_aio.HealthServicer):  # type: ignore[misc]
     """grpc.health.v1: SERVING exactly when GatewayState.ready, for "" and our service name."""
 
     def __init__(self, state: GatewayState) -> None:
