@@ -43,14 +43,19 @@ logger = logging.getLogger("inferd.router")
 class Router:
     """What the app's routes share."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.cluster = Cluster(config)
         self.metrics = RouterMetrics(self.cluster)
         timeout = httpx.Timeout(config.connect_timeout_s, read=config.read_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
         self.health = HealthChecker(self.cluster, self.client, self.metrics)
         self.proxy = Proxy(self.cluster, self.client, self.metrics)
 
@@ -82,9 +87,14 @@ class Router:
         return JSONResponse(status, 200 if ready else 503)
 
 
-def create_router_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+def create_router_app(
+    config: RouterConfig,
+    tokenizer: Tokenizer | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """`tokenizer` and `transport` (to the replicas) are injectable for tests."""
     tok = tokenizer or load_tokenizer(config.model, config.tokenizer, config.revision)
-    router = Router(config, tok)
+    router = Router(config, tok, transport)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -162,8 +162,9 @@ class Proxy:
                 yield chunk
         except httpx.HTTPError as e:
             self._eject(url, "broken_stream", repr(e))
+            message = f"replica {url} failed mid-stream"
             error = {
-                "error": {"message": f"replica {url} failed mid-stream", "type": "server_error"}
+                "error": {"message": message, "type": "server_error", "code": "replica_failed"}
             }
             yield b"\n\ndata: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
         finally:

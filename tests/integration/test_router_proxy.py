@@ -1,0 +1,181 @@
+"""The router app in-process against scripted replicas (httpx.MockTransport): retries, passive
+ejection, pass-through of a request's own failure, a stream broken mid-way, timings, KServe."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+
+from inferd.preprocess.tokenizer import Tokenizer
+from inferd.router.app import create_router_app
+from inferd.router.config import RouterConfig
+from inferd.router.health import report_from_metrics
+from inferd.router.tokenize import load_tokenizer
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+A, B = "http://a", "http://b"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return load_tokenizer("inferd-tiny", None, None)
+
+
+def ok(replica: str, **extra: Any) -> httpx.Response:
+    body = {"choices": [{"text": "x"}], "replica": replica, **extra}
+    return httpx.Response(200, json=body)
+
+
+def make_app(tok: Tokenizer, handler: Handler, max_retries: int = 1) -> FastAPI:
+    cfg = RouterConfig(replicas=(A, B), max_retries=max_retries, policy="round_robin")
+    app = create_router_app(cfg, tok, httpx.MockTransport(handler))
+    for url in (A, B):
+        app.state.router.cluster.set_health(url, ready=True)
+    return app
+
+
+def call(app: FastAPI, path: str, body: Any = None, content: bytes | None = None) -> httpx.Response:
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            if body is None and content is None:
+                return await c.get(path)
+            return await c.post(path, json=body, content=content)
+
+    return asyncio.run(run())
+
+
+COMPLETION = {"prompt": "hello there", "max_tokens": 2}
+
+
+def test_a_draining_replica_is_retried_elsewhere_and_ejected(tok: Tokenizer) -> None:
+    seen: list[str] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        host = f"http://{req.url.host}"
+        seen.append(host)
+        if host == A:
+            err = {"error": {"message": "shutting down", "code": "draining"}}
+            return httpx.Response(503, json=err)
+        return ok(host)
+
+    app = make_app(tok, handler)
+    r = call(app, "/v1/completions", COMPLETION)
+    assert r.status_code == 200 and r.headers["x-inferd-replica"] == B
+    assert seen == [A, B]
+    cluster = app.state.router.cluster
+    assert not cluster.replicas[A].ready and cluster.replicas[A].reason == "draining"
+    assert r.json()["replica"] == B
+
+
+def test_request_ids_are_the_same_on_every_try(tok: Tokenizer) -> None:
+    ids: list[str] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        ids.append(req.headers["x-request-id"])
+        if req.url.host == "a":
+            raise httpx.ConnectError("refused")
+        return ok("b")
+
+    app = make_app(tok, handler)
+    assert call(app, "/v1/completions", COMPLETION).status_code == 200
+    assert len(ids) == 2 and ids[0] == ids[1]
+    assert not app.state.router.cluster.replicas[A].ready
+
+
+def test_a_500_is_the_requests_own_failure_passed_through(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": {"message": "bug", "code": "internal_error"}})
+
+    app = make_app(tok, handler)
+    r = call(app, "/v1/completions", COMPLETION)
+    assert r.status_code == 500
+    assert all(rep.ready for rep in app.state.router.cluster.replicas.values())
+
+
+def test_when_every_try_is_refused_the_last_answer_passes_through(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        body = {"error": {"message": "full", "code": "queue_full"}}
+        return httpx.Response(429, json=body, headers={"Retry-After": "3"})
+
+    r = call(make_app(tok, handler), "/v1/completions", COMPLETION)
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
+
+
+class _Broken(httpx.AsyncByteStream):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "a"}]}\n\n'
+        raise httpx.ReadError("replica died")
+
+
+def test_a_stream_broken_mid_way_ends_with_an_error_event(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=_Broken())
+
+    app = make_app(tok, handler)
+    r = call(app, "/v1/completions", {**COMPLETION, "stream": True})
+    events = [e for e in r.text.split("\n\n") if e.strip()]
+    assert events[0].startswith('data: {"choices"')
+    assert orjson.loads(events[1].removeprefix("data: "))["error"]["code"] == "replica_failed"
+    assert events[-1] == "data: [DONE]"
+    cluster = app.state.router.cluster
+    assert sum(not rep.ready for rep in cluster.replicas.values()) == 1
+    assert all(rep.load.in_flight == 0 for rep in cluster.replicas.values())
+
+
+def test_route_timing_leads_the_replicas_timings(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        return ok("a", timings={"receive": 0.1, "queue": 0.2})
+
+    r = call(
+        make_app(tok, handler),
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}]},
+    )
+    timings = r.json()["timings"]
+    assert list(timings) == ["route", "receive", "queue"] and timings["route"] >= 0
+
+
+def test_kserve_requests_pass_through_byte_for_byte(tok: Tokenizer) -> None:
+    got: list[tuple[str, bytes]] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        got.append((req.url.path, req.content))
+        return httpx.Response(200, json={"model_name": "m", "outputs": []})
+
+    raw = b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}'
+    r = call(make_app(tok, handler), "/v2/models/m/infer", content=raw)
+    assert r.status_code == 200 and got == [("/v2/models/m/infer", raw)]
+
+
+def test_no_ready_replica_is_503_with_retry_after_in_each_protocols_form(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        raise AssertionError("nothing may be forwarded")
+
+    app = make_app(tok, handler)
+    for url in (A, B):
+        app.state.router.cluster.set_health(url, ready=False)
+    r = call(app, "/v1/completions", COMPLETION)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "no_replica"
+    v2 = call(app, "/v2/models/m/infer", content=b"{}")
+    assert v2.status_code == 503 and v2.json() == {"error": "no replica is ready"}
+    assert call(app, "/health/ready").status_code == 503
+
+
+def test_replica_reports_come_from_its_metrics_page() -> None:
+    page = (
+        "# HELP inferd_num_requests_running x\n"
+        "inferd_num_requests_running 3.0\n"
+        "inferd_queued_prompt_tokens 120.0\n"
+        "inferd_kv_cache_usage_ratio 0.5\n"
+    )
+    report = report_from_metrics(page)
+    assert (report.running, report.queued_prompt_tokens, report.kv_cache_usage) == (3, 120, 0.5)
