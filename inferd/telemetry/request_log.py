@@ -80,7 +80,8 @@ class RequestRecord:
     token_gaps: Sequence[float] = ()
     last_token_at: float | None = None
     batch_size: int | None = None
-    trace_id: str | None = None
+    # The LLM timeline the record came from: the tracer names its trace after the record is made.
+    source: RequestTimeline | None = field(default=None, repr=False)
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
     _path: list[tuple[str, float, float]] | None = field(default=None, repr=False)
 
@@ -113,7 +114,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "num_preemptions": self.num_preemptions,
             "batch_size": self.batch_size,
-            "trace_id": self.trace_id,
+            "trace_id": None if self.source is None else self.source.trace_id,
             "stage_order": [str(s) for s in LANE_STAGES[self.lane]],
             "stages": [
                 {
@@ -378,6 +379,7 @@ def llm_record(
         num_preemptions=timeline.num_preemptions,
         token_gaps=timeline.token_gaps,
         last_token_at=timeline.last_token_at,
+        source=timeline,
     )
 
 

@@ -50,6 +50,8 @@ class RequestTimeline:
     detokenize_by_request: dict[str, float] = field(default_factory=dict)
     # Engine request id -> times the scheduler preempted it (the latest value reported).
     preemptions_by_request: dict[str, int] = field(default_factory=dict)
+    # The OTel trace of this request, once the tracer exported it (None with tracing off).
+    trace_id: str | None = None
 
     def add(self, stage: Stage, seconds: float, start: float | None = None) -> None:
         """Adds `seconds` to `stage` (stages such as `stream` are measured in many pieces)."""

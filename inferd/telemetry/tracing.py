@@ -37,6 +37,7 @@ class RequestTracer:
             start_time=_to_epoch_ns(timeline.arrival, self._offset_ns),
             attributes={"inferd.request_id": timeline.request_id, **(attributes or {})},
         )
+        timeline.trace_id = format(root.get_span_context().trace_id, "032x")
         try:
             self._stage_spans(root, timeline)
         finally:

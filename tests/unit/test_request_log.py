@@ -140,3 +140,16 @@ def test_classic_record_uses_the_request_context_and_the_raised_error() -> None:
     names = [s["stage"] for s in doc["stages"]]  # type: ignore[attr-defined]
     assert names == ["receive", "validate", "queue", "infer", "stream"]
     assert sum(p["seconds"] for p in doc["path"]) == pytest.approx(ok.e2e, abs=1e-5)  # type: ignore[attr-defined]
+
+
+def test_llm_record_shows_the_trace_the_tracer_exported_after_it() -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace", reason="needs the otel extra")
+    from inferd.telemetry.tracing import RequestTracer
+
+    tl = RequestTimeline("traced", arrival=0.0)
+    tl.finish(0.5)
+    rec = llm_record(tl, "tiny", 1, ["stop"])  # metrics observe first, the tracer exports after
+    assert rec.timeline()["trace_id"] is None
+    RequestTracer(sdk.TracerProvider().get_tracer("test")).export(tl)
+    trace_id = rec.timeline()["trace_id"]
+    assert isinstance(trace_id, str) and len(trace_id) == 32 and int(trace_id, 16) != 0
