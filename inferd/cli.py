@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: the native CPU kernel when it builds, else PyTorch",
     )
     p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV cache events (blocks stored/removed) on this ZeroMQ address, "
+        "e.g. tcp://*:5557; off by default",
+    )
+    p.add_argument(
         "--quantization",
         default=None,
         choices=get_args(Quantization),
@@ -103,6 +109,7 @@ _ENGINE_ARGS = (
     "enable_prefix_caching",
     "kv_cache_dtype",
     "attention_backend",
+    "kv_events_endpoint",
     "quantization",
     "linear_backend",
     "max_num_batched_tokens",

@@ -60,6 +60,10 @@ class CacheConfig(_Frozen):
     # How attention reads the paged cache: "cpu_kernel" (fails at start if it cannot build),
     # "torch" (gather + SDPA, the CUDA path), "auto" (the kernel on CPU when available).
     attention_backend: AttentionBackend = "auto"
+    # Where the engine publishes KV events (blocks stored/removed by stable hash, for a router's
+    # exact prefix index; kv_cache/events.py), a ZeroMQ address it binds such as tcp://*:5557.
+    # None: off, and nothing is collected.
+    kv_events_endpoint: str | None = None
 
 
 class SchedulerConfig(_Frozen):

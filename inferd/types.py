@@ -100,6 +100,9 @@ class RequestMetrics:
     num_preemptions: int = 0
     # Wall seconds spent detokenizing and matching stop strings, all choices, cumulative.
     detokenize_s: float = 0.0
+    # Prompt tokens found in the prefix cache when the request was first scheduled: the most any
+    # of its `n` choices found (they share one prompt, so it counts once); 0 until scheduled.
+    num_cached_tokens: int = 0
 
 
 @dataclass

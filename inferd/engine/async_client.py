@@ -184,6 +184,9 @@ class AsyncLLM:
             num_preemptions_total=s.num_preemptions_total,
             num_steps_total=s.num_steps_total,
             in_flight=len(self._streams),
+            prefix_cache_queries_tokens_total=s.prefix_cache_queries_tokens_total,
+            prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,
+            cache_config=self.info.cache_config_labels() if self._started else (),
         )
 
     def _admit(self, request: GenerateRequest) -> RequestStream:

@@ -177,6 +177,8 @@ class EngineCore:
             num_preemptions_total=engine.num_preemptions_total,
             num_steps_total=self.num_steps_total,
             num_added_total=self.num_added_total,
+            prefix_cache_queries_tokens_total=engine.scheduler.prefix_cache.queries,
+            prefix_cache_hits_tokens_total=engine.scheduler.prefix_cache.hits,
         )
 
 

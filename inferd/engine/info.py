@@ -21,6 +21,18 @@ class EngineInfo:
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    enable_prefix_caching: bool = True
+    # The KV pool's element type ("auto" resolved: the model dtype when not set).
+    kv_cache_dtype: str = ""
+
+    def cache_config_labels(self) -> tuple[tuple[str, str], ...]:
+        """The KV cache's settings as (label, value) pairs, vLLM's `cache_config_info` labels."""
+        return (
+            ("block_size", str(self.block_size)),
+            ("num_blocks", str(self.num_kv_blocks)),
+            ("enable_prefix_caching", str(self.enable_prefix_caching)),
+            ("cache_dtype", self.kv_cache_dtype or self.dtype),
+        )
 
 
 @dataclass(frozen=True)
@@ -37,3 +49,7 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     in_flight: int = 0  # accepted and not yet finished: queued + in the engine
+    prefix_cache_queries_tokens_total: int = 0
+    prefix_cache_hits_tokens_total: int = 0
+    # EngineInfo.cache_config_labels(); () until the engine has loaded.
+    cache_config: tuple[tuple[str, str], ...] = ()

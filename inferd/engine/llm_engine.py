@@ -25,6 +25,7 @@ from inferd.errors import InvalidRequestError, ModelLoadError
 from inferd.executor.device import configure_threads, resolve_device, resolve_dtype
 from inferd.executor.model_runner import ModelRunner
 from inferd.kv_cache.block_manager import BlockManager
+from inferd.kv_cache.events import KVEventPublisher
 from inferd.models.config import ArchConfig
 from inferd.models.linear import prepare_linears, resolve_linear_kind
 from inferd.models.loader import load_model, resolve_model_path
@@ -72,9 +73,15 @@ class LLMEngine:
             self.runner.enable_decode_graphs(
                 self.max_model_len, config.scheduler.max_num_seqs, capture=True
             )
+        events_endpoint = config.cache.kv_events_endpoint
         block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.runner.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            kv_events=events_endpoint is not None,
         )
+        # Binds at start-up, so a taken address fails the load instead of the first step.
+        self.kv_events = None if events_endpoint is None else KVEventPublisher(events_endpoint)
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer.hf)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
@@ -91,6 +98,8 @@ class LLMEngine:
             num_kv_blocks=self.runner.num_blocks,
             block_size=config.cache.block_size,
             vocab_size=self.arch.vocab_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s; max_model_len %d",
@@ -218,6 +227,8 @@ class LLMEngine:
         stat.num_batched_tokens = sched.num_batched_tokens
         stat.total = time.perf_counter() - t0
         self.step_stats.record(stat)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs + new_outputs
 
     def _expire(self, now: float) -> None:

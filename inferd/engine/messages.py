@@ -67,6 +67,9 @@ class CoreStats(msgspec.Struct, frozen=True):
     # AddRequests received so far: the front subtracts it from what it sent to know how many
     # requests are still in flight to the core.
     num_added_total: int = 0
+    # Prompt tokens looked up in the prefix cache at first admission, and found there.
+    prefix_cache_queries_tokens_total: int = 0
+    prefix_cache_hits_tokens_total: int = 0
 
 
 class RejectedRequest(msgspec.Struct, frozen=True):

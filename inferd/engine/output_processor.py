@@ -257,4 +257,5 @@ def _metrics(state: RequestState) -> RequestMetrics:
         finished_time=state.finished_time,
         num_preemptions=sum(c.request.num_preemptions for c in state.choices),
         detokenize_s=state.detokenize_s,
+        num_cached_tokens=max(c.request.num_cached_tokens or 0 for c in state.choices),
     )

@@ -144,4 +144,7 @@ def gauges_from_stats(s: EngineStats) -> EngineGauges:
         step_tokens=s.step_num_batched_tokens,
         step_seqs=s.step_num_seqs,
         preemptions_total=s.num_preemptions_total,
+        prefix_cache_queries_tokens_total=s.prefix_cache_queries_tokens_total,
+        prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,
+        cache_config=s.cache_config,
     )

@@ -51,3 +51,20 @@ def block_hashes(
         parent = h.digest()
         out.append(int.from_bytes(parent, "little"))
     return out
+
+
+def next_block_hash(parent_hash: int | None, block_tokens: Sequence[int]) -> int:
+    """One link of the chain: the hash of a full block whose predecessor hashed to `parent_hash`
+    (None for a sequence's first block). Equal to `block_hashes(...)[i]` when `parent_hash` is
+    entry i-1 of it, so a block can be hashed where it is registered, from its parent's hash.
+
+    >>> hs = block_hashes(list(range(32)), 16)
+    >>> next_block_hash(hs[0], range(16, 32)) == hs[1]
+    True
+    """
+    parent = BLOCK_HASH_SEED
+    if parent_hash is not None:
+        parent = parent_hash.to_bytes(_DIGEST_BYTES, "little")
+    h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)
+    h.update(struct.pack(f"<{len(block_tokens)}I", *block_tokens))
+    return int.from_bytes(h.digest(), "little")

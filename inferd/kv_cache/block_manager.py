@@ -12,6 +12,10 @@ When cached blocks are registered: only after the step that computed them
 allocated. Registering at allocation would let a request in the same step hit a block whose
 writer is preempted later in that same schedule() call, so its K/V would never be written.
 
+KV events (`kv_events=True`, off by default): the prefix cache logs every block it indexes and
+evicts, by stable chained hash (kv_cache/events.py); `take_kv_events()` drains the log once a
+step. Off, no hash is computed and nothing is logged.
+
 Pure Python, no torch, single-threaded: the engine loop is the only caller.
 """
 
@@ -20,6 +24,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from inferd.kv_cache.block_hash import next_block_hash
+from inferd.kv_cache.events import KVEvent, KVEventLog
 from inferd.kv_cache.prefix_cache import NO_HIT, ROOT_SERIAL, PrefixCache, PrefixHit
 
 
@@ -35,7 +41,11 @@ class BlockManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_events: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -45,10 +55,14 @@ class BlockManager:
         self._ref = [0] * num_blocks
         # Never-cached free blocks; reversed so pop() hands out block 0 first.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._prefix = PrefixCache(num_blocks, block_size)
+        # Only with prefix caching on: without it no block is ever stored, so nothing to tell.
+        self._events = KVEventLog(block_size) if kv_events and enable_prefix_caching else None
+        self._prefix = PrefixCache(num_blocks, block_size, self._events)
         self._tables: dict[str, list[int]] = {}
         # Per request: the cache serial of each leading full block already registered (or found).
         self._serials: dict[str, list[int]] = {}
+        # Per request, with KV events only: the stable hash of each block in `_serials`.
+        self._hashes: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +125,8 @@ class BlockManager:
         if table is None:
             table = self._tables[request_id] = []
             self._serials[request_id] = list(prefix.serials)
+            if self._events is not None:
+                self._hashes[request_id] = [self._prefix.block_hash(b) for b in prefix.block_ids]
         for block_id in prefix.block_ids:
             self._take_cached(block_id)
             table.append(block_id)
@@ -127,15 +143,26 @@ class BlockManager:
             return
         table = self._tables[request_id]
         bs = self._block_size
+        hashes = self._hashes.get(request_id)
         for i in range(len(serials), num_computed_tokens // bs):
             parent = serials[-1] if serials else ROOT_SERIAL
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            serials.append(self._prefix.register(table[i], parent, tokens))
+            chain = None
+            if hashes is not None:
+                parent_hash = hashes[-1] if hashes else None
+                chain = (next_block_hash(parent_hash, tokens), parent_hash)
+                hashes.append(chain[0])
+            serials.append(self._prefix.register(table[i], parent, tokens, chain))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The cache's stored/removed events since the last call; [] when KV events are off."""
+        return [] if self._events is None else self._events.drain()
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, tail first (so its prefix is evicted last). Idempotent."""
         table = self._tables.pop(request_id, None)
         self._serials.pop(request_id, None)
+        self._hashes.pop(request_id, None)
         for block_id in reversed(table or ()):
             assert self._ref[block_id] > 0, f"double free of block {block_id}"
             self._ref[block_id] -= 1
@@ -156,6 +183,8 @@ class BlockManager:
         idle = {b for b in range(self._num_blocks) if self._ref[b] == 0}
         assert idle == free | {b for b in idle if self._prefix.is_cached(b)}
         assert self.num_free_blocks == len(idle)
+        if self._events is not None:
+            assert all(len(self._hashes[r]) == len(s) for r, s in self._serials.items())
         self._prefix.check_invariants(self._ref)
 
     def _take_free(self) -> int:

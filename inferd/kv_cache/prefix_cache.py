@@ -14,6 +14,11 @@ blocks first and evicts from the LRU front (least recently freed) only when none
 Requests free their blocks tail first, so a sequence's last blocks are evicted before its prefix,
 which later requests are more likely to share.
 
+KV events (only when the block manager is given a KVEventLog, see kv_cache/events.py). Each
+cached block then also carries its stable chained hash (kv_cache/block_hash.py), computed by the
+caller from its parent's when it registers the block; a registration that indexes the block logs
+BlockStored and an eviction BlockRemoved. Without a log no hash is computed or kept.
+
 Pure Python, single-threaded: the engine loop is the only caller.
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from inferd.kv_cache.events import KVEventLog
 
 ROOT_SERIAL = -1
 
@@ -45,8 +52,11 @@ NO_HIT = PrefixHit()
 class PrefixCache:
     """Content-addressed index of full, computed blocks plus the LRU of evictable ones."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None = None) -> None:
         self.block_size = block_size
+        self._events = events
+        # The stable chained hash of each cached block's content; all None without `events`.
+        self._hash_of: list[int | None] = [None] * num_blocks
         self._index: dict[BlockKey, int] = {}
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._serial_of: list[int] = [ROOT_SERIAL] * num_blocks
@@ -81,8 +91,23 @@ class PrefixCache:
             serials.append(parent)
         return PrefixHit(tuple(block_ids), tuple(serials), len(block_ids) * bs)
 
-    def register(self, block_id: int, parent_serial: int, tokens: tuple[int, ...]) -> int:
+    def block_hash(self, block_id: int) -> int:
+        """The stable hash of a cached block (only while KV events are collected)."""
+        block_hash = self._hash_of[block_id]
+        assert block_hash is not None, f"block {block_id} has no hash"
+        return block_hash
+
+    def register(
+        self,
+        block_id: int,
+        parent_serial: int,
+        tokens: tuple[int, ...],
+        chain: tuple[int, int | None] | None = None,
+    ) -> int:
         """Index a full, computed block; returns the serial that now stands for its content.
+
+        `chain` is (the block's stable hash, its parent's or None), given exactly when KV events
+        are collected; a block that gets indexed is then logged as stored.
 
         When equal content is already cached (two requests computed the same prefix in the same
         step), the first block stays the indexed one and `block_id` stays uncached: its owner
@@ -91,6 +116,7 @@ class PrefixCache:
         """
         assert len(tokens) == self.block_size, "only full blocks are cached"
         assert self._key_of[block_id] is None, f"block {block_id} is already cached"
+        assert (chain is None) == (self._events is None), "a hash exactly when events are on"
         key = (parent_serial, tokens)
         existing = self._index.get(key)
         if existing is not None:
@@ -100,6 +126,9 @@ class PrefixCache:
         self._index[key] = block_id
         self._key_of[block_id] = key
         self._serial_of[block_id] = serial
+        if self._events is not None and chain is not None:
+            self._hash_of[block_id] = chain[0]
+            self._events.stored(chain[0], chain[1], tokens)
         return serial
 
     def park(self, block_id: int) -> None:
@@ -119,6 +148,10 @@ class PrefixCache:
         del self._index[key]
         self._key_of[block_id] = None
         self._serial_of[block_id] = ROOT_SERIAL
+        block_hash = self._hash_of[block_id]
+        if self._events is not None and block_hash is not None:
+            self._events.removed(block_hash)
+            self._hash_of[block_id] = None
         return block_id
 
     def check_invariants(self, ref_counts: Sequence[int]) -> None:
@@ -128,3 +161,7 @@ class PrefixCache:
         assert sum(k is not None for k in self._key_of) == len(self._index)
         for block_id in self._lru:
             assert self.is_cached(block_id) and ref_counts[block_id] == 0
+        # With KV events a block has a hash exactly while it is cached; without, none has one.
+        hashing = self._events is not None
+        for block_id, block_hash in enumerate(self._hash_of):
+            assert (block_hash is not None) == (hashing and self.is_cached(block_id))

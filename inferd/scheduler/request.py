@@ -39,6 +39,9 @@ class Request:
     # The token id or stop string that ended the request, if one did.
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt tokens the prefix cache held at the request's first admission; None until then. A
+    # re-admission after a preemption leaves it as it was (that hit is mostly its own recompute).
+    num_cached_tokens: int | None = None
     # time.monotonic() instant past which the scheduler finishes the request (see
     # Scheduler.expire); None: no deadline.
     deadline: float | None = None

@@ -49,6 +49,10 @@ class Scheduler:
     documents. A chunk's `start` is that value at schedule time; the runner reads `start`.
     Requests that finish leave the scheduler: `get_request` no longer knows them.
 
+    Prefix-cache accounting happens at a request's first admission only: `prefix_cache` counts
+    its prompt tokens as queried and its cached prefix as hit (while prefix caching is on), and
+    `Request.num_cached_tokens` keeps that hit.
+
     Deadlines live here and only here: `expire(now)` finishes every request whose
     `Request.deadline` has passed, as FINISHED_EXPIRED_WAITING when it has no output token yet
     (a queue timeout) and FINISHED_TIMEOUT otherwise (a generation timeout).
@@ -68,6 +72,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         # Deadline order over unfinished requests with a deadline; finished ones are stale.
         self._deadlines: LazyHeap[float, Request] = LazyHeap(_is_unfinished)
+        self.prefix_cache = PrefixCacheStats()
 
     @property
     def num_running(self) -> int:
@@ -163,9 +168,17 @@ class Scheduler:
             return False
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = hit.num_tokens
+        if request.num_cached_tokens is None:
+            self._count_prefix_hit(request, hit.num_tokens)
         self._running.append(request)
         step.add(request, num_new, self.block_manager.block_table(request.request_id))
         return True
+
+    def _count_prefix_hit(self, request: Request, num_cached: int) -> None:
+        request.num_cached_tokens = num_cached
+        if self.block_manager.enable_prefix_caching:
+            self.prefix_cache.queries += request.num_prompt_tokens
+            self.prefix_cache.hits += num_cached
 
     def _allocate_waiting(
         self, request: Request, hit: PrefixHit, num_new: int, step: _StepPlan
@@ -337,6 +350,14 @@ def _is_unfinished(request: Request) -> bool:
 def _preemption_key(request: Request) -> tuple[int, float]:
     # The largest key is preempted first: lowest priority (largest value), then newest.
     return request.priority, request.arrival_time
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and found there, since start (cumulative)."""
+
+    queries: int = 0
+    hits: int = 0
 
 
 @dataclass

@@ -113,6 +113,10 @@ class EngineGauges:
     step_tokens: int = 0
     step_seqs: int = 0
     preemptions_total: int = 0
+    prefix_cache_queries_tokens_total: int = 0
+    prefix_cache_hits_tokens_total: int = 0
+    # (label, value) pairs of the KV cache's settings; () until the engine has loaded.
+    cache_config: tuple[tuple[str, str], ...] = ()
 
 
 # (metric name, help, EngineGauges attribute)
@@ -148,9 +152,38 @@ class EngineCollector(Collector):
         counter = CounterMetricFamily("inferd_preemptions", "Requests preempted by the scheduler")
         counter.add_metric([], g.preemptions_total)
         yield counter
+        yield from _prefix_cache_metrics(g)
 
     def describe(self) -> Iterable[Metric]:
         return []
+
+
+def _prefix_cache_metrics(g: EngineGauges) -> Iterator[Metric]:
+    """Prefix-cache hit counters in tokens (hit rate = rate(hits) / rate(queries)) and the cache
+    settings as an info-style gauge (vLLM's `prefix_cache_*` and `cache_config_info`)."""
+    for name, doc, value in (
+        (
+            "inferd_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache (at each request's first scheduling)",
+            g.prefix_cache_queries_tokens_total,
+        ),
+        (
+            "inferd_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache (at each request's first scheduling)",
+            g.prefix_cache_hits_tokens_total,
+        ),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], value)
+        yield counter
+    if g.cache_config:
+        info = GaugeMetricFamily(
+            "inferd_cache_config_info",
+            "The KV cache's settings, as labels (the value is always 1)",
+            labels=[k for k, _ in g.cache_config],
+        )
+        info.add_metric([v for _, v in g.cache_config], 1)
+        yield info
 
 
 class ModelInflightCollector(Collector):

@@ -100,7 +100,12 @@ def test_completion_body_usage_and_timings() -> None:
     assert body["object"] == "text_completion"
     assert body["choices"][0]["text"] == REPLY[:5]
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 5,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["timings"]["prefill"] == pytest.approx(0.5)
     assert body["timings"]["decode"] == pytest.approx(0.5)
     assert r.headers["x-request-id"]

@@ -11,10 +11,15 @@ from pydantic import Field
 from inferd.gateway.contract import OpenModel
 
 
+class PromptTokensDetails(OpenModel):
+    cached_tokens: int = Field(description="Prompt tokens the prefix cache already held")
+
+
 class Usage(OpenModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Choice(OpenModel):

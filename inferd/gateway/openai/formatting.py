@@ -147,11 +147,13 @@ def record_logprobs(state: ChoiceState, kind: Kind, d: Delta, num: int, decode: 
 # -- bodies --------------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Json:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Json:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache already held."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

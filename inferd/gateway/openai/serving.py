@@ -69,6 +69,8 @@ class Job:
     envelope: Envelope
     num_logprobs: int | None
     choices: dict[int, ChoiceState] = field(default_factory=dict)
+    # Per prompt index: its prompt tokens the prefix cache held (its `n` choices count it once).
+    cached_tokens: dict[int, int] = field(default_factory=dict)
     finalized: bool = False
     # Non-streaming: when the encoded body was handed to the server to send.
     send_started: float | None = None
@@ -96,7 +98,7 @@ class Job:
         ]
 
     def usage(self) -> Json:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens.values()))
 
 
 # -- prepare: everything that can fail with a 4xx, before the engine sees the request ----------
@@ -301,6 +303,7 @@ def consume(job: Job, decode: Decode, i: int, out: RequestOutput) -> list[Json]:
     """Folds one output into the job; returns the stream choices it produced."""
     now = time.monotonic()
     job.timeline.update_from_engine(out.metrics, out.request_id)
+    job.cached_tokens[i] = max(job.cached_tokens.get(i, 0), out.metrics.num_cached_tokens)
     job.timeline.on_tokens(sum(len(c.token_ids) for c in out.outputs), now)
     produced = []
     for c in out.outputs:
