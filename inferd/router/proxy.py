@@ -9,7 +9,8 @@ failure and passes through without a retry (another replica would likely fail it
 
 Streams (`text/event-stream`) pass through chunk by chunk as they arrive, never buffered; a stream
 the replica breaks ends with an SSE error event and `[DONE]`, never a hang. A client that goes
-away closes the upstream request, so the replica aborts the generation.
+away (while the replica works, or mid-stream) closes the upstream request, so the replica aborts
+the generation.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import orjson
@@ -48,6 +50,7 @@ _DROP_REQUEST = {
 _DROP_RESPONSE = {"content-length", "connection", "keep-alive", "transfer-encoding", "date"}
 _RETRY_STATUS = {429, 502, 503, 504}
 _EJECT_503 = {"draining", "engine_dead", "not_ready"}
+_T = TypeVar("_T")
 REPLICA_HEADER = "x-inferd-replica"
 CACHED_HEADER = "x-inferd-route-cached-tokens"
 
@@ -115,11 +118,14 @@ class Proxy:
             fwd.method, url + fwd.path, headers=fwd.headers, content=fwd.body
         )
         try:
-            upstream = await self.client.send(req, stream=True)
+            upstream = await _unless_gone(request, self.client.send(req, stream=True))
         except httpx.TransportError as e:
             ticket.finish()
             self._eject(url, "connect_error", repr(e))
             return _Failed("connect_error")
+        if upstream is None:  # the client left while the replica worked: the request is dropped
+            ticket.finish()
+            return Response(status_code=499)
         if upstream.status_code in _RETRY_STATUS and not final:
             return await self._refused(upstream, ticket, url)
         ticket.first_byte()
@@ -129,7 +135,7 @@ class Proxy:
             stream = self._stream(upstream, ticket, url)
             return StreamingResponse(stream, upstream.status_code, headers)
         try:
-            body = await _read_unless_gone(request, upstream)
+            body = await _unless_gone(request, upstream.aread())
         except httpx.HTTPError as e:
             self._eject(url, "broken_response", repr(e))
             return _Failed("broken_response")
@@ -202,18 +208,19 @@ def _response_headers(
     return headers
 
 
-async def _read_unless_gone(request: Request, upstream: httpx.Response) -> bytes | None:
-    """The whole body, or None when the client disconnects first (the read is cancelled)."""
-    read = asyncio.ensure_future(upstream.aread())
+async def _unless_gone(request: Request, work: Awaitable[_T]) -> _T | None:
+    """`work`'s result, or None when the client disconnects first: `work` is then cancelled,
+    which closes the upstream connection so the replica aborts the request."""
+    task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
-    if not read.done():
-        read.cancel()
+    if not task.done():
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-            await read
+            await task
         return None
-    return read.result()
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:

@@ -179,3 +179,52 @@ def test_replica_reports_come_from_its_metrics_page() -> None:
     )
     report = report_from_metrics(page)
     assert (report.running, report.queued_prompt_tokens, report.kv_cache_usage) == (3, 120, 0.5)
+
+
+def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
+    cancelled = asyncio.Event()
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        try:
+            await asyncio.sleep(60)  # the replica still prefilling
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return ok("a")
+
+    app = make_app(tok, handler)
+    body = orjson.dumps(COMPLETION)
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "server": ("router", 80),
+        "client": ("client", 1234),
+        "scheme": "http",
+        "root_path": "",
+    }
+
+    async def run() -> None:
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+
+    asyncio.run(run())
+    assert cancelled.is_set()
+    assert all(r.load.in_flight == 0 for r in app.state.router.cluster.replicas.values())

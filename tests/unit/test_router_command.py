@@ -1,0 +1,61 @@
+"""The router's command-line side: flags -> RouterConfig, replica argv for data parallel, DNS."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inferd.cli import build_parser
+from inferd.router.command import router_config
+from inferd.router.config import RouterConfig
+from inferd.router.health import resolve
+from inferd.router.launch import replica_argv
+
+
+def test_router_flags_map_onto_the_config() -> None:
+    argv = ["router", "--replica", "http://a:1", "--replica", "http://b:2"]
+    argv += ["--policy", "least_load", "--block-size", "32", "--health-interval", "0.5"]
+    args = build_parser().parse_args([*argv, "--seed", "3"])
+    cfg = router_config(args)
+    assert cfg.replicas == ("http://a:1", "http://b:2")
+    assert (cfg.policy, cfg.block_size, cfg.health_interval_s, cfg.seed) == (
+        "least_load",
+        32,
+        0.5,
+        3,
+    )
+    # Flags left out keep the dataclass defaults.
+    assert cfg.index_capacity_blocks == RouterConfig.index_capacity_blocks
+
+
+def test_a_router_needs_replicas() -> None:
+    with pytest.raises(ValueError, match="--replica"):
+        RouterConfig()
+
+
+def test_serve_accepts_data_parallel_size() -> None:
+    args = build_parser().parse_args(["serve", "--data-parallel-size", "2"])
+    assert args.data_parallel_size == 2
+
+
+def test_replicas_get_the_parents_flags_but_their_own_address() -> None:
+    argv = ["serve", "--port", "8000", "--data-parallel-size=2", "--seed", "1", "--host=0.0.0.0"]
+    assert replica_argv(argv, 9) == [
+        "serve",
+        "--seed",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9",
+        "--grpc-port",
+        "-1",
+    ]
+
+
+def test_dns_names_resolve_to_one_replica_per_address() -> None:
+    urls = asyncio.run(resolve("localhost:8001"))
+    assert "http://127.0.0.1:8001" in urls
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        asyncio.run(resolve("localhost"))
