@@ -223,6 +223,8 @@ async function openRequest(id) {
   const box = $("#waterfall");
   box.hidden = false;
   box.dataset.e2e = doc.e2e;
+  box.dataset.lane = doc.lane;
+  box.dataset.tokens = doc.output_tokens;
   $("#wf-id").textContent = doc.request_id;
   const meta = [`${doc.lane} · ${doc.model}`, `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
   const own = {};
