@@ -9,8 +9,11 @@ A router that wants to know exactly what each replica's prefix cache holds subsc
 Hashes are `inferd.kv_cache.block_hash` chained hashes, the ones the router computes from token
 ids itself, so "the replica holds this prompt's first k blocks" is "it holds its first k hashes".
 `BlockStored` is published once a block's K/V are computed and findable by a prefix lookup;
-`BlockRemoved` when it is evicted (its hash no longer findable). A block whose parent was removed
-is unreachable in the replica too, so matching leading hashes stays exact.
+`BlockRemoved` when the replica's last cached block with that hash is evicted. Each hash is
+stored at most once until it is removed, so a set of hashes per replica is the whole index. A
+block whose parent was removed can no longer be found in the replica either, so counting the
+leading hashes a replica holds stays exact up to one case: a child cached under an evicted parent
+keeps its hash alive until it is evicted itself (LRU), after its prefix was recomputed.
 
 Delivery. One `KVEventBatch` per engine step that changed the cache, numbered from 0 by `seq`.
 PUB drops what a slow or absent subscriber cannot take, so a subscriber checks `seq`: a batch that

@@ -16,15 +16,18 @@ which later requests are more likely to share.
 
 KV events (only when the block manager is given a KVEventLog, see kv_cache/events.py). Each
 cached block then also carries its stable chained hash (kv_cache/block_hash.py), computed by the
-caller from its parent's when it registers the block; a registration that indexes the block logs
-BlockStored and an eviction BlockRemoved. Without a log no hash is computed or kept.
+caller from its parent's when it registers the block. Events follow hashes, not blocks: the first
+indexed block with a hash logs BlockStored, the eviction of the last one BlockRemoved. (Two blocks
+can share a hash: a block whose parent was evicted stays indexed, unreachable, until it is evicted
+itself, and the same content may meanwhile be computed again under the parent's new serial.)
+Without a log no hash is computed or kept.
 
 Pure Python, single-threaded: the engine loop is the only caller.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +60,8 @@ class PrefixCache:
         self._events = events
         # The stable chained hash of each cached block's content; all None without `events`.
         self._hash_of: list[int | None] = [None] * num_blocks
+        # Indexed blocks per stable hash (only with `events`): stored at 0 -> 1, removed at 1 -> 0.
+        self._hash_count: dict[int, int] = {}
         self._index: dict[BlockKey, int] = {}
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._serial_of: list[int] = [ROOT_SERIAL] * num_blocks
@@ -127,8 +132,12 @@ class PrefixCache:
         self._key_of[block_id] = key
         self._serial_of[block_id] = serial
         if self._events is not None and chain is not None:
-            self._hash_of[block_id] = chain[0]
-            self._events.stored(chain[0], chain[1], tokens)
+            block_hash, parent_hash = chain
+            self._hash_of[block_id] = block_hash
+            count = self._hash_count.get(block_hash, 0)
+            self._hash_count[block_hash] = count + 1
+            if count == 0:
+                self._events.stored(block_hash, parent_hash, tokens)
         return serial
 
     def park(self, block_id: int) -> None:
@@ -150,8 +159,12 @@ class PrefixCache:
         self._serial_of[block_id] = ROOT_SERIAL
         block_hash = self._hash_of[block_id]
         if self._events is not None and block_hash is not None:
-            self._events.removed(block_hash)
             self._hash_of[block_id] = None
+            count = self._hash_count.pop(block_hash) - 1
+            if count:
+                self._hash_count[block_hash] = count
+            else:
+                self._events.removed(block_hash)
         return block_id
 
     def check_invariants(self, ref_counts: Sequence[int]) -> None:
@@ -165,3 +178,4 @@ class PrefixCache:
         hashing = self._events is not None
         for block_id, block_hash in enumerate(self._hash_of):
             assert (block_hash is not None) == (hashing and self.is_cached(block_id))
+        assert Counter(h for h in self._hash_of if h is not None) == self._hash_count

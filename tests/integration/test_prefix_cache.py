@@ -1,0 +1,86 @@
+"""Prefix caching on the built-in tiny model: a request that shares a long prefix with an earlier
+one reports cached tokens, the engine's counters move, and KV events arrive over ZeroMQ with the
+stable hashes of the prompt's blocks."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from inferd import LLM, SamplingParams
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.kv_cache.events import BlockStored, KVEventSubscriber
+
+BLOCK = 16
+SHARED = [(i * 37) % 3000 + 10 for i in range(96)]  # 6 full blocks
+
+
+def _params(n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, n=n)
+
+
+def _prompt(suffix: list[int]) -> dict[str, list[int]]:
+    return {"prompt_token_ids": [*SHARED, *suffix]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory=64 << 20, block_size=BLOCK)
+
+
+def test_a_shared_prefix_is_reported_cached_and_counted(llm: LLM) -> None:
+    stats = llm.llm_engine.scheduler.prefix_cache
+    queries, hits = stats.queries, stats.hits
+    (first,) = llm.generate(_prompt([5, 6, 7]), _params(), use_tqdm=False)
+    (second,) = llm.generate(_prompt([8, 9]), _params(), use_tqdm=False)
+    assert first.metrics.num_cached_tokens == 0
+    assert second.metrics.num_cached_tokens == len(SHARED)
+    assert stats.queries - queries == 2 * len(SHARED) + 5
+    assert stats.hits - hits == len(SHARED)
+
+
+def test_n_choices_count_their_prompt_once(llm: LLM) -> None:
+    (out,) = llm.generate(_prompt([11, 12, 13]), _params(n=3), use_tqdm=False)
+    assert len(out.outputs) == 3
+    assert out.metrics.num_cached_tokens == len(SHARED)
+
+
+@pytest.fixture
+def llm_with_events() -> Iterator[tuple[LLM, KVEventSubscriber]]:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    llm = LLM(
+        dtype="float32", kv_cache_memory=16 << 20, block_size=BLOCK, kv_events_endpoint=endpoint
+    )
+    subscriber = KVEventSubscriber(endpoint)
+    time.sleep(0.3)  # PUB/SUB: a subscription needs a moment to reach the publisher
+    yield llm, subscriber
+    subscriber.close()
+    publisher = llm.llm_engine.kv_events
+    assert publisher is not None
+    publisher.close()
+
+
+def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
+    llm_with_events: tuple[LLM, KVEventSubscriber],
+) -> None:
+    llm, subscriber = llm_with_events
+    prompt = [*SHARED, 3, 4]
+    llm.generate({"prompt_token_ids": prompt}, _params(), use_tqdm=False)
+    stored: list[int] = []
+    expected_seq = 0
+    while (received := subscriber.receive(timeout_s=2.0)) is not None:
+        assert not received.gap and received.batch.seq == expected_seq
+        expected_seq += 1
+        for event in received.batch.events:
+            assert isinstance(event, BlockStored) and event.block_size == BLOCK
+            stored += event.block_hashes
+    assert stored == block_hashes(prompt, BLOCK)
