@@ -7,7 +7,8 @@ every try fails. A connect error, 502, 504, or a 503 saying `draining`/`engine_d
 also takes the replica out of rotation at once (passive health check). A 500 is the request's own
 failure and passes through without a retry (another replica would likely fail it the same way).
 
-Streams (`text/event-stream`) pass through chunk by chunk as they arrive, never buffered; a stream
+Streams (`text/event-stream`) pass through event by event as they arrive (the one carrying
+`timings` gets `route` added), never buffered whole; a stream
 the replica breaks ends with an SSE error event and `[DONE]`, never a hang. A client that goes
 away (while the replica works, or mid-stream) closes the upstream request, so the replica aborts
 the generation.
@@ -132,7 +133,7 @@ class Proxy:
         self._count(url, routed)
         headers = _response_headers(upstream, url, ticket, routed)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            stream = self._stream(upstream, ticket, url)
+            stream = self._stream(upstream, ticket, url, fwd.route_s)
             return StreamingResponse(stream, upstream.status_code, headers)
         try:
             body = await _unless_gone(request, upstream.aread())
@@ -161,11 +162,15 @@ class Proxy:
         return _Failed(code, Response(body, upstream.status_code, headers))
 
     async def _stream(
-        self, upstream: httpx.Response, ticket: Ticket, url: str
+        self, upstream: httpx.Response, ticket: Ticket, url: str, route_s: float
     ) -> AsyncIterator[bytes]:
+        events = SSEEvents(route_s)
         try:
             async for chunk in upstream.aiter_raw():
-                yield chunk
+                if out := events.feed(chunk):
+                    yield out
+            if events.pending:
+                yield events.pending
         except httpx.HTTPError as e:
             self._eject(url, "broken_stream", repr(e))
             message = f"replica {url} failed mid-stream"
@@ -236,6 +241,39 @@ def _error_code(body: bytes) -> str | None:
         if isinstance(err, dict) and isinstance(err.get("code"), str):
             return str(err["code"])
     return None
+
+
+class SSEEvents:
+    r"""Re-cuts a byte stream at SSE event boundaries (a blank line) so the event that carries
+    `timings` (the last one) gets `route` added; every complete event leaves at once, only a
+    partial one waits for its end.
+
+    >>> e = SSEEvents(0.5)
+    >>> e.feed(b'data: {"a": 1}\n\ndata: {"timings": {"e2e')
+    b'data: {"a": 1}\n\n'
+    >>> e.feed(b'": 1}}\n\n')
+    b'data: {"timings":{"route":0.5,"e2e":1}}\n\n'
+    """
+
+    def __init__(self, route_s: float) -> None:
+        self.route_s = route_s
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.pending + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self.pending = data
+            return b""
+        done, self.pending = data[: cut + 2], data[cut + 2 :]
+        if b'"timings"' not in done:
+            return done
+        return b"\n\n".join(self._event(e) for e in done.split(b"\n\n"))
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {") or b'"timings"' not in event:
+            return event
+        return b"data: " + _with_route_timing(event[6:], self.route_s)
 
 
 def _with_route_timing(body: bytes, route_s: float) -> bytes:

@@ -228,3 +228,23 @@ def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
     asyncio.run(run())
     assert cancelled.is_set()
     assert all(r.load.in_flight == 0 for r in app.state.router.cluster.replicas.values())
+
+
+class _Chunks(httpx.AsyncByteStream):
+    """A stream cut at awkward places: mid-event, mid-key."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [], "tim'
+        yield b'ings": {"receive": 0.1}}\n\n'
+        yield b"data: [DONE]\n\n"
+
+
+def test_a_streams_last_event_gets_the_route_stage(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Chunks())
+
+    r = call(make_app(tok, handler), "/v1/completions", {**COMPLETION, "stream": True})
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[0] == '{"choices": [{"text": "a"}]}'  # untouched, byte for byte
+    assert list(orjson.loads(events[1])["timings"]) == ["route", "receive"]
+    assert events[2] == "[DONE]"
