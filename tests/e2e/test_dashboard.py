@@ -179,3 +179,11 @@ def test_disable_dashboard_leaves_the_routes_out() -> None:
         for path in ("/dashboard", "/v1/requests", "/v1/requests/x", "/v1/dashboard/events"):
             assert client.get(path).status_code == 404, path
     assert not hasattr(app.state, "request_log")
+
+
+def test_event_stream_ends_when_the_server_drains() -> None:
+    app = create_app(None, ServerConfig())
+    app.state.gateway.draining = True
+    with TestClient(app) as client:
+        r = client.get("/v1/dashboard/events")
+    assert r.status_code == 200 and r.text == "retry: 2000\n\n"
