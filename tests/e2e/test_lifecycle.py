@@ -88,7 +88,9 @@ def test_overload_gets_429_fast_and_nothing_hangs(tight: Server) -> None:
     assert r.status_code == 429, r.text
     assert int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["code"] == "queue_full"
-    assert elapsed < 0.05 * 4  # 50 ms target; slack for a loaded 2-core CI box
+    # At once, not after the queued requests (the blocker holds them until it exits): the 50 ms it
+    # takes on a quiet box, with room for a 2-core CI machine busy with other tests.
+    assert elapsed < 1.0
     for t in threads:
         t.join(60)
     assert [x.status_code for x in results] == [200, 200]

@@ -325,8 +325,6 @@ def test_a_whole_request_is_not_cut_off(secure: Secure) -> None:
         assert c.get("/v2/health/live").status_code == 200
 
 
-# httpx leaves the socket of the refused TLS handshake for the garbage collector to close.
-@pytest.mark.filterwarnings("ignore:Exception ignored in. <ssl.SSLSocket")
 def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
     """--ssl-ca-certs: HTTP and gRPC accept only clients with a certificate the CA signed."""
     certs = make_certs(tmp_path)
