@@ -72,6 +72,7 @@ from inferd.errors import (
 )
 from inferd.model_config import ModelRepoConfig
 from inferd.steps.base import Step
+from inferd.telemetry.request_log import log_id
 from inferd.telemetry.stages import Stage, StageTimings
 from inferd.tensors import InferRequest, InferResponse
 
@@ -106,6 +107,11 @@ class _Work:
     num_tokens: int | None = None
     queued: Queued[_Work] | None = None
     result: InferResponse | BaseException | None = None  # set on the worker thread
+    # The ids of the requests of the batch it ran in, itself included (set on the worker thread;
+    # a list the caller of infer() holds, so its report can name the batch mates).
+    batch: list[str] = field(default_factory=list)
+    # The id the request log knows it by (the HTTP X-Request-Id, else the protocol's own id).
+    log_id: str = ""
 
 
 # (rows, padding ratio) of each backend call a batch made.
@@ -230,9 +236,10 @@ class ServedModel:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         timings = StageTimings()
+        batch: list[str] = []
         outcome: str | None = "error"
         try:
-            response = await self._infer(request, timings)
+            response = await self._infer(request, timings, batch)
             outcome = "success"
             return response
         except asyncio.CancelledError:
@@ -243,12 +250,15 @@ class ServedModel:
             raise
         finally:
             if outcome is not None and self._observer is not None:
-                self._observe_request(timings, outcome)
+                self._observe_request(timings, outcome, batch)
 
-    async def _infer(self, request: InferRequest, timings: StageTimings) -> InferResponse:
+    async def _infer(
+        self, request: InferRequest, timings: StageTimings, batch: list[str]
+    ) -> InferResponse:
         if self._state != "ready":
             raise self._not_ready("is not ready" if self._state == "new" else "is stopping")
         work = self._validate(request, timings)
+        work.batch = batch
         future = work.future
         self._live.add(future)
         try:
@@ -272,8 +282,8 @@ class ServedModel:
 
     def _validate(self, request: InferRequest, timings: StageTimings) -> _Work:
         """Everything that can be known wrong about a request before queueing (400s)."""
-        start = time.perf_counter()
-        arrival = request.arrival or time.monotonic()
+        start = time.monotonic()
+        arrival = request.arrival or start
         rows = self._validator(request.inputs)
         check_requested_outputs(request.outputs, self._known_outputs)
         priority = self._rules.priority(request.priority)
@@ -286,15 +296,16 @@ class ServedModel:
             rows,
             priority,
             None if timeout is None else arrival + timeout,
+            log_id=log_id(request.id),
         )
-        timings.set(Stage.VALIDATE, time.perf_counter() - start)
+        timings.set(Stage.VALIDATE, time.monotonic() - start, start)
         return work
 
     def _preprocess(self, work: _Work) -> None:
         """Preprocess thread: runs the steps, then hands the request back to the loop (one hop
         each way)."""
         assert self._loop is not None
-        start = time.perf_counter()
+        start = time.monotonic()
         error: BaseException | None = None
         try:
             tensors = dict(work.request.inputs)
@@ -307,7 +318,7 @@ class ServedModel:
             work.num_tokens = num_tokens(work.extras)
         except Exception as exc:
             error = step_error("preprocess", exc)
-        work.timings.set(Stage.PREPROCESS, time.perf_counter() - start)
+        work.timings.set(Stage.PREPROCESS, time.monotonic() - start, start)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
             self._loop.call_soon_threadsafe(self._preprocessed, work, error)
 
@@ -343,17 +354,21 @@ class ServedModel:
 
     def _expire(self, work: _Work) -> None:
         if work.queued is not None:
-            work.timings.set(Stage.QUEUE, self._batcher.now() - work.queued.enqueued)
+            enqueued = work.queued.enqueued
+            work.timings.set(Stage.QUEUE, self._batcher.now() - enqueued, enqueued)
         _fail(work.future, QueueTimeoutError("the request's queue timeout passed before it ran"))
 
     # -- one batch (worker thread) -----------------------------------------------------------
 
     def _run_batch(self, backend: Backend, batch: list[Queued[_Work]]) -> _Executed:
-        works = []
+        works = [queued.item for queued in batch]
+        ids = [work.log_id for work in works]
         for queued in batch:
-            queued.item.timings.set(Stage.QUEUE, queued.queue_s)
-            queued.item.timings.set(Stage.BATCH, queued.batch_s)
-            works.append(queued.item)
+            # The wait tiles [enqueued, enqueued + queue_s + batch_s): queue, then batch formation.
+            enqueued = queued.enqueued
+            queued.item.timings.set(Stage.QUEUE, queued.queue_s, enqueued)
+            queued.item.timings.set(Stage.BATCH, queued.batch_s, enqueued + queued.queue_s)
+            queued.item.batch[:] = ids
         executed: _Executed = []
         self._execute(backend, works, executed)
         return executed
@@ -361,10 +376,10 @@ class ServedModel:
     def _execute(self, backend: Backend, works: list[_Work], executed: _Executed) -> None:
         """compute_input -> infer -> compute_output -> respond (per request); sets each work's
         `result`. A failed batch of several requests is re-run one request at a time."""
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
             inputs, ratio = assemble([w.tensors for w in works], self._variable)
-            t1 = time.perf_counter()
+            t1 = time.monotonic()
             outputs = backend.infer(inputs)
         except Exception as exc:
             if len(works) > 1:
@@ -379,7 +394,7 @@ class ServedModel:
                 return
             works[0].result = backend_error(exc)
             return
-        t2 = time.perf_counter()
+        t2 = time.monotonic()
         rows = [w.rows for w in works]
         executed.append((sum(rows), ratio))
         try:
@@ -388,12 +403,12 @@ class ServedModel:
             for work in works:
                 work.result = exc
             return
-        t3 = time.perf_counter()
+        t3 = time.monotonic()
         offset = 0
         for work, outs in zip(works, parts, strict=True):
-            work.timings.set(Stage.COMPUTE_INPUT, t1 - t0)
-            work.timings.set(Stage.INFER, t2 - t1)
-            work.timings.set(Stage.COMPUTE_OUTPUT, t3 - t2)
+            work.timings.set(Stage.COMPUTE_INPUT, t1 - t0, t0)
+            work.timings.set(Stage.INFER, t2 - t1, t1)
+            work.timings.set(Stage.COMPUTE_OUTPUT, t3 - t2, t2)
             work.result = self._respond(work, inputs, offset, outs)
             offset += work.rows
 
@@ -405,7 +420,7 @@ class ServedModel:
         outs: dict[str, np.ndarray],
     ) -> InferResponse | BaseException:
         """Postprocess steps, then the outputs the request asked for (or its error)."""
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             tensors = outs
             if self._post:
@@ -414,7 +429,7 @@ class ServedModel:
         except Exception as exc:
             return step_error("postprocess", exc)
         if self._post or any(o.classification for o in work.request.outputs or ()):
-            work.timings.set(Stage.POSTPROCESS, time.perf_counter() - start)
+            work.timings.set(Stage.POSTPROCESS, time.monotonic() - start, start)
         return InferResponse(
             self.name, self.version, work.request.id, selected, work.timings, work.num_tokens
         )
@@ -460,12 +475,12 @@ class ServedModel:
                 except Exception:
                     logger.exception("observe_batch failed")
 
-    def _observe_request(self, timings: StageTimings, outcome: str) -> None:
+    def _observe_request(self, timings: StageTimings, outcome: str, batch: list[str]) -> None:
         assert self._observer is not None
         try:
-            # A copy: after a stop timeout a worker may still be writing the live one.
+            # Copies: after a stop timeout a worker may still be writing the live ones.
             copy = StageTimings(dict(timings.seconds), dict(timings.starts))
-            self._observer.observe_request(self.name, copy, outcome)
+            self._observer.observe_request(self.name, copy, outcome, tuple(batch))
         except Exception:  # metrics must never fail a request
             logger.exception("observe_request failed")
 

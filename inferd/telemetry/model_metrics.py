@@ -16,7 +16,7 @@ counted by outcome.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,7 +37,9 @@ _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 class ModelObserver(Protocol):
     """What the per-model pipeline reports (inferd.batching.pipeline.ServedModel)."""
 
-    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None: ...
+    def observe_request(
+        self, model: str, timings: StageTimings, outcome: str, batch: Sequence[str] = ()
+    ) -> None: ...
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None: ...
 
@@ -160,13 +162,16 @@ class ModelMetrics:
         # Where finished requests are also recorded for the dashboard; None: nowhere.
         self.request_log: RequestLog | None = None
 
-    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None:
+    def observe_request(
+        self, model: str, timings: StageTimings, outcome: str, batch: Sequence[str] = ()
+    ) -> None:
+        """One finished request: its stages, outcome, and the ids of the batch it ran in."""
         for stage, seconds in timings.seconds.items():
             self.stages[stage].labels(model).observe(seconds)
         self.requests.labels(model, outcome if outcome in OUTCOMES else "error").inc()
         self._stats.setdefault(model, ModelStats()).on_request(timings, outcome)
         if self.request_log is not None:
-            self.request_log.add_classic(model, timings, outcome)
+            self.request_log.add_classic(model, timings, outcome, batch)
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None:
         self.batch_size.labels(model).observe(size)

@@ -80,6 +80,8 @@ class RequestRecord:
     token_gaps: Sequence[float] = ()
     last_token_at: float | None = None
     batch_size: int | None = None
+    # Classic models: the other requests of the batch it ran in (their log ids).
+    batch_mates: tuple[str, ...] = ()
     # The LLM timeline the record came from: the tracer names its trace after the record is made.
     source: RequestTimeline | None = field(default=None, repr=False)
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
@@ -114,6 +116,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "num_preemptions": self.num_preemptions,
             "batch_size": self.batch_size,
+            "batch_mates": list(self.batch_mates),
             "trace_id": None if self.source is None else self.source.trace_id,
             "stage_order": [str(s) for s in LANE_STAGES[self.lane]],
             "stages": [
@@ -263,9 +266,13 @@ class RequestLog:
         self.add(llm_record(timeline, self.llm_model(), prompt_tokens, finish_reasons))
 
     def add_classic(
-        self, model: str, timings: StageTimings | Mapping[str, float], outcome: str
+        self,
+        model: str,
+        timings: StageTimings | Mapping[str, float],
+        outcome: str,
+        batch: Sequence[str] = (),
     ) -> None:
-        record = classic_record(model, timings, outcome)
+        record = classic_record(model, timings, outcome, batch)
         ctx = current_request.get()
         if ctx is not None:
             ctx.record = record
@@ -383,8 +390,18 @@ def llm_record(
     )
 
 
+def log_id(fallback: str) -> str:
+    """The id the log will know the request being served by: the HTTP X-Request-Id the middleware
+    set, else `fallback` (a gRPC request's own id)."""
+    ctx = current_request.get()
+    return ctx.request_id if ctx is not None else fallback
+
+
 def classic_record(
-    model: str, timings: StageTimings | Mapping[str, float], outcome: str
+    model: str,
+    timings: StageTimings | Mapping[str, float],
+    outcome: str,
+    batch: Sequence[str] = (),
 ) -> RequestRecord:
     """From the classic pipeline's report (ModelMetrics.observe_request), made at the moment the
     pipeline is done with the request; `finish_classic` adds the gateway's receive and stream.
@@ -399,8 +416,9 @@ def classic_record(
     stages = _classic_stages(timings, now)
     arrival = ctx.arrival if ctx is not None else min(stages.starts.values(), default=now)
     exc = sys.exc_info()[1]
+    request_id = ctx.request_id if ctx is not None else f"classic-{next(_anonymous)}"
     return RequestRecord(
-        request_id=ctx.request_id if ctx is not None else f"classic-{next(_anonymous)}",
+        request_id=request_id,
         lane="classic",
         model=model,
         status="ok" if outcome == "success" else outcome,
@@ -409,6 +427,8 @@ def classic_record(
         e2e=max(now - arrival, 0.0),
         stages=stages,
         error=None if outcome == "success" else (str(exc) if exc is not None else outcome),
+        batch_size=len(batch) or None,
+        batch_mates=tuple(i for i in batch if i != request_id),
     )
 
 

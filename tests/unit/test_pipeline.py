@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -94,9 +95,15 @@ class FakeBackend:
 class FakeObserver:
     requests: list[tuple[str, dict[str, float], str]] = field(default_factory=list)
     batches: list[tuple[str, int, float]] = field(default_factory=list)
+    starts: list[dict[Stage, float]] = field(default_factory=list)
+    batch_ids: list[tuple[str, ...]] = field(default_factory=list)
 
-    def observe_request(self, model: str, timings: StageTimings, outcome: str) -> None:
+    def observe_request(
+        self, model: str, timings: StageTimings, outcome: str, batch: Sequence[str] = ()
+    ) -> None:
         self.requests.append((model, dict(timings.seconds), outcome))
+        self.starts.append(dict(timings.starts))
+        self.batch_ids.append(tuple(batch))
 
     def observe_batch(self, model: str, size: int, padding_ratio: float) -> None:
         self.batches.append((model, size, padding_ratio))
@@ -480,9 +487,9 @@ def text_model(
     return model, backend, pre, post
 
 
-def text(*sentences: str) -> InferRequest:
+def text(*sentences: str, id: str = "") -> InferRequest:
     data = np.array([[s.encode()] for s in sentences], dtype=object)
-    return InferRequest("text", {"text": data})
+    return InferRequest("text", {"text": data}, id=id)
 
 
 @async_test
@@ -537,6 +544,24 @@ async def test_timings_cover_every_stage() -> None:
     assert seconds[Stage.QUEUE] + seconds[Stage.BATCH] >= 0.099
     assert observer.requests == [("text", seconds, "success")]
     assert list(response.timings.as_dict()) == stages
+    # Each stage starts where the one before it ended (to clock resolution): a waterfall of them
+    # has no overlaps, and the dashboard places each bar at its real instant.
+    starts = observer.starts[0]
+    assert list(starts) == sorted(starts, key=starts.__getitem__)
+    for before, after in itertools.pairwise(stages):
+        assert starts[Stage(after)] >= starts[Stage(before)] + seconds[Stage(before)] - 1e-6
+    assert observer.batch_ids == [(response.id,)]  # it ran alone: no batch mates
+    await model.stop()
+
+
+@async_test
+async def test_each_request_reports_the_batch_it_ran_in() -> None:
+    observer = FakeObserver()
+    model, _, _, _ = text_model(observer)
+    await model.start()
+    requests = [text("one two", id=f"r{i}") for i in range(3)]
+    await asyncio.gather(*(model.infer(r) for r in requests))
+    assert sorted(observer.batch_ids) == [("r0", "r1", "r2")] * 3
     await model.stop()
 
 

@@ -237,6 +237,17 @@ async function openRequest(id) {
   if (doc.batch_size) meta.push(`batch of ${doc.batch_size}`);
   if (doc.trace_id) meta.push(`trace ${doc.trace_id}`);
   $("#wf-meta").textContent = meta.join(" · ");
+  const mates = $("#wf-mates");  // classic models: the other requests of its batch, clickable
+  const ids = doc.batch_mates || [];
+  mates.hidden = ids.length === 0;
+  mates.replaceChildren(...(ids.length ? ["batch mates: "] : []));
+  ids.forEach((mate, i) => {
+    const a = document.createElement("a");
+    a.href = "#";
+    a.textContent = mate;
+    a.addEventListener("click", (ev) => { ev.preventDefault(); openRequest(mate); });
+    mates.append(...(i ? [", ", a] : [a]));
+  });
   const err = $("#wf-error");
   err.hidden = !doc.error;
   err.textContent = doc.error ? "error: " + doc.error : "";
