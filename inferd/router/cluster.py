@@ -102,8 +102,11 @@ class Cluster:
         return was_ready
 
     def report(self, url: str, report: ReplicaReport) -> None:
+        """A replica's scraped gauges; its KV capacity, when given, bounds its index."""
         if url in self.replicas:
             self.replicas[url].load.report = report
+            if report.num_blocks:
+                self.index.set_capacity(url, report.num_blocks)
 
     # -- decisions and load ----------------------------------------------------------------------
 

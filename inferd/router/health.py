@@ -3,8 +3,10 @@
 Each interval: re-resolve `--replica-dns` (every address it gives is a replica, as a Kubernetes
 headless Service lists pods), then GET each replica's `/health/ready` (200: in rotation; 503
 `loading`/`draining`/`engine_dead` or no answer: out) and, for a ready one, its `/metrics` for the
-engine's own load gauges. Passive checks (a connect error or 5xx while forwarding) live in the
-proxy and eject a replica at once, without waiting for the next interval.
+engine's own load gauges, prefix-cache counters and cache settings (`inferd_cache_config_info`:
+a replica's index is bounded by its number of KV blocks; a block size other than the router's is
+logged, since no block would ever match). Passive checks (a connect error or 5xx while
+forwarding) live in the proxy and eject a replica at once, without waiting for the next interval.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 
 import httpx
@@ -23,27 +26,38 @@ from inferd.telemetry.metrics import parse_samples
 
 logger = logging.getLogger("inferd.router")
 
-# Replica gauge -> ReplicaReport field (inferd.telemetry.metrics names them).
-_GAUGES = {
+# Replica sample -> ReplicaReport field (inferd.telemetry.metrics names them).
+_SAMPLES = {
     "inferd_num_requests_running": "running",
     "inferd_num_requests_waiting": "waiting",
     "inferd_num_requests_queued": "queued",
     "inferd_queued_prompt_tokens": "queued_prompt_tokens",
-    "inferd_kv_cache_usage_ratio": "kv_cache_usage",
+    "inferd_prefix_cache_queries_tokens_total": "prefix_queries_tokens",
+    "inferd_prefix_cache_hits_tokens_total": "prefix_hits_tokens",
 }
+_CACHE_INFO = "inferd_cache_config_info{"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def report_from_metrics(text: str) -> ReplicaReport:
-    """The engine gauges of a replica's /metrics page (absent ones stay 0)."""
+    """The load gauges, prefix-cache counters and cache settings of a replica's /metrics page
+    (absent ones stay 0 / None)."""
     samples = parse_samples(text)
-    fields: dict[str, float] = {f: samples[g] for g, f in _GAUGES.items() if g in samples}
+    counts = {f: int(samples[name]) for name, f in _SAMPLES.items() if name in samples}
+    info: dict[str, str] = {}
+    for key in samples:
+        if key.startswith(_CACHE_INFO):
+            info = dict(_LABEL.findall(key))
     return ReplicaReport(
-        running=int(fields.get("running", 0)),
-        waiting=int(fields.get("waiting", 0)),
-        queued=int(fields.get("queued", 0)),
-        queued_prompt_tokens=int(fields.get("queued_prompt_tokens", 0)),
-        kv_cache_usage=fields.get("kv_cache_usage", 0.0),
+        **counts,
+        kv_cache_usage=samples.get("inferd_kv_cache_usage_ratio", 0.0),
+        block_size=_int(info.get("block_size")),
+        num_blocks=_int(info.get("num_blocks")),
     )
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
 
 
 async def resolve(dns_name: str) -> list[str]:
@@ -63,6 +77,7 @@ class HealthChecker:
         self.client = client
         self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        self._warned: set[str] = set()
 
     async def check_all(self) -> None:
         cfg = self.cluster.config
@@ -88,7 +103,21 @@ class HealthChecker:
         self.cluster.set_health(url, ready=True)
         with contextlib.suppress(httpx.HTTPError, ValueError):
             page = await self.client.get(f"{url}/metrics", timeout=timeout)
-            self.cluster.report(url, report_from_metrics(page.text))
+            report = report_from_metrics(page.text)
+            self.cluster.report(url, report)
+            self._check_block_size(url, report)
+
+    def _check_block_size(self, url: str, report: ReplicaReport) -> None:
+        """A replica on another block size never matches a block: say so, once per replica."""
+        ours = self.cluster.config.block_size
+        if report.block_size not in (None, ours) and url not in self._warned:
+            self._warned.add(url)
+            logger.warning(
+                "replica %s uses --block-size %s, the router %d: prefix matches will all miss",
+                url,
+                report.block_size,
+                ours,
+            )
 
     def eject(self, url: str, reason: str, detail: str = "") -> None:
         if self.cluster.failed(url, reason):

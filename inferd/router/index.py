@@ -22,14 +22,24 @@ from collections.abc import Sequence
 
 
 class PrefixIndex:
-    """Per-replica LRU sets of block hashes, at most `capacity_blocks` each."""
+    """Per-replica LRU sets of block hashes, at most `capacity_blocks` each (or less for a
+    replica whose own KV cache is known to be smaller: `set_capacity`)."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
         self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
         self.evictions = 0
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """The replica holds at most `blocks` KV blocks: its index holds no more (the next
+        insert evicts down to it)."""
+        self._capacity[replica] = max(1, min(blocks, self.capacity_blocks))
+
+    def capacity(self, replica: str) -> int:
+        return self._capacity.get(replica, self.capacity_blocks)
 
     def match(self, replica: str, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` the replica holds (does not refresh them)."""
@@ -49,13 +59,15 @@ class PrefixIndex:
         for h in reversed(hashes):
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self.capacity_blocks:
+        cap = self.capacity(replica)
+        while len(held) > cap:
             held.popitem(last=False)
             self.evictions += 1
 
     def forget(self, replica: str) -> None:
         """The replica restarted or left: nothing it held is known any more."""
         self._blocks.pop(replica, None)
+        self._capacity.pop(replica, None)
 
     def size(self, replica: str) -> int:
         return len(self._blocks.get(replica, ()))

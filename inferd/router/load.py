@@ -28,6 +28,12 @@ class ReplicaReport:
     queued: int = 0
     queued_prompt_tokens: int = 0
     kv_cache_usage: float = 0.0
+    # The replica's own prefix-cache counters (totals since it started), for the estimated vs
+    # real hit rate, and its cache settings (`inferd_cache_config_info`), None when not exposed.
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    block_size: int | None = None
+    num_blocks: int | None = None
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from inferd.router.cluster import Cluster
@@ -46,6 +46,19 @@ class _ClusterCollector(Collector):
             for replica in c.replicas.values():
                 family.add_metric([replica.url], float(value(replica)))
             yield family
+        # The replicas' own counters as last scraped: the real hit rate beside the estimate.
+        for name, help_text, field in (
+            ("inferd_router_replica_prefix_cache_queries_tokens", "Replica-reported", "queries"),
+            ("inferd_router_replica_prefix_cache_hits_tokens", "Replica-reported", "hits"),
+        ):
+            counter = CounterMetricFamily(
+                name, f"{help_text} prefix-cache {field} (tokens)", labels=["replica"]
+            )
+            for replica in c.replicas.values():
+                r = replica.load.report
+                total = r.prefix_queries_tokens if field == "queries" else r.prefix_hits_tokens
+                counter.add_metric([replica.url], float(total))
+            yield counter
 
 
 class RouterMetrics:

@@ -92,6 +92,18 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_groups_spread(c: Clus
     hits = c.router_metrics()
     home = homes.pop()
     assert hits[f'inferd_router_requests_total{{outcome="cache_hit",replica="{home}"}}'] >= 3
+    # The replicas agree: the warm one really had the prefix, the other computed only its own.
+    assert first[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    by_url = {r.url: r.metrics() for r in c.replicas}
+    assert by_url[home]["inferd_prefix_cache_hits_tokens_total"] >= 3 * 32
+    cold = other[0].headers["x-inferd-replica"]
+    assert by_url[cold]["inferd_prefix_cache_hits_tokens_total"] == 0
+    # ...and the router shows their counters beside its estimate once it has scraped them.
+    key = f'inferd_router_replica_prefix_cache_hits_tokens_total{{replica="{home}"}}'
+    deadline = time.monotonic() + 5
+    while c.router_metrics().get(key, 0) < 3 * 32:
+        assert time.monotonic() < deadline, "the router never scraped the replica's counters"
+        time.sleep(0.2)
 
 
 def test_multi_turn_chats_match_on_their_whole_history(c: Cluster) -> None:

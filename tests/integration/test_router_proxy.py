@@ -4,7 +4,7 @@ ejection, pass-through of a request's own failure, a stream broken mid-way, timi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
 from typing import Any
 
 import httpx
@@ -18,7 +18,7 @@ from inferd.router.config import RouterConfig
 from inferd.router.health import report_from_metrics
 from inferd.router.tokenize import load_tokenizer
 
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
 A, B = "http://a", "http://b"
 
 
@@ -176,9 +176,15 @@ def test_replica_reports_come_from_its_metrics_page() -> None:
         "inferd_num_requests_running 3.0\n"
         "inferd_queued_prompt_tokens 120.0\n"
         "inferd_kv_cache_usage_ratio 0.5\n"
+        "inferd_prefix_cache_queries_tokens_total 400.0\n"
+        "inferd_prefix_cache_hits_tokens_total 256.0\n"
+        'inferd_cache_config_info{block_size="16",num_blocks="512",cache_dtype="float32"} 1.0\n'
     )
     report = report_from_metrics(page)
     assert (report.running, report.queued_prompt_tokens, report.kv_cache_usage) == (3, 120, 0.5)
+    assert (report.prefix_queries_tokens, report.prefix_hits_tokens) == (400, 256)
+    assert (report.block_size, report.num_blocks) == (16, 512)
+    assert report_from_metrics("") == type(report)()
 
 
 def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
@@ -196,15 +202,15 @@ def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
     body = orjson.dumps(COMPLETION)
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> MutableMapping[str, Any]:
         if messages:
             return messages.pop()
         await asyncio.sleep(0.2)
         return {"type": "http.disconnect"}
 
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     scope = {

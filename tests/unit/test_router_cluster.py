@@ -193,8 +193,9 @@ def test_replica_reports_raise_the_load_estimate_but_never_hide_own_dispatches()
     assert cluster.load_tokens(a) == 100 + 10
     cluster.report("http://a", ReplicaReport(running=3, queued_prompt_tokens=40))
     assert cluster.load_tokens(a) == 100 + 30
-    cluster.report("http://a", ReplicaReport(queued_prompt_tokens=500))
+    cluster.report("http://a", ReplicaReport(queued_prompt_tokens=500, num_blocks=4))
     assert cluster.load_tokens(a) == 500 + 10
+    assert cluster.index.capacity("http://a") == 4
 
 
 ops = st.lists(st.tuples(st.sampled_from(["route", "first", "finish", "fail"]), st.integers(0, 9)))

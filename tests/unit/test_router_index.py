@@ -85,3 +85,13 @@ def test_forget_drops_a_replica() -> None:
     index.insert("a", [1, 2])
     index.forget("a")
     assert index.match("a", [1, 2]) == 0 and index.size("a") == 0
+
+
+def test_a_replica_known_to_hold_fewer_blocks_gets_a_smaller_index() -> None:
+    index = PrefixIndex(10)
+    index.set_capacity("small", 2)
+    index.set_capacity("huge", 1000)  # never above the router's own bound
+    index.insert("small", [1, 2, 3])
+    index.insert("huge", list(range(20)))
+    assert (index.size("small"), index.size("huge")) == (2, 10)
+    assert index.match("small", [1, 2, 3]) == 2  # the prefix stayed, the leaf went

@@ -28,7 +28,10 @@ def test_cache_aware_worked_example_from_the_docstring() -> None:
 
 def test_cache_aware_keeps_a_warm_replica_until_its_load_exceeds_the_saving() -> None:
     policy = CacheAware()
-    warm = lambda load: [Candidate("a", load, 1000), Candidate("b", 0, 0)]  # noqa: E731
+
+    def warm(load: int) -> list[Candidate]:
+        return [Candidate("a", load, 1000), Candidate("b", 0, 0)]
+
     assert policy.choose(warm(999), 1100).replica == "a"
     d = policy.choose(warm(1001), 1100)
     assert d.replica == "b" and d.outcome == "spill"
