@@ -72,6 +72,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         sys.exit(1)
     outputs.send(encoder.encode(ready))
     EngineCore(engine, inputs, outputs).run()
+    if engine.kv_events is not None:
+        engine.kv_events.close()
     ctx.destroy(linger=_SEND_LINGER_MS)
 
 
