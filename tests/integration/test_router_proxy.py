@@ -254,3 +254,21 @@ def test_a_streams_last_event_gets_the_route_stage(tok: Tokenizer) -> None:
     assert events[0] == '{"choices": [{"text": "a"}]}'  # untouched, byte for byte
     assert list(orjson.loads(events[1])["timings"]) == ["route", "receive"]
     assert events[2] == "[DONE]"
+
+
+def test_dns_discovery_adds_every_address_and_checks_it(tok: Tokenizer) -> None:
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/health/ready":
+            return httpx.Response(200, json={"status": "ready"})
+        return httpx.Response(
+            200, text='inferd_cache_config_info{block_size="32",num_blocks="8"} 1\n'
+        )
+
+    cfg = RouterConfig(dns_name="localhost:8001", index_capacity_blocks=100)
+    app = create_router_app(cfg, tok, httpx.MockTransport(handler))
+    router = app.state.router
+
+    asyncio.run(router.health.check_all())
+    assert "http://127.0.0.1:8001" in router.cluster.names()
+    assert router.cluster.replicas["http://127.0.0.1:8001"].ready
+    assert router.cluster.index.capacity("http://127.0.0.1:8001") == 8
