@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from inferd import LLM, SamplingParams
+from inferd.engine.llm_engine import TokensPrompt
 from inferd.kv_cache.block_hash import block_hashes
 from inferd.kv_cache.events import BlockStored, KVEventSubscriber
 
@@ -22,7 +23,7 @@ def _params(n: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, n=n)
 
 
-def _prompt(suffix: list[int]) -> dict[str, list[int]]:
+def _prompt(suffix: list[int]) -> TokensPrompt:
     return {"prompt_token_ids": [*SHARED, *suffix]}
 
 
@@ -74,7 +75,7 @@ def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
 ) -> None:
     llm, subscriber = llm_with_events
     prompt = [*SHARED, 3, 4]
-    llm.generate({"prompt_token_ids": prompt}, _params(), use_tqdm=False)
+    llm.generate(_prompt([3, 4]), _params(), use_tqdm=False)
     stored: list[int] = []
     expected_seq = 0
     while (received := subscriber.receive(timeout_s=2.0)) is not None:
