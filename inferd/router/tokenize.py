@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from inferd.gateway.errors import bad_request
 from inferd.gateway.openai.embeddings import EmbeddingRequest
 from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.openai.serving import _tokenize
 from inferd.preprocess.tokenizer import Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -54,22 +55,11 @@ def validate(path: str, body: Any) -> BaseModel:
 
 
 def prompt_token_ids(tok: Tokenizer, request: BaseModel) -> list[int]:
-    """What the replica will prefill for this request (its first prompt)."""
-    if isinstance(request, ChatCompletionRequest):
-        add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
-        text = tok.apply_chat_template(
-            [m.for_template() for m in request.messages],
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
-        )
-        return tok.encode(text, add_special_tokens=False)
-    if isinstance(request, CompletionRequest):
-        prompts = request.prompts()
-        if not prompts:
-            return []
-        first = prompts[0]
-        return tok.encode(first) if isinstance(first, str) else list(first)
+    """What the replica will prefill for this request (its first prompt): the gateway's own
+    tokenization, so the router's blocks are the replica's."""
+    if isinstance(request, ChatCompletionRequest | CompletionRequest):
+        prompts = _tokenize(tok, request)
+        return prompts[0].ids if prompts else []
     if isinstance(request, EmbeddingRequest):
         first = request.input[0] if isinstance(request.input, list) else request.input
         return tok.encode(first) if isinstance(first, str) else []
