@@ -83,7 +83,12 @@ class Router:
 
     def readiness(self) -> Response:
         ready = len(self.cluster.ready())
-        status = {"status": "ready" if ready else "no_replica", "replicas_ready": ready}
+        # Both protocols' shapes: OpenAI-side `status`, KServe v2's `ready`.
+        status = {
+            "status": "ready" if ready else "no_replica",
+            "ready": ready > 0,
+            "replicas_ready": ready,
+        }
         return JSONResponse(status, 200 if ready else 503)
 
 
