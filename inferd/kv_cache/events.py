@@ -28,7 +28,7 @@ Wire format: two frames, the topic (b"kv" by default) and the msgpack-encoded KV
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -185,7 +185,7 @@ class KVEventSubscriber:
 
 async def kv_event_batches(
     endpoint: str, topic: bytes = DEFAULT_TOPIC
-) -> AsyncIterator[ReceivedBatch]:
+) -> AsyncGenerator[ReceivedBatch, None]:
     """The batches one replica publishes, for an asyncio router; closes its socket when the
     iteration ends (break or cancellation)."""
     ctx = zmq.asyncio.Context()

@@ -4,6 +4,7 @@ stable hashes of the prompt's blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -13,7 +14,14 @@ import pytest
 from inferd import LLM, SamplingParams
 from inferd.engine.llm_engine import TokensPrompt
 from inferd.kv_cache.block_hash import block_hashes
-from inferd.kv_cache.events import BlockStored, KVEventSubscriber
+from inferd.kv_cache.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+    KVEventSubscriber,
+    ReceivedBatch,
+    kv_event_batches,
+)
 
 BLOCK = 16
 SHARED = [(i * 37) % 3000 + 10 for i in range(96)]  # 6 full blocks
@@ -85,3 +93,33 @@ def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
             assert isinstance(event, BlockStored) and event.block_size == BLOCK
             stored += event.block_hashes
     assert stored == block_hashes(prompt, BLOCK)
+
+
+def test_an_asyncio_subscriber_sees_numbered_batches_and_a_gap_when_it_joins_late() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    publisher = KVEventPublisher(endpoint)
+    stored = BlockStored([1, 2], None, list(range(2 * BLOCK)), BLOCK)
+
+    async def receive() -> list[ReceivedBatch]:
+        batches = kv_event_batches(endpoint)
+        first = asyncio.ensure_future(anext(batches))
+        # Publish until the subscription has reached the publisher (PUB drops until then).
+        while not first.done():
+            publisher.publish([stored])
+            await asyncio.sleep(0.05)
+        publisher.publish([BlockRemoved([1])])
+        received = [first.result()]
+        while received[-1].batch.events != [BlockRemoved([1])]:
+            received.append(await asyncio.wait_for(anext(batches), 5.0))
+        await batches.aclose()
+        return received
+
+    try:
+        received = asyncio.run(receive())
+    finally:
+        publisher.close()
+    first, *rest = received
+    assert first.batch.events == [stored]
+    assert first.gap == (first.batch.seq != 0)
+    for before, batch in zip(received, rest, strict=False):
+        assert not batch.gap and batch.batch.seq == before.batch.seq + 1
