@@ -183,14 +183,21 @@ def replica_num_blocks(url: str) -> int | None:
     return None
 
 
-def router_outcomes(url: str) -> dict[str, float]:
-    """inferd_router_requests_total by "replica|outcome"."""
-    out: dict[str, float] = {}
+def router_stats(url: str) -> dict[str, Any]:
+    """The router's view of the cell: requests by "replica|outcome", and its estimated hit rate
+    (the tokens its index expected cached / the prompt tokens it routed)."""
+    outcomes: dict[str, float] = {}
+    totals = {"inferd_router_prompt_tokens_total": 0.0}
+    totals["inferd_router_estimated_cached_tokens_total"] = 0.0
     for (name, labels), value in scrape(url).items():
         if name == "inferd_router_requests_total":
             d = dict(labels)
-            out[f"{d.get('replica')}|{d.get('outcome')}"] = value
-    return out
+            outcomes[f"{d.get('replica')}|{d.get('outcome')}"] = value
+        elif name in totals:
+            totals[name] += value
+    prompt = totals["inferd_router_prompt_tokens_total"]
+    cached = totals["inferd_router_estimated_cached_tokens_total"]
+    return {"requests": outcomes, "estimated_hit_rate": cached / prompt if prompt else math.nan}
 
 
 @contextmanager
@@ -229,7 +236,7 @@ def run_cell(
     log = args.log_dir / f"router_{policy}_{salt}.log"
     with launched_router(replicas, policy, log) as url:
         results, wall, _ = asyncio.run(run_load(f"{url}/v1/completions", bodies, args))
-        outcomes = router_outcomes(url)
+        routed = router_stats(url)
     after = [prefix_counters(u) for u in replicas]
     queried = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     hits = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
@@ -239,7 +246,8 @@ def run_cell(
     summary["prefill_tokens_per_replica"] = prefill
     mean = float(np.mean(prefill)) if prefill else 0.0
     summary["prefill_max_over_mean"] = max(prefill) / mean if mean else math.nan
-    summary["router_requests"] = outcomes
+    summary["router_requests"] = routed["requests"]
+    summary["router_estimated_hit_rate"] = routed["estimated_hit_rate"]
     return summary
 
 
