@@ -84,6 +84,10 @@ class Job:
         return sum(c.num_tokens for c in self.choices.values())
 
     @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens.values())
+
+    @property
     def all_finished(self) -> bool:
         n = len(self.prompts) * self.params.n
         done = sum(c.finish_reason is not None for c in self.choices.values())
@@ -98,7 +102,7 @@ class Job:
         ]
 
     def usage(self) -> Json:
-        return usage(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens.values()))
+        return usage(self.prompt_tokens, self.completion_tokens, self.num_cached_tokens)
 
 
 # -- prepare: everything that can fail with a 4xx, before the engine sees the request ----------
@@ -402,6 +406,7 @@ def finalize(state: GatewayState, job: Job) -> None:
         attrs = {
             "inferd.kind": job.kind,
             "inferd.prompt_tokens": job.prompt_tokens,
+            "inferd.cached_tokens": job.num_cached_tokens,
             "inferd.completion_tokens": job.completion_tokens,
         }
         with suppress(Exception):
