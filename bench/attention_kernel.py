@@ -16,6 +16,7 @@ the JSON has the median too. Prints a table and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -111,7 +112,7 @@ def _run_case(
         attn.kernel = kern
         meta = case.kernel_meta() if kern is not None else case.torch_meta()
         with torch.inference_mode():
-            best, median = _times_ms(lambda m=meta: attn(case.q, case.k, case.v, m), repeat)
+            best, median = _times_ms(functools.partial(attn, case.q, case.k, case.v, meta), repeat)
         out[name], out[f"{name}_median"] = best, median
         attn.kv_cache = torch.empty(0)
     return out

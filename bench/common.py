@@ -293,8 +293,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
-        "mkldnn": torch.backends.mkldnn.is_available(),
-        "mkl": torch.backends.mkl.is_available(),
+        "mkldnn": torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
+        "mkl": torch.backends.mkl.is_available(),  # type: ignore[no-untyped-call]
         # Other work on the machine skews every number here; a load above the thread count means
         # the run shared its cores.
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

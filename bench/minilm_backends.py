@@ -24,8 +24,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from inferd.models.bert import BertEncoder, minilm_dir
 from inferd.examples import ensure_example_repository
+from inferd.models.bert import BertEncoder, minilm_dir
 
 Runner = Callable[[np.ndarray, np.ndarray], object]
 
@@ -35,7 +35,7 @@ def torch_runners(threads: int) -> dict[str, Runner]:
     model = BertEncoder.from_pretrained(minilm_dir())
     ids = torch.randint(1000, 2000, (2, 8))
     mask = torch.ones((2, 8), dtype=torch.int64)
-    scripted = torch.jit.freeze(torch.jit.trace(model, (ids, mask)))
+    scripted = torch.jit.freeze(torch.jit.trace(model, (ids, mask)))  # type: ignore[no-untyped-call]
     seq = torch.export.Dim("sequence", max=512)
     batch = torch.export.Dim("batch", max=4096)
     exported = torch.export.export(model, (ids, mask), dynamic_shapes=({0: batch, 1: seq},) * 2)

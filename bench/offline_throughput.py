@@ -166,7 +166,7 @@ def run_hf(folder: Path, requests: list[BenchRequest], s: Settings) -> SystemRes
     t0 = time.perf_counter()
     torch.manual_seed(s.seed)
     config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     _hf_generate(model, _warmup_requests(config.vocab_size, s.seed), s)
     setup = time.perf_counter() - t0
     torch.manual_seed(s.seed)
@@ -246,7 +246,7 @@ def linear_gflops(shape: ModelShape, inferd: SystemResult) -> float:
     2 FLOPs per weight per token: every computed token runs q/k/v/o and the MLP of every layer;
     the lm_head runs only for rows that sample, about one per output token.
     """
-    summary = inferd.details["steps_all"]
+    summary: dict[str, float] = inferd.details["steps_all"]
     flops = 2.0 * (
         summary["num_batched_tokens"] * shape.linear_params_per_token()
         + inferd.output_tokens * shape.lm_head_params

@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -100,7 +99,7 @@ def weights_folder(shape: ModelShape, cache_dir: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = transformers.AutoConfig.from_pretrained(base)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.save_pretrained(folder, safe_serialization=True)
     for f in base.iterdir():
         if f.name != "config.json" and f.is_file():
@@ -227,7 +226,7 @@ def single_workload(shape: ModelShape, tokens: int, seed: int) -> list[BenchRequ
 
 
 def run_workload(url: str, reqs: list[BenchRequest], pid: int) -> dict[str, Any]:
-    load_args = SimpleNamespace(
+    load_args = argparse.Namespace(
         max_concurrency=None,
         no_progress=True,
         request_rate=float("inf"),

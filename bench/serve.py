@@ -171,7 +171,8 @@ def arrival_gaps(n: int, request_rate: float, seed: int) -> list[float]:
     if math.isinf(request_rate):
         return [0.0] * n
     rng = np.random.default_rng(seed)
-    return rng.exponential(1.0 / request_rate, size=n).tolist()
+    gaps: list[float] = rng.exponential(1.0 / request_rate, size=n).tolist()
+    return gaps
 
 
 async def run_load(

@@ -20,6 +20,7 @@ import pytest
 import schemathesis
 from conftest import Server, start_server, stop_server
 from fastapi.routing import APIRoute
+from schemathesis.core.jsonschema.types import JsonValue
 
 from inferd.config import ServerConfig
 from inferd.examples import ensure_example_repository
@@ -113,7 +114,9 @@ def flatmap_body(context: schemathesis.HookContext, body: Any) -> st.SearchStrat
     return st.one_of(st.just(body), st.just({**body, "model": served}))
 
 
-def only_deadline_503(ctx: Any, response: schemathesis.Response, case: schemathesis.Case) -> None:
+def only_deadline_503(
+    ctx: Any, response: schemathesis.Response, case: schemathesis.Case[Any]
+) -> None:
     """No 5xx, except the documented 503 of a request whose own timeout passed while queued."""
     if response.status_code < 500:
         return
@@ -125,7 +128,7 @@ def only_deadline_503(ctx: Any, response: schemathesis.Response, case: schemathe
     assert "timeout" in message, message
 
 
-def _has_timeout(case: schemathesis.Case) -> bool:
+def _has_timeout(case: schemathesis.Case[Any]) -> bool:
     body = case.body if isinstance(case.body, dict) else {}
     params = body.get("parameters")
     kserve = params.get("timeout") if isinstance(params, dict) else None
@@ -138,11 +141,16 @@ def test_served_document_is_this_one(server: Server) -> None:
 
 
 @schema.parametrize()
-def test_api_conforms_to_openapi(case: schemathesis.Case, server: Server) -> None:
+def test_api_conforms_to_openapi(case: schemathesis.Case[Any], server: Server) -> None:
     case.call_and_validate(base_url=server.url, additional_checks=[only_deadline_503])
 
 
-FRAUD_ROW = {"name": "features", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}
+FRAUD_ROW: dict[str, JsonValue] = {
+    "name": "features",
+    "shape": [1, 8],
+    "datatype": "FP32",
+    "data": [0.0] * 8,
+}
 
 
 @pytest.mark.parametrize("binary", [False, True])
@@ -150,7 +158,7 @@ def test_inference_conforms(server: Server, binary: bool) -> None:
     """A request the generated cases cannot write (the model's own input): 200, as JSON or
     with the outputs as raw bytes after the JSON (`application/octet-stream`)."""
     infer = schema["/v2/models/{model}/infer"]["POST"]
-    body = {"inputs": [FRAUD_ROW], "parameters": {"binary_data_output": binary}}
+    body: JsonValue = {"inputs": [FRAUD_ROW], "parameters": {"binary_data_output": binary}}
     case = infer.Case(path_parameters={"model": "fraud"}, body=body, media_type="application/json")
     response = case.call_and_validate(base_url=server.url)
     assert response.status_code == 200

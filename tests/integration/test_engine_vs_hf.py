@@ -135,7 +135,7 @@ def test_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
     if kernel_available():
         assert engine.runner.attn_kernel is not None, "the native attention kernel did not run"
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         assert engine.model.lm_head.kind == "onednn", "linear weights were not prepacked"
 
     # The scenario really exercised chunking and preemption, and nothing leaked.

@@ -11,7 +11,8 @@ from inferd.models.linear import ROW_BUCKETS, Linear, has_int8_gemm, prepare_lin
 pytestmark = pytest.mark.integration
 
 onednn = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN"
+    not torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
+    reason="PyTorch without oneDNN",
 )
 
 

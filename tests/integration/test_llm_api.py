@@ -10,6 +10,7 @@ import time
 import pytest
 
 from inferd import LLM, SamplingParams
+from inferd.engine.llm_engine import TokensPrompt
 from inferd.errors import InvalidRequestError
 from inferd.types import RequestStatus
 
@@ -23,7 +24,7 @@ def _greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-def _random_prompts(n: int, seed: int) -> list[dict[str, list[int]]]:
+def _random_prompts(n: int, seed: int) -> list[TokensPrompt]:
     rng = random.Random(seed)
     return [
         {"prompt_token_ids": [rng.randrange(10, 4000) for _ in range(rng.randint(2, 60))]}
@@ -51,13 +52,13 @@ def test_per_prompt_params_and_n(llm: LLM) -> None:
 
 
 def test_seed_reproducible_regardless_of_batch(llm: LLM) -> None:
-    target = {"prompt_token_ids": [5, 17, 99, 300, 42]}
+    target: TokensPrompt = {"prompt_token_ids": [5, 17, 99, 300, 42]}
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
     alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     others = _random_prompts(6, seed=5)
     other_params = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * 6
     batched = llm.generate(
-        [*others[:3], target, *others[3:]],  # type: ignore[list-item]
+        [*others[:3], target, *others[3:]],
         [*other_params[:3], params, *other_params[3:]],
         use_tqdm=False,
     )

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
 
 from inferd.models.attention import AttentionMetadata, PrefillSpan  # noqa: E402
-from inferd.models.linear import Linear, has_int8_gemm, prepare_linears  # noqa: E402
+from inferd.models.linear import Linear, LinearKind, has_int8_gemm, prepare_linears  # noqa: E402
 from inferd.models.llama import LlamaForCausalLM  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402
 from inferd.models.tiny import ensure_tiny_model  # noqa: E402
@@ -34,6 +34,7 @@ BASE: dict[str, Any] = dict(
     max_position_embeddings=128,
 )
 PROMPT_LEN = 20
+HAS_ONEDNN: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -167,7 +168,7 @@ def test_inferd_tiny_matches_transformers(tmp_path: Path) -> None:
 # -- linear kernels (inferd/models/linear.py) -------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
+@pytest.mark.skipif(not HAS_ONEDNN, reason="PyTorch without oneDNN")
 @pytest.mark.parametrize("case", ["llama", "llama-tied", "llama-bias", "qwen2-tied"])
 def test_onednn_prepacked_linears_match_transformers(case: str, tmp_path: Path) -> None:
     hf_model, folder = _hf_checkpoint(case, tmp_path)
@@ -197,7 +198,7 @@ def _agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 # Measured here: bf16 weights top-1 0.956 / 0.969, max logit error 3.4 % / 3.0 % of the largest
 # logit; int8 (per-tensor dynamic activations) top-1 0.956 / 0.931, max error 8.2 % / 8.7 %.
 # The bounds leave room for other CPUs' rounding; a misplaced or unscaled weight fails them.
-REDUCED_PRECISION = {
+REDUCED_PRECISION: dict[str, tuple[torch.dtype, LinearKind, float, float]] = {
     "bfloat16": (torch.bfloat16, "onednn", 0.9, 0.06),
     "int8": (torch.float32, "int8", 0.85, 0.15),
 }
@@ -209,7 +210,7 @@ def test_reduced_precision_stays_close(mode: str, case: str, tmp_path: Path) -> 
     dtype, kind, min_top1, max_err = REDUCED_PRECISION[mode]
     if kind == "int8" and not has_int8_gemm():
         pytest.skip("no VNNI int8 dot products on this CPU")
-    if kind == "onednn" and not torch.backends.mkldnn.is_available():
+    if kind == "onednn" and not HAS_ONEDNN:
         pytest.skip("PyTorch without oneDNN")
     _, folder = _hf_checkpoint(case, tmp_path)
     ref_model, arch = load_model(folder, torch.float32, torch.device("cpu"), "auto", seed=0)

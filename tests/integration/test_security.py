@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from kserve_server import LiveServer, serve, write_repository
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
 from tritonclient.utils import InferenceServerException
 from websockets.sync.client import connect as ws_connect
 
@@ -168,7 +168,8 @@ def test_https_keys_and_scopes(secure: Secure) -> None:
 
 
 def test_openai_client_over_tls(secure: Secure) -> None:
-    http = httpx.Client(verify=secure.trust())
+    # The client type the SDK is built on (openai's own httpx fork, not `httpx`).
+    http = DefaultHttpxClient(verify=secure.trust())
     client = OpenAI(base_url=f"{secure.url}/v1", api_key="sk-user", http_client=http)
     out = client.embeddings.create(model="embedder", input=["hello there"])
     assert len(out.data[0].embedding) == 8

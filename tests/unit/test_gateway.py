@@ -88,7 +88,7 @@ def _choice(i: int, ch: str, reason: str | None, logprobs: int | None) -> Comple
 
 def make(llm: FakeLLM | None = None, **server: Any) -> tuple[TestClient, FakeLLM]:
     fake = llm or FakeLLM()
-    app = create_app(fake, ServerConfig(access_log=False, **server))  # type: ignore[arg-type]
+    app = create_app(fake, ServerConfig(access_log=False, **server))
     return TestClient(app, raise_server_exceptions=False), fake
 
 
@@ -212,7 +212,7 @@ def test_status_mapping() -> None:
 
 
 def test_not_ready_and_dead() -> None:
-    c, _ = make(llm=None)  # type: ignore[arg-type]
+    c, _ = make(llm=None)
     c.app.state.gateway.llm = None  # type: ignore[attr-defined]
     assert c.get("/health/ready").status_code == 503
     assert c.get("/health/live").status_code == 200

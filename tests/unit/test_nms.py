@@ -16,7 +16,10 @@ def iou(a: list[float], b: list[float]) -> float:
     w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     inter = w * h
-    area = lambda r: max(0.0, r[2] - r[0]) * max(0.0, r[3] - r[1])  # noqa: E731
+
+    def area(r: list[float]) -> float:
+        return max(0.0, r[2] - r[0]) * max(0.0, r[3] - r[1])
+
     union = area(a) + area(b) - inter
     return inter / union if union > 0 else 0.0
 

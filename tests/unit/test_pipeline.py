@@ -93,7 +93,7 @@ class FakeBackend:
 
 @dataclass
 class FakeObserver:
-    requests: list[tuple[str, dict[str, float], str]] = field(default_factory=list)
+    requests: list[tuple[str, dict[Stage, float], str]] = field(default_factory=list)
     batches: list[tuple[str, int, float]] = field(default_factory=list)
     starts: list[dict[Stage, float]] = field(default_factory=list)
     batch_ids: list[tuple[str, ...]] = field(default_factory=list)
@@ -334,7 +334,7 @@ async def test_queue_timeout_fires_while_the_worker_is_busy() -> None:
     gate.set()
     await running
     assert observer.outcomes() == ["queue_timeout", "success"]
-    assert observer.requests[0][1]["queue"] >= 0.04
+    assert observer.requests[0][1][Stage.QUEUE] >= 0.04
     await model.stop()
 
 

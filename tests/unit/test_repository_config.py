@@ -118,7 +118,9 @@ def test_every_problem_is_reported(tmp_path: Path) -> None:
         ({}, [], []),
     ],
 )
-def test_version_policy_selects(policy: dict, available: list[int], expected: list[int]) -> None:
+def test_version_policy_selects(
+    policy: dict[str, object], available: list[int], expected: list[int]
+) -> None:
     assert VersionPolicy.model_validate(policy).select(available) == expected
 
 
