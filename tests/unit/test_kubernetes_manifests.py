@@ -7,6 +7,8 @@ autoscaler's queries use metric names the replica's registry exports.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, cast
 
@@ -94,6 +96,16 @@ def test_every_manifest_parses_and_the_kustomization_lists_them_all() -> None:
     assert listed == on_disk
     for m in _manifests():
         assert {"apiVersion", "kind", "metadata"} <= m.keys(), m
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_builds_the_whole_set() -> None:
+    kubectl = shutil.which("kubectl") or "kubectl"
+    built = subprocess.run(
+        [kubectl, "kustomize", str(KUBE)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(built) if d is not None)
+    assert kinds == sorted(m["kind"] for m in _manifests())
 
 
 def test_replica_args_parse_with_the_serve_parser() -> None:
