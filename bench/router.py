@@ -94,7 +94,8 @@ class Shape:
 
 def _ids(rng: np.random.Generator, n: int) -> list[int]:
     # Token 0..7 are left for the cell salts (one leading token per cell).
-    return rng.integers(8, VOCAB, size=n).tolist()
+    ids: list[int] = rng.integers(8, VOCAB, size=n).tolist()
+    return ids
 
 
 def grouped(shape: Shape, weights: np.ndarray) -> list[list[int]]:
@@ -307,7 +308,8 @@ def shape_from(args: argparse.Namespace) -> Shape:
 
 def replica_blocks(args: argparse.Namespace) -> int:
     """One replica's KV pool: the K prefixes are `prefix_cache_ratio` x its size."""
-    return max(1, round(args.groups * args.prefix_blocks / args.prefix_cache_ratio))
+    blocks: int = round(args.groups * args.prefix_blocks / args.prefix_cache_ratio)
+    return max(1, blocks)
 
 
 def main(argv: list[str] | None = None) -> int:
