@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import RESULTS_DIR, command_line, machine_info, write_result
+from common import RESULTS_DIR, BenchRequest, command_line, machine_info, write_result
 from serve import (
-    BenchRequest,
     completion_body,
     launched_server,
     run_load,
