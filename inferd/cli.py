@@ -165,10 +165,21 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from inferd.serve import serve
 
+    if args.ray:
+        return _serve_on_ray(args)
     if args.data_parallel_size > 1:
         return serve_data_parallel(args)
 
     return serve(serve_config(args, read_environment()))
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """`inferd serve --ray`: inferd.router.ray_serve takes over (ray is an optional extra)."""
+    try:
+        from inferd.router.ray_serve import serve_on_ray
+    except ImportError as e:
+        raise InferdError(f"--ray needs the ray extra ({e.name}): pip install 'inferd[ray]'") from e
+    return serve_on_ray(args.argv, args.num_replicas, args.host, args.port)
 
 
 def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:
@@ -357,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(model=None)  # resolved in _serve: no LLM when only a repository is given
     srv.set_defaults(func=_serve)
     add_data_parallel_args(srv)
+    srv.add_argument(
+        "--ray", action="store_true", help="serve on Ray Serve (the ray extra), cache-aware routed"
+    )
+    srv.add_argument("--num-replicas", type=int, default=1, help="--ray: engine replicas")
     add_router_parser(sub)
     return parser
 

@@ -1,0 +1,97 @@
+"""The Ray Serve path (`inferd[ray]`): two `inferd-tiny` engine replicas as one Serve deployment
+behind the ingress, routed by inferd's cache-aware `RequestRouter`, driven with the `openai`
+client on a local Ray (2 CPUs, no dashboard, no usage stats). Skipped when ray is not installed.
+
+The tests share one application (module fixture) and run in file order; shutdown is last."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from conftest import SMALL, free_port
+
+# Ray reads this when it starts; set before `ray.init` so no usage report is attempted.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray = pytest.importorskip("ray", reason="the Ray Serve path needs the ray extra")
+serve = pytest.importorskip("ray.serve")
+
+from inferd.router.ray_serve import RayServeOptions, build_app  # noqa: E402
+
+PREFIX = (
+    "You are a careful assistant for the city archive. The history of the city begins with a "
+    "long account of its founding by travellers from the north, who crossed the mountains and "
+    "settled by the river. "
+)
+REPLICA = "x-inferd-replica"
+
+
+@dataclass
+class App:
+    url: str
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def completion(self, prompt: str) -> httpx.Response:
+        body = {"model": "inferd-tiny", "prompt": prompt, "max_tokens": 2}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[App]:
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        options = RayServeOptions(serve_args=("inferd-tiny", *SMALL), num_replicas=2)
+        serve.run(build_app(options), name="inferd", route_prefix="/")
+        yield App(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_completions_and_chat_through_the_openai_client(app: App) -> None:
+    client = app.client()
+    done = client.completions.create(model="inferd-tiny", prompt="Once upon a time", max_tokens=3)
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 3
+    chat = client.chat.completions.create(
+        model="inferd-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert [m.id for m in client.models.list().data] == ["inferd-tiny"]
+
+
+def test_a_stream_arrives_chunk_by_chunk(app: App) -> None:
+    stream = app.client().chat.completions.create(
+        model="inferd-tiny",
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=5,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert len(chunks) >= 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_requests_sharing_a_prefix_land_on_one_replica(app: App) -> None:
+    first = [app.completion(PREFIX + f"Question {i}: what happened?") for i in range(4)]
+    other = app.completion("Unrelated topic number two, about rivers and lakes. " * 3)
+    assert all(r.status_code == 200 for r in [*first, other])
+    homes = {r.headers[REPLICA] for r in first}
+    assert len(homes) == 1
+    # The replica really held the prefix: its engine reports the cached tokens.
+    assert first[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    # A new prefix group goes to the replica holding less, not to the warm one.
+    assert other.headers[REPLICA] not in homes
+
+
+def test_bad_input_gets_the_replicas_own_400(app: App) -> None:
+    r = httpx.post(f"{app.url}/v1/completions", json={"prompt": 3}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
