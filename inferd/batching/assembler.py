@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inferd.errors import InferdError, InvalidRequestError
+from inferd.errors import (
+    InferdError,
+    InvalidRequestError,
+    ModelNotReadyError,
+    QueueFullError,
+    QueueTimeoutError,
+)
 from inferd.steps.classification import classify
 from inferd.tensors import DATATYPES, OutputTensor, RequestedOutput, datatype_of
 
@@ -45,6 +51,19 @@ def backend_error(exc: Exception) -> BaseException:
     error = BackendError(f"the backend failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def outcome_of(exc: BaseException) -> str:
+    """How a failed request is counted (`inferd_model_requests{outcome}`, the request log)."""
+    if isinstance(exc, InvalidRequestError):
+        return "invalid"
+    if isinstance(exc, QueueFullError):
+        return "queue_full"
+    if isinstance(exc, QueueTimeoutError):
+        return "queue_timeout"
+    if isinstance(exc, ModelNotReadyError):
+        return "unavailable"
+    return "error"
 
 
 def step_error(stage: str, exc: Exception) -> BaseException:

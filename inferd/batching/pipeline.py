@@ -48,6 +48,7 @@ from inferd.batching.assembler import (
     backend_error,
     check_rows,
     num_tokens,
+    outcome_of,
     place,
     request_rows,
     split_private,
@@ -65,7 +66,6 @@ from inferd.batching.rules import (
 )
 from inferd.batching.validate import InputValidator, check_requested_outputs
 from inferd.errors import (
-    InvalidRequestError,
     ModelNotReadyError,
     QueueFullError,
     QueueTimeoutError,
@@ -246,7 +246,7 @@ class ServedModel:
             outcome = None  # the client went away; no outcome to count
             raise
         except BaseException as exc:
-            outcome = _outcome(exc)
+            outcome = outcome_of(exc)
             raise
         finally:
             if outcome is not None and self._observer is not None:
@@ -488,15 +488,3 @@ class ServedModel:
 def _fail(future: asyncio.Future[InferResponse], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-def _outcome(exc: BaseException) -> str:
-    if isinstance(exc, InvalidRequestError):
-        return "invalid"
-    if isinstance(exc, QueueFullError):
-        return "queue_full"
-    if isinstance(exc, QueueTimeoutError):
-        return "queue_timeout"
-    if isinstance(exc, ModelNotReadyError):
-        return "unavailable"
-    return "error"
