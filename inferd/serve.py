@@ -169,7 +169,7 @@ async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
             parts.grpc_port = parts.grpc.port
     if engine is not None:
         parts.llm = await AsyncLLM.start(
-            engine, admission, served_model_name=server.served_model_name
+            engine, admission, served_model_name=server.served_model_name, env=config.env
         )
         set_engine(app, parts.llm)
 

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from inferd.admission.front_door import FrontDoor
-from inferd.config import AdmissionConfig, EngineConfig
+from inferd.config import AdmissionConfig, EngineConfig, Environment, read_environment
 from inferd.engine.core_client import EngineCoreClient
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineInfo, EngineStats
@@ -79,11 +79,13 @@ class AsyncLLM:
         *,
         served_model_name: str | None = None,
         start_timeout_s: float = 600.0,
+        env: Environment | None = None,
     ) -> AsyncLLM:
-        """Spawns the engine core, waits until its model is loaded, starts the front's tasks."""
+        """Spawns the engine core, waits until its model is loaded, starts the front's tasks.
+        `env`: the environment the server read at start-up (read here when not given)."""
         self = cls(config, limits or AdmissionConfig(), served_model_name)
         try:
-            ready = await self._core.start(config, start_timeout_s)
+            ready = await self._core.start(config, env or read_environment(), start_timeout_s)
             self.tokenizer = await asyncio.to_thread(
                 Tokenizer.from_pretrained, Path(ready.tokenizer_path)
             )

@@ -1,7 +1,7 @@
 """The client of one engine core process: spawn it, watch it, talk to it, stop it.
 
     core = EngineCoreClient()
-    ready = await core.start(config, timeout_s=600)   # CoreReady (info + tokenizer path)
+    ready = await core.start(config, env, timeout_s=600)  # CoreReady (info + tokenizer path)
     core.send(AddRequest(...))                         # never blocks
     async for event in core.events():                  # EngineOutputs, as the core sends them
         ...
@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from inferd.config import EngineConfig
+from inferd.config import EngineConfig, Environment
 from inferd.engine.core_proc import run_engine_core
 from inferd.engine.messages import (
     CoreFailed,
@@ -66,7 +66,7 @@ class EngineCoreClient:
         self._proc: BaseProcess | None = None
         self._closed = False
 
-    async def start(self, config: EngineConfig, timeout_s: float) -> CoreReady:
+    async def start(self, config: EngineConfig, env: Environment, timeout_s: float) -> CoreReady:
         """Spawns the core and waits for its CoreReady.
 
         Raises ModelLoadError if the core reports a load failure, EngineDeadError if it exits
@@ -74,7 +74,7 @@ class EngineCoreClient:
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(
             target=run_engine_core,
-            args=(config, self._input_address, self._output_address),
+            args=(config, env, self._input_address, self._output_address),
             name="inferd-engine-core",
             daemon=True,
         )

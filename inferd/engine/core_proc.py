@@ -23,7 +23,7 @@ import sys
 import msgspec
 import zmq
 
-from inferd.config import EngineConfig, read_environment
+from inferd.config import EngineConfig, Environment
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.messages import (
     AbortRequests,
@@ -39,7 +39,6 @@ from inferd.engine.messages import (
 )
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
-from inferd.models.loader import resolve_model_path
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
@@ -48,7 +47,9 @@ _IDLE_POLL_MS = 1000
 _SEND_LINGER_MS = 2000
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+def run_engine_core(
+    config: EngineConfig, env: Environment, input_address: str, output_address: str
+) -> None:
     """Entry point of the spawned core process."""
     # Ctrl-C goes to the whole process group; the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -63,8 +64,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     try:
-        engine = LLMEngine(config)
-        ready = _ready_message(engine, config)
+        engine = LLMEngine(config, env)
+        ready = CoreReady(info=engine.info, tokenizer_path=str(engine.tokenizer_path))
     except Exception as e:  # any load failure is reported to the front, then we exit
         logger.exception("engine core failed to start")
         outputs.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
@@ -75,13 +76,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     if engine.kv_events is not None:
         engine.kv_events.close()
     ctx.destroy(linger=_SEND_LINGER_MS)
-
-
-def _ready_message(engine: LLMEngine, config: EngineConfig) -> CoreReady:
-    tokenizer_path = engine.info.model_path
-    if config.model.tokenizer is not None:
-        tokenizer_path = str(resolve_model_path(config.model.tokenizer, None, read_environment()))
-    return CoreReady(info=engine.info, tokenizer_path=tokenizer_path)
 
 
 class EngineCore:

@@ -18,7 +18,7 @@ from typing import TypedDict
 import torch
 
 from inferd.admission.prompt_check import check_prompt
-from inferd.config import EngineConfig, read_environment
+from inferd.config import EngineConfig, Environment, read_environment
 from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
 from inferd.errors import InvalidRequestError, ModelLoadError
@@ -47,9 +47,11 @@ PromptType = str | TokensPrompt
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, env: Environment | None = None) -> None:
+        """`env`: the server passes the environment it read at start-up; the offline API reads
+        it here, its own start-up."""
         self.config = config
-        env = read_environment()
+        env = env or read_environment()
         self.device = resolve_device(config.device)
         configure_threads(self.device, config.device.num_threads)
         torch.manual_seed(config.model.seed)
@@ -67,7 +69,8 @@ class LLMEngine:
         )
         prepare_linears(self.model, kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
-        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache)
+        self.tokenizer_path = tok_path
+        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache, env)
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
         if self.device.type == "cuda" and not config.device.enforce_eager:
             self.runner.enable_decode_graphs(

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from inferd.config import CacheConfig
+from inferd.config import CacheConfig, Environment
 from inferd.errors import ModelLoadError
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models import kernels
@@ -52,6 +52,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cache: CacheConfig,
+        env: Environment,
     ) -> None:
         self.model = model
         self.arch = arch
@@ -73,7 +74,7 @@ class ModelRunner:
             _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = kernels.select(
-            cache.attention_backend, device, dtype, self.kv_dtype, arch.head_dim
+            cache.attention_backend, device, dtype, self.kv_dtype, arch.head_dim, env
         )
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv

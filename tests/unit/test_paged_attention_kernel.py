@@ -156,22 +156,24 @@ def test_supports() -> None:
 
 def test_select_honours_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
-    assert kernels.select("torch", cpu, f32, f32, 64) is None
-    assert kernels.select("auto", torch.device("cuda"), f32, f32, 64) is None
-    assert kernels.select("auto", cpu, f32, f32, 72) is None  # unsupported head_dim: fallback
+    env = read_environment()
+    assert kernels.select("torch", cpu, f32, f32, 64, env) is None
+    assert kernels.select("auto", torch.device("cuda"), f32, f32, 64, env) is None
+    assert kernels.select("auto", cpu, f32, f32, 72, env) is None  # unsupported head_dim
     monkeypatch.setenv("INFERD_DISABLE_KERNELS", "1")
-    assert kernels.select("auto", cpu, f32, f32, 64) is None
+    env = read_environment()  # what a server started now would read
+    assert kernels.select("auto", cpu, f32, f32, 64, env) is None
     with pytest.raises(kernels.KernelUnavailable, match="INFERD_DISABLE_KERNELS"):
-        kernels.select("cpu_kernel", cpu, f32, f32, 64)
+        kernels.select("cpu_kernel", cpu, f32, f32, 64, env)
 
 
 def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "compiler", lambda: None)
-    cpu, f32 = torch.device("cpu"), torch.float32
-    assert kernels.select("auto", cpu, f32, f32, 64) is None
+    cpu, f32, env = torch.device("cpu"), torch.float32, read_environment()
+    assert kernels.select("auto", cpu, f32, f32, 64, env) is None
     with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
-        kernels.select("cpu_kernel", cpu, f32, f32, 64)
+        kernels.select("cpu_kernel", cpu, f32, f32, 64, env)
 
 
 def test_build_is_cached_by_source_compiler_and_cpu(tmp_path: Path) -> None:

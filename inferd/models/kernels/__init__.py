@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from inferd.config import read_environment
+from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
 
 logger = logging.getLogger("inferd.executor")
@@ -120,7 +120,12 @@ class PagedAttentionKernel:
 
 
 def select(
-    backend: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    env: Environment,
 ) -> PagedAttentionKernel | None:
     """The kernel the engine should use, or None for the PyTorch path; logs the choice once.
 
@@ -129,11 +134,11 @@ def select(
     """
     if backend == "torch" or (backend == "auto" and device.type != "cpu"):
         return None
-    why = _why_not(device, dtype, kv_dtype, head_dim)
+    why = _why_not(device, dtype, kv_dtype, head_dim, env)
     kernel = None
     if why is None:
         try:
-            kernel = load(read_environment().cache_dir)
+            kernel = load(env.cache_dir)
         except KernelUnavailable as e:
             why = str(e)
     if kernel is not None:
@@ -146,21 +151,22 @@ def select(
 
 
 def _why_not(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, env: Environment
 ) -> str | None:
     if device.type != "cpu":
         return f"device {device} (the kernel is CPU-only)"
-    if read_environment().disable_kernels:
+    if env.disable_kernels:
         return "INFERD_DISABLE_KERNELS is set"
     return supports(dtype, kv_dtype, head_dim)
 
 
-def kernel_available() -> bool:
+def kernel_available(env: Environment | None = None) -> bool:
     """Whether the kernel builds and loads here (tests use it to know which path ran)."""
-    if read_environment().disable_kernels:
+    env = env or read_environment()
+    if env.disable_kernels:
         return False
     try:
-        load(read_environment().cache_dir)
+        load(env.cache_dir)
     except KernelUnavailable:
         return False
     return True
