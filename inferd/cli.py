@@ -176,10 +176,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_on_ray(args: argparse.Namespace) -> int:
     """`inferd serve --ray`: inferd.router.ray_serve takes over (ray is an optional extra)."""
     try:
-        from inferd.router.ray_serve import serve_on_ray
+        from inferd.router.ray_launch import serve_on_ray
     except ImportError as e:
         raise InferdError(f"--ray needs the ray extra ({e.name}): pip install 'inferd[ray]'") from e
-    return serve_on_ray(args.argv, args.num_replicas, args.host, args.port)
+    return serve_on_ray(serve_config(args, read_environment()), args.num_replicas)
 
 
 def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:

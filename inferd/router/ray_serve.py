@@ -21,8 +21,8 @@ Two deployments:
 Serve's default `max_ongoing_requests` (5) would starve continuous batching; replicas take the
 engine's `max_num_seqs + max_queued_requests` unless told otherwise.
 
-    inferd serve --ray --num-replicas 2 inferd-tiny
-    serve run inferd.router.ray_serve:app_builder num_replicas=2 serve_args="inferd-tiny"
+    inferd serve --ray --num-replicas 2 inferd-tiny     (inferd.router.ray_launch)
+    serve run inferd.router.ray_serve:app_builder num_replicas=2 model=inferd-tiny
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ import asyncio
 import contextlib
 import json
 import logging
-import shlex
-import signal
-import threading
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +44,7 @@ from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from inferd.config import EngineConfig, ServeConfig, read_environment
 from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
 from inferd.router.load import ReplicaReport, Ticket
@@ -156,16 +154,15 @@ async def _response(queue: asyncio.Queue[Message | None]) -> AsyncIterator[Respo
 
 
 class EngineReplica:
-    """One inferd server (gateway app + engine core process) inside a Serve replica, configured
-    by `inferd serve`'s own flags (`serve_args`, e.g. ["inferd-tiny", "--max-num-seqs", "64"]).
-    Serves the LLM lane only: no model repository, no gRPC, no port of its own."""
+    """One inferd server (gateway app + engine core process) inside a Serve replica, run with
+    `inferd serve`'s config tree. Serves the LLM lane only: no model repository, no gRPC, no
+    port of its own (its host/port are the Serve proxy's)."""
 
-    async def __init__(self, serve_args: Sequence[str]) -> None:  # type: ignore[misc]
+    async def __init__(self, config: ServeConfig) -> None:  # type: ignore[misc]
         from inferd.engine.async_client import AsyncLLM
         from inferd.gateway.app import create_app, set_engine
 
-        config = serve_config_from_args(serve_args)
-        assert config.engine is not None  # serve_config_from_args always names an LLM
+        assert config.engine is not None  # build_app refuses a config without an LLM
         self._grace_s = config.server.shutdown_timeout_s
         self._app = create_app(None, config.server)
         self._llm = await AsyncLLM.start(
@@ -193,6 +190,8 @@ class EngineReplica:
             "queued": s.queued,
             "queued_prompt_tokens": s.queued_prompt_tokens,
             "kv_cache_usage": s.kv_cache_usage,
+            # Bounds the router's index for this replica at its real KV capacity.
+            "num_blocks": self._llm.info.num_kv_blocks,
         }
 
     async def __del__(self) -> None:
@@ -214,6 +213,7 @@ def _report(stats: Mapping[str, Any]) -> ReplicaReport:
         queued=int(stats.get("queued", 0)),
         queued_prompt_tokens=int(stats.get("queued_prompt_tokens", 0)),
         kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
+        num_blocks=int(stats["num_blocks"]) if "num_blocks" in stats else None,
     )
 
 
@@ -346,7 +346,8 @@ class Ingress:
         start = await parts.__anext__()
         assert isinstance(start, ResponseStart)
         response = StreamingResponse(_body(parts), status_code=start.status)
-        response.raw_headers = list(start.headers)
+        # Serve's proxy sets x-request-id itself (the same id: it passed it to the replica).
+        response.raw_headers = [h for h in start.headers if h[0] != b"x-request-id"]
         return response
 
 
@@ -355,29 +356,14 @@ async def _body(parts: Any) -> AsyncIterator[bytes]:
         yield chunk
 
 
-EngineDeployment = serve.deployment(name="inferd-engine")(EngineReplica)
-IngressDeployment = serve.deployment(name="inferd-ingress")(serve.ingress(_api)(Ingress))
-
-
 # -- building the application -----------------------------------------------------------------
-
-
-def serve_config_from_args(serve_args: Sequence[str]) -> Any:
-    """`inferd serve ARGS`' config tree (inferd.cli's own mapping), always with an LLM."""
-    from inferd.cli import build_parser, serve_config
-    from inferd.config import read_environment
-
-    args = build_parser().parse_args(["serve", *serve_args])
-    if args.model_pos is None and args.model is None:
-        args.model = "inferd-tiny"
-    return serve_config(args, read_environment())
 
 
 @dataclass(frozen=True)
 class RayServeOptions:
-    """What `build_app` makes: `num_replicas` engine replicas, each `inferd serve serve_args`."""
+    """What `build_app` makes: `num_replicas` engine replicas, each serving `config`."""
 
-    serve_args: tuple[str, ...] = ()
+    config: ServeConfig
     num_replicas: int = 2
     # None: the engine's max_num_seqs + max_queued_requests (what it can hold without a 503).
     max_ongoing_requests: int | None = None
@@ -391,8 +377,9 @@ class RayServeOptions:
 
 def build_app(options: RayServeOptions) -> Application:
     """The Serve application: the ingress bound to `num_replicas` engine replicas."""
-    config = serve_config_from_args(options.serve_args)
-    engine = config.engine
+    config, engine = options.config, options.config.engine
+    if engine is None:
+        raise ValueError("Ray Serve runs the LLM lane only: name a model")
     ongoing = options.max_ongoing_requests or (
         engine.scheduler.max_num_seqs + config.admission.max_queued_requests
     )
@@ -411,14 +398,13 @@ def build_app(options: RayServeOptions) -> Application:
     replicas = EngineDeployment.options(
         num_replicas=options.num_replicas,
         max_ongoing_requests=ongoing,
-        # Serve's queue in front of the replicas: as deep as the replicas' own.
-        max_queued_requests=-1,
+        max_queued_requests=-1,  # unbounded in Serve: the replicas' admission queues bound it
         request_router_config=router,
         ray_actor_options={"num_cpus": options.replica_num_cpus},
         # A cold replica loads weights and starts its engine process before it is healthy.
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=config.server.shutdown_timeout_s + 5.0,
-    ).bind(list(options.serve_args))
+    ).bind(config)
     model = engine.model
     return IngressDeployment.options(
         max_ongoing_requests=options.num_replicas * ongoing,
@@ -426,17 +412,25 @@ def build_app(options: RayServeOptions) -> Application:
     ).bind(replicas, model.model, model.tokenizer, model.revision)
 
 
+_BUILDER_ARGS = ("num_replicas", "max_ongoing_requests", "policy", "replica_num_cpus")
+
+
 def app_builder(args: dict[str, str]) -> Application:
-    """`serve run inferd.router.ray_serve:app_builder num_replicas=2 serve_args="inferd-tiny"`:
-    Serve's application-builder hook (its arguments arrive as strings)."""
-    known = {"serve_args", "num_replicas", "max_ongoing_requests", "policy", "replica_num_cpus"}
-    unknown = set(args) - known
-    if unknown:
-        raise ValueError(f"unknown arguments {sorted(unknown)}; known: {sorted(known)}")
+    """Serve's application-builder hook; engine settings go by `inferd.LLM`'s keyword names:
+
+        serve run inferd.router.ray_serve:app_builder num_replicas=2 model=inferd-tiny \
+            max_num_seqs=64
+
+    Everything but the builder's own arguments goes to `EngineConfig.from_kwargs` (which
+    refuses unknown names and converts the strings)."""
+    engine = {k: v for k, v in args.items() if k not in _BUILDER_ARGS}
     ongoing = args.get("max_ongoing_requests")
     return build_app(
         RayServeOptions(
-            serve_args=tuple(shlex.split(args.get("serve_args", ""))),
+            config=ServeConfig(
+                env=read_environment(),
+                engine=EngineConfig.from_kwargs(**{"model": "inferd-tiny", **engine}),
+            ),
             num_replicas=int(args.get("num_replicas", 2)),
             max_ongoing_requests=int(ongoing) if ongoing else None,
             policy=args.get("policy", "cache_aware"),  # type: ignore[arg-type]
@@ -445,50 +439,5 @@ def app_builder(args: dict[str, str]) -> Application:
     )
 
 
-# `inferd serve` flags the parent handles itself (value-taking, then bare).
-_PARENT_VALUE_FLAGS = ("--num-replicas", "--host", "--port", "--grpc-port", "--data-parallel-size")
-_PARENT_BARE_FLAGS = ("--ray",)
-
-
-def replica_serve_args(argv: Sequence[str]) -> list[str]:
-    """The flags after `serve` in `argv`, less the ones that describe the parent.
-
-    >>> replica_serve_args(["--log-level", "INFO", "serve", "m", "--ray", "--port=1", "--seed=1"])
-    ['m', '--seed=1']
-    """
-    args = list(argv)
-    out: list[str] = []
-    skip = False
-    for arg in args[args.index("serve") + 1 :]:
-        name = arg.split("=", 1)[0]
-        if skip or name in _PARENT_BARE_FLAGS:
-            skip = False
-            continue
-        if name in _PARENT_VALUE_FLAGS:
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out
-
-
-def serve_on_ray(argv: Sequence[str], num_replicas: int, host: str, port: int) -> int:
-    """`inferd serve --ray --num-replicas N ...`: joins the Ray cluster RAY_ADDRESS names (or
-    starts a local one), serves the application on host:port until SIGTERM/SIGINT, then shuts
-    Serve down (replicas drain)."""
-    import ray
-
-    options = RayServeOptions(serve_args=tuple(replica_serve_args(argv)), num_replicas=num_replicas)
-    application = build_app(options)
-    ray.init()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(application, name="inferd", route_prefix="/")
-        logger.info("ready on Ray Serve: http://%s:%d (%d replicas)", host, port, num_replicas)
-        stop.wait()
-    finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-        ray.shutdown()
-    return 0
+EngineDeployment = serve.deployment(name="inferd-engine")(EngineReplica)
+IngressDeployment = serve.deployment(name="inferd-ingress")(serve.ingress(_api)(Ingress))
