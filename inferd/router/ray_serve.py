@@ -165,6 +165,8 @@ class EngineReplica:
         assert config.engine is not None  # build_app refuses a config without an LLM
         self._grace_s = config.server.shutdown_timeout_s
         self._app = create_app(None, config.server)
+        # No env=config.env: a replica may run on another node, whose environment (cache
+        # folders, tokens) is the one that counts; AsyncLLM reads it there.
         self._llm = await AsyncLLM.start(
             config.engine, config.admission, served_model_name=config.server.served_model_name
         )
