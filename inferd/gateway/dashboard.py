@@ -82,10 +82,13 @@ class _Overview:
 
     def snapshot(self) -> dict[str, object]:
         mm = self.state.model_metrics
+        engine = self.state.engine_gauges()
         now = BatchTotals(
             asyncio.get_running_loop().time(),
             HistogramTotals.read(mm.batch_size),
             HistogramTotals.read(mm.padding),
+            0 if engine is None else engine.prefix_cache_queries_tokens_total,
+            0 if engine is None else engine.prefix_cache_hits_tokens_total,
         )
         while self.batches and now.at - self.batches[0].at > self.window_s:
             self.batches.popleft()
@@ -94,7 +97,7 @@ class _Overview:
         doc = overview(
             self.log,
             self.window_s,
-            self.state.engine_gauges(),
+            engine,
             (now, oldest),
             self.state.model_name,
         )

@@ -140,11 +140,14 @@ def _stage_sum(records: Iterable[RequestRecord], stages: Sequence[Stage]) -> flo
 
 @dataclass(frozen=True)
 class BatchTotals:
-    """The classic models' batch histograms at one instant (the window's means are differences)."""
+    """Cumulative counters at one instant: the classic models' batch histograms and the LLM
+    engine's prefix-cache tokens (a window's means and rates are differences of two)."""
 
     at: float
     rows: HistogramTotals
     padding: HistogramTotals
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 def overview(
@@ -167,7 +170,7 @@ def overview(
         "llm": {
             "model": llm_model,
             **_llm(llm, window_s),
-            "engine": None if engine is None else _engine(engine),
+            "engine": None if engine is None else _engine(engine, newest, oldest),
         },
         "classic": {
             **_lane(classic, window_s, "classic"),
@@ -180,7 +183,7 @@ def overview(
     }
 
 
-def _engine(g: EngineGauges) -> dict[str, object]:
+def _engine(g: EngineGauges, newest: BatchTotals, oldest: BatchTotals | None) -> dict[str, object]:
     return {
         "running": g.running,
         "waiting": g.waiting,
@@ -188,6 +191,14 @@ def _engine(g: EngineGauges) -> dict[str, object]:
         "queue_depth": g.waiting + g.queued,
         "kv_cache_usage": round(g.kv_cache_usage, 4),
         "preemptions_total": g.preemptions_total,
-        # Not reported by the engine yet: the page shows "n/a" for None.
-        "prefix_cache_hit_rate": None,
+        "prefix_cache_hit_rate": _hit_rate(newest, oldest),
     }
+
+
+def _hit_rate(newest: BatchTotals, oldest: BatchTotals | None) -> float | None:
+    """Prompt tokens found in the prefix cache / prompt tokens looked up, over the window (since
+    start until the window has an older snapshot); None (the page's "n/a") before any lookup."""
+    queries, hits = newest.prefix_queries, newest.prefix_hits
+    if oldest is not None and queries > oldest.prefix_queries:
+        queries, hits = queries - oldest.prefix_queries, hits - oldest.prefix_hits
+    return round(hits / queries, 4) if queries > 0 else None

@@ -127,6 +127,7 @@ def test_overview_and_its_event_stream(server: Server) -> None:
     llm, classic = o["llm"], o["classic"]
     assert llm["requests"] >= 1 and llm["rps"] > 0 and llm["output_tps"] > 0
     assert llm["ttft"]["p50"] > 0 and llm["engine"]["kv_cache_usage"] >= 0
+    assert 0.0 <= llm["engine"]["prefix_cache_hit_rate"] <= 1.0  # prompts were looked up
     assert set(llm["stage_seconds"]) <= set(llm["stage_order"])
     assert classic["models"]["fraud"]["batch_rows"] >= 1
     assert classic["failed"] >= 1

@@ -92,3 +92,29 @@ def test_overview_of_both_lanes() -> None:
     fraud = classic["models"]["fraud"]
     assert fraud["batch_rows"] == 3.0 and fraud["padding_ratio"] == 0.25
     assert fraud["queue_s"] == pytest.approx(0.0025) and fraud["compute_s"] == pytest.approx(0.005)
+
+
+def _totals(at: float, queries: int, hits: int) -> BatchTotals:
+    registry = CollectorRegistry()
+    empty = HistogramTotals.read(Histogram("h", "h", ["model"], registry=registry))
+    return BatchTotals(at, empty, empty, prefix_queries=queries, prefix_hits=hits)
+
+
+@pytest.mark.parametrize(
+    ("newest", "oldest", "rate"),
+    [
+        ((100, 25), None, 0.25),  # no older snapshot yet: since start
+        ((300, 175), (100, 25), 0.75),  # over the window: 150 of 200 new prompt tokens hit
+        ((100, 25), (100, 25), 0.25),  # nothing looked up in the window: the rate since start
+        ((0, 0), None, None),  # nothing looked up at all: n/a
+    ],
+)
+def test_prefix_cache_hit_rate_over_the_window(
+    newest: tuple[int, int], oldest: tuple[int, int] | None, rate: float | None
+) -> None:
+    now = _totals(10.0, *newest)
+    before = None if oldest is None else _totals(0.0, *oldest)
+    o = overview(RequestLog(), 60.0, EngineGauges(), (now, before), "tiny")
+    llm = o["llm"]
+    assert isinstance(llm, dict)
+    assert llm["engine"]["prefix_cache_hit_rate"] == rate
