@@ -24,6 +24,8 @@ logger = logging.getLogger("inferd.router")
 
 # Flags the children get from here instead (value-taking flags: their value goes too).
 _PARENT_ONLY = ("--data-parallel-size", "--host", "--port", "--grpc-port")
+# Each replica gets its own address for this one (see replica_endpoint).
+_KV_EVENTS = "--kv-events-endpoint"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,33 +34,55 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def replica_argv(argv: Sequence[str], port: int) -> list[str]:
-    """`argv` (the parent's, from `serve` on) without the parent-only flags, on `port`.
+def replica_argv(argv: Sequence[str], port: int, index: int = 0) -> list[str]:
+    """`argv` (the parent's, from `serve` on) without the parent-only flags, on `port`; replica
+    `index` publishes its KV events on its own endpoint (`replica_endpoint`).
 
     >>> replica_argv(["serve", "--port", "8000", "--data-parallel-size=2", "--seed", "1"], 9)
     ['serve', '--seed', '1', '--host', '127.0.0.1', '--port', '9', '--grpc-port', '-1']
     """
     out: list[str] = []
-    skip = False
+    skip = rewrite = False
     for arg in argv:
         if skip:
             skip = False
             continue
-        name = arg.split("=", 1)[0]
-        if name in _PARENT_ONLY:
-            skip = "=" not in arg
+        if rewrite:
+            out.append(replica_endpoint(arg, index))
+            rewrite = False
             continue
+        name, eq, value = arg.partition("=")
+        if name in _PARENT_ONLY:
+            skip = not eq
+            continue
+        if name == _KV_EVENTS:
+            rewrite = not eq
+            arg = f"{name}={replica_endpoint(value, index)}" if eq else arg
         out.append(arg)
     return [*out, "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "-1"]
+
+
+def replica_endpoint(endpoint: str, index: int) -> str:
+    """Replica `index`'s KV-events endpoint: one PUB socket binds one address, so replica i of
+    `tcp://host:P` publishes on port P + i (`ipc://path` becomes `ipc://path-i`).
+
+    >>> replica_endpoint("tcp://*:5557", 2), replica_endpoint("ipc:///tmp/kv", 1)
+    ('tcp://*:5559', 'ipc:///tmp/kv-1')
+    """
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + index}"
+    return f"{endpoint}-{index}"
 
 
 def start_replicas(argv: Sequence[str], n: int) -> list[tuple[str, subprocess.Popen[bytes]]]:
     start = list(argv).index("serve")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     replicas = []
-    for _ in range(n):
+    for i in range(n):
         port = free_port()
-        cmd = [sys.executable, "-m", "inferd.cli", *argv[:start], *replica_argv(argv[start:], port)]
+        own = replica_argv(argv[start:], port, i)
+        cmd = [sys.executable, "-m", "inferd.cli", *argv[:start], *own]
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         replicas.append((f"http://127.0.0.1:{port}", proc))
     return replicas

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from inferd.gateway.errors import bad_request
 from inferd.gateway.openai.embeddings import EmbeddingRequest
 from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from inferd.gateway.openai.serving import _tokenize
+from inferd.gateway.openai.serving import tokenize_body
 from inferd.preprocess.tokenizer import Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -58,7 +58,7 @@ def prompt_token_ids(tok: Tokenizer, request: BaseModel) -> list[int]:
     """What the replica will prefill for this request (its first prompt): the gateway's own
     tokenization, so the router's blocks are the replica's."""
     if isinstance(request, ChatCompletionRequest | CompletionRequest):
-        prompts = _tokenize(tok, request)
+        prompts = tokenize_body(tok, request)
         return prompts[0].ids if prompts else []
     if isinstance(request, EmbeddingRequest):
         first = request.input[0] if isinstance(request.input, list) else request.input

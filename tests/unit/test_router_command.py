@@ -10,7 +10,7 @@ from inferd.cli import build_parser
 from inferd.router.command import router_config
 from inferd.router.config import RouterConfig
 from inferd.router.health import resolve
-from inferd.router.launch import replica_argv
+from inferd.router.launch import replica_argv, replica_endpoint
 
 
 def test_router_flags_map_onto_the_config() -> None:
@@ -52,6 +52,14 @@ def test_replicas_get_the_parents_flags_but_their_own_address() -> None:
         "--grpc-port",
         "-1",
     ]
+
+
+def test_each_replica_publishes_kv_events_on_its_own_endpoint() -> None:
+    spaced = ["serve", "--kv-events-endpoint", "tcp://*:5557", "--data-parallel-size", "2"]
+    assert replica_argv(spaced, 9, index=1)[:3] == ["serve", "--kv-events-endpoint", "tcp://*:5558"]
+    joined = ["serve", "--kv-events-endpoint=ipc:///tmp/kv"]
+    assert replica_argv(joined, 9, index=2)[1] == "--kv-events-endpoint=ipc:///tmp/kv-2"
+    assert replica_endpoint("tcp://127.0.0.1:6000", 0) == "tcp://127.0.0.1:6000"
 
 
 def test_dns_names_resolve_to_one_replica_per_address() -> None:

@@ -121,10 +121,10 @@ async def prepare(
     t0 = time.monotonic()
     if _has_text(body):
         # Chat templates and tokenizers run in a thread: HF tokenizers releases the GIL.
-        prompts = await asyncio.to_thread(_tokenize, llm.tokenizer, body)
+        prompts = await asyncio.to_thread(tokenize_body, llm.tokenizer, body)
     else:
         # Token-id prompts need no tokenizer: a thread hop would cost more than the copy.
-        prompts = _tokenize(llm.tokenizer, body)
+        prompts = tokenize_body(llm.tokenizer, body)
     timeline.add(Stage.TOKENIZE, time.monotonic() - t0, t0)
     with timeline.measure(Stage.VALIDATE):
         for p in prompts:
@@ -162,7 +162,7 @@ def _has_text(body: Body) -> bool:
     return any(isinstance(p, str) for p in body.prompts())
 
 
-def _tokenize(tok: Tokenizer, body: Body) -> list[Prompt]:
+def tokenize_body(tok: Tokenizer, body: Body) -> list[Prompt]:
     if isinstance(body, ChatCompletionRequest):
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
         text = tok.apply_chat_template(
