@@ -6,6 +6,8 @@
     /health/live, /health/ready, /health, /v2/health/*            the router's own (ready: some
                                                                   replica is in rotation)
     /metrics                                                      the router's own metrics
+    /dashboard, /v1/dashboard/overview, /v1/dashboard/events      the replicas' load and hit
+                                                                  rates, live (dashboard.py)
 
 Errors leave in each protocol's own form (the gateway's handlers): a malformed request is
 answered here and never forwarded; 503 + Retry-After when no replica is ready.
@@ -30,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 
 from inferd.gateway.errors import bad_request, install_error_handlers
 from inferd.preprocess.tokenizer import Tokenizer
+from inferd.router import dashboard
 from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
 from inferd.router.health import HealthChecker
@@ -58,6 +61,9 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
         self.health = HealthChecker(self.cluster, self.client, self.metrics)
         self.proxy = Proxy(self.cluster, self.client, self.metrics)
+        # Set on SIGTERM/SIGINT and at shutdown: open dashboard streams end, so they do not hold
+        # uvicorn's shutdown (it waits for every response to finish).
+        self.stopping = False
 
     async def routed_request(self, request: Request) -> Response:
         """Validate and tokenize (4xx here), decide, forward."""
@@ -106,6 +112,7 @@ def create_router_app(
         await router.health.check_all()  # in rotation before the first request, not an interval on
         router.health.start()
         yield
+        router.stopping = True
         await router.health.stop()
         await router.client.aclose()
 
@@ -137,6 +144,9 @@ def create_router_app(
     async def passthrough(request: Request) -> Response:
         return await router.passthrough(request)
 
+    if config.dashboard:  # before the /v1 pass-through, which would take its paths
+        dashboard.install(app, router.cluster, router.metrics, lambda: router.stopping)
+
     for prefix in ("/v1", "/v2"):
         app.add_api_route(prefix + "/{rest:path}", passthrough, methods=["GET", "POST", "DELETE"])
     app.add_api_route("/v2", passthrough, methods=["GET"])
@@ -154,7 +164,7 @@ def run_router(config: RouterConfig) -> int:
     server = _Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False)
     )
-    asyncio.run(_serve_until_signal(server))
+    asyncio.run(_serve_until_signal(server, app.state.router))
     return 0
 
 
@@ -167,8 +177,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _serve_until_signal(server: uvicorn.Server) -> None:
+async def _serve_until_signal(server: uvicorn.Server, router: Router) -> None:
+    def stop() -> None:
+        router.stopping = True
+        server.should_exit = True
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, stop)
     await server.serve()

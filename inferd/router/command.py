@@ -55,6 +55,11 @@ def add_router_parser(sub: Any) -> None:
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"])
     p.add_argument("--max-retries", type=int, default=d["max_retries"])
     p.add_argument("--seed", type=int, default=None, help="power_of_two's RNG seed")
+    p.add_argument(
+        "--disable-dashboard",
+        action="store_true",
+        help="no /dashboard page or /v1/dashboard overview of the replicas",
+    )
     p.set_defaults(func=run_router_command)
 
 
@@ -76,6 +81,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         max_retries=args.max_retries,
         seed=args.seed,
+        dashboard=not args.disable_dashboard,
     )
 
 
@@ -112,6 +118,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         block_size=args.block_size,
+        dashboard=not args.disable_dashboard,
     )
     grace = args.shutdown_timeout if args.shutdown_timeout is not None else 30.0
     return run_data_parallel(args.argv, args.data_parallel_size, config, grace)

@@ -40,6 +40,8 @@ class RouterConfig:
     # No read timeout by default: a long generation streams for as long as it needs.
     read_timeout_s: float | None = None
     seed: int | None = None
+    # GET /dashboard and /v1/dashboard/* (router/dashboard.py); off: `--disable-dashboard`.
+    dashboard: bool = True
 
     def __post_init__(self) -> None:
         if not self.replicas and self.dns_name is None:

@@ -1,0 +1,116 @@
+"""The router's dashboard: its page and a live overview of the replicas (router/overview.py).
+
+    GET /dashboard                  the page (router.html; the server dashboard's style sheet)
+    GET /dashboard/static/{file}    its script and style sheet, from the inferd.gateway package
+    GET /v1/dashboard/overview      one overview snapshot
+    GET /v1/dashboard/events        the same, as Server-Sent Events, every `interval` s (default
+                                    1), until the client leaves or the router shuts down
+
+The router has no API key of its own (it forwards each client's Authorization header to the
+replicas, which check it), so these routes are open like its /metrics; `inferd router
+--disable-dashboard` leaves them out (404). A replica row links to that replica's own
+/dashboard, where its requests' waterfalls are.
+
+Cost: nothing on the request path; a snapshot reads counters the router keeps anyway, once per
+tick of an open page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+
+import orjson
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import HTMLResponse, Response, StreamingResponse
+
+from inferd.gateway.errors import APIError
+from inferd.gateway.responses import json_response
+from inferd.router.cluster import Cluster
+from inferd.router.metrics import RouterMetrics
+from inferd.router.overview import Totals, overview
+
+_ASSETS = {"router.js": "text/javascript", "style.css": "text/css"}
+_WINDOW_S = 60.0
+_MIN_INTERVAL_S = 0.25
+
+
+class RouterOverview:
+    """Overview snapshots for one reader: keeps its Totals of the last window, so counts and
+    rates are differences over the window (over the router's life until it has an older one)."""
+
+    def __init__(
+        self, cluster: Cluster, metrics: RouterMetrics, start: Totals, window_s: float
+    ) -> None:
+        self.cluster, self.metrics, self.window_s = cluster, metrics, window_s
+        self.start = start
+        self.kept: deque[Totals] = deque()
+
+    def snapshot(self) -> dict[str, object]:
+        now = Totals.read(self.metrics, self.cluster, time.monotonic())
+        while self.kept and now.at - self.kept[0].at > self.window_s:
+            self.kept.popleft()
+        oldest = self.kept[0] if self.kept else self.start
+        self.kept.append(now)
+        return overview(self.cluster, now, oldest, self.window_s)
+
+
+def install(
+    app: FastAPI, cluster: Cluster, metrics: RouterMetrics, stopping: Callable[[], bool]
+) -> None:
+    """Adds the routes; `stopping()` turns true when the router shuts down (streams end)."""
+    start = Totals(time.monotonic())
+    routes = APIRouter(include_in_schema=False)
+
+    def reader(request: Request) -> RouterOverview:
+        window = _float_param(request, "window", _WINDOW_S, 1.0, 3600.0)
+        return RouterOverview(cluster, metrics, start, window)
+
+    @routes.get("/dashboard")
+    async def page() -> Response:
+        return HTMLResponse(_asset("router.html"), headers={"Cache-Control": "no-cache"})
+
+    @routes.get("/dashboard/static/{name}")
+    async def asset(name: str) -> Response:
+        media_type = _ASSETS.get(name)
+        if media_type is None:
+            raise APIError(404, f"no dashboard file {name!r}", code="not_found", reason="not_found")
+        return Response(_asset(name), media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    @routes.get("/v1/dashboard/overview")
+    async def overview_once(request: Request) -> Response:
+        return json_response(reader(request).snapshot())
+
+    @routes.get("/v1/dashboard/events")
+    async def overview_events(request: Request) -> Response:
+        interval = _float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
+        source = reader(request)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b"retry: 2000\n\n"
+            while not stopping() and not await request.is_disconnected():
+                yield b"data: " + orjson.dumps(source.snapshot()) + b"\n\n"
+                await asyncio.sleep(interval)
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    app.include_router(routes)
+
+
+def _asset(name: str) -> bytes:
+    # The server's dashboard package holds both pages' files: one style sheet for both.
+    return resources.files("inferd.gateway").joinpath("static", "dashboard", name).read_bytes()
+
+
+def _float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if not raw:
+        return default
+    try:
+        return min(max(float(raw), lo), hi)
+    except ValueError:
+        raise APIError(400, f"'{name}' must be a number", param=name) from None
