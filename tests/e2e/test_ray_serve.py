@@ -65,27 +65,29 @@ def app() -> Iterator[App]:
 
 
 def test_completions_and_chat_through_the_openai_client(app: App) -> None:
-    client = app.client()
-    done = client.completions.create(
-        model="inferd-tiny", prompt="Once upon", max_tokens=3, extra_body={"ignore_eos": True}
-    )
-    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 3
-    chat = client.chat.completions.create(
-        model="inferd-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
-    )
-    assert chat.choices[0].message.role == "assistant"
-    assert [m.id for m in client.models.list().data] == ["inferd-tiny"]
+    with app.client() as client:  # closed: its pooled sockets must not reach the GC
+        done = client.completions.create(
+            model="inferd-tiny", prompt="Once upon", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert done.choices[0].text and done.usage is not None
+        assert done.usage.completion_tokens == 3
+        chat = client.chat.completions.create(
+            model="inferd-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.choices[0].message.role == "assistant"
+        assert [m.id for m in client.models.list().data] == ["inferd-tiny"]
 
 
 def test_a_stream_arrives_chunk_by_chunk(app: App) -> None:
-    stream = app.client().chat.completions.create(
-        model="inferd-tiny",
-        messages=[{"role": "user", "content": "tell me a story"}],
-        max_tokens=5,
-        stream=True,
-        extra_body={"ignore_eos": True},  # the tiny model's EOS would end it early
-    )
-    chunks = list(stream)
+    with app.client() as client:
+        stream = client.chat.completions.create(
+            model="inferd-tiny",
+            messages=[{"role": "user", "content": "tell me a story"}],
+            max_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True},  # the tiny model's EOS would end it early
+        )
+        chunks = list(stream)
     assert len(chunks) >= 3  # role, tokens (several at once only if detokenizing holds some)
     assert chunks[-1].choices[0].finish_reason == "length"
 
