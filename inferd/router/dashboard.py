@@ -12,14 +12,14 @@ replicas, which check it), so these routes are open like its /metrics; `inferd r
 /dashboard, where its requests' waterfalls are.
 
 Cost: nothing on the request path; a snapshot reads counters the router keeps anyway, once per
-tick of an open page.
+tick of an open page, and keeps at most one copy of them a second for the last hour (the
+longest `window`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
@@ -31,43 +31,39 @@ from inferd.gateway.errors import APIError
 from inferd.gateway.responses import json_response
 from inferd.router.cluster import Cluster
 from inferd.router.metrics import RouterMetrics
-from inferd.router.overview import Totals, overview
+from inferd.router.overview import History, Totals, overview
 
 _ASSETS = {"router.js": "text/javascript", "style.css": "text/css"}
 _WINDOW_S = 60.0
+_MAX_WINDOW_S = 3600.0
 _MIN_INTERVAL_S = 0.25
 
 
 class RouterOverview:
-    """Overview snapshots for one reader: keeps its Totals of the last window, so counts and
-    rates are differences over the window (over the router's life until it has an older one)."""
+    """Overview snapshots over a window: now, against the Totals `history` kept from the
+    window's start (one history for every reader, so every window reaches back before the page
+    opened)."""
 
-    def __init__(
-        self, cluster: Cluster, metrics: RouterMetrics, start: Totals, window_s: float
-    ) -> None:
-        self.cluster, self.metrics, self.window_s = cluster, metrics, window_s
-        self.start = start
-        self.kept: deque[Totals] = deque()
+    def __init__(self, cluster: Cluster, metrics: RouterMetrics) -> None:
+        self.cluster, self.metrics = cluster, metrics
+        self.history = History(Totals(time.monotonic()), keep_s=_MAX_WINDOW_S)
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self, window_s: float) -> dict[str, object]:
         now = Totals.read(self.metrics, self.cluster, time.monotonic())
-        while self.kept and now.at - self.kept[0].at > self.window_s:
-            self.kept.popleft()
-        oldest = self.kept[0] if self.kept else self.start
-        self.kept.append(now)
-        return overview(self.cluster, now, oldest, self.window_s)
+        oldest = self.history.before(now.at - window_s)
+        self.history.add(now)
+        return overview(self.cluster, now, oldest, window_s)
 
 
 def install(
     app: FastAPI, cluster: Cluster, metrics: RouterMetrics, stopping: Callable[[], bool]
 ) -> None:
     """Adds the routes; `stopping()` turns true when the router shuts down (streams end)."""
-    start = Totals(time.monotonic())
+    source = RouterOverview(cluster, metrics)
     routes = APIRouter(include_in_schema=False)
 
-    def reader(request: Request) -> RouterOverview:
-        window = _float_param(request, "window", _WINDOW_S, 1.0, 3600.0)
-        return RouterOverview(cluster, metrics, start, window)
+    def window(request: Request) -> float:
+        return _float_param(request, "window", _WINDOW_S, 1.0, _MAX_WINDOW_S)
 
     @routes.get("/dashboard")
     async def page() -> Response:
@@ -82,17 +78,17 @@ def install(
 
     @routes.get("/v1/dashboard/overview")
     async def overview_once(request: Request) -> Response:
-        return json_response(reader(request).snapshot())
+        return json_response(source.snapshot(window(request)))
 
     @routes.get("/v1/dashboard/events")
     async def overview_events(request: Request) -> Response:
         interval = _float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
-        source = reader(request)
+        window_s = window(request)
 
         async def events() -> AsyncIterator[bytes]:
             yield b"retry: 2000\n\n"
             while not stopping() and not await request.is_disconnected():
-                yield b"data: " + orjson.dumps(source.snapshot()) + b"\n\n"
+                yield b"data: " + orjson.dumps(source.snapshot(window_s)) + b"\n\n"
                 await asyncio.sleep(interval)
 
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

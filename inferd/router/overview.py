@@ -4,8 +4,8 @@ own rates, over the recent window.
 Nothing new is counted for it: a snapshot reads the cluster's live bookkeeping (state, in-flight,
 load parts, index size, the replicas' scraped reports) and the router's Prometheus counters
 (`RouterMetrics`). Counters are cumulative, so a window's rates are the difference of two
-`Totals`: now and the oldest one a reader kept inside its window (the router's start until the
-reader has one), computed only for an open page, once per tick.
+`Totals`: now and the one `History` kept from the window's start (the router's start while it is
+younger than the window), computed only for an open page, once per tick.
 
     {"window_s": 60, "span_s": 59.8, "policy": "cache_aware", "rps": 4.1,
      "decision": {"p50": 0.0002, "p99": 0.0009}, "outcomes": {"cache_hit": 200, "cold": 46},
@@ -23,6 +23,7 @@ cover traffic other routers sent. A persistent gap means the index is wrong (blo
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -65,6 +66,35 @@ class Totals:
                 url: (r.prefix_queries_tokens, r.prefix_hits_tokens) for url, r in reports.items()
             },
         )
+
+
+class History:
+    """Totals at most one per `every_s` seconds over the last `keep_s`, shared by every reader, so
+    a page opened after the traffic still sees its window (not only what came after it opened).
+
+    The oldest kept is the router's start until `keep_s` has passed, and then the latest one at or
+    before `now - keep_s`: `before(t)` can always answer with a Totals from no later than `t` when
+    one exists, so a window's span is at least the window once the router is old enough.
+    """
+
+    def __init__(self, start: Totals, keep_s: float = 3600.0, every_s: float = 1.0) -> None:
+        self.kept: deque[Totals] = deque([start])
+        self.keep_s, self.every_s = keep_s, every_s
+
+    def add(self, now: Totals) -> None:
+        if now.at - self.kept[-1].at >= self.every_s:
+            self.kept.append(now)
+        while len(self.kept) >= 2 and self.kept[1].at <= now.at - self.keep_s:
+            self.kept.popleft()
+
+    def before(self, at: float) -> Totals:
+        """The latest Totals taken at or before `at`, else the oldest kept."""
+        best = self.kept[0]
+        for totals in self.kept:  # oldest first; a few thousand at most, once per tick
+            if totals.at > at:
+                break
+            best = totals
+        return best
 
 
 def _totals(metric: MetricWrapperBase) -> Iterable[tuple[dict[str, str], float]]:

@@ -9,7 +9,7 @@ from inferd.router.cluster import Cluster
 from inferd.router.config import RouterConfig
 from inferd.router.load import ReplicaReport
 from inferd.router.metrics import RouterMetrics
-from inferd.router.overview import Totals, overview, quantile
+from inferd.router.overview import History, Totals, overview, quantile
 
 A, B, C, D = "http://a", "http://b", "http://c", "http://d"
 INF = float("inf")
@@ -115,3 +115,16 @@ def test_no_traffic_reads_as_nothing_not_zero_division() -> None:
     assert doc["rps"] == 0.0 and doc["outcomes"] == {} and doc["requests"] == 0
     assert doc["decision"] == {"p50": None, "p99": None}
     assert all(r["estimated_hit_rate"] is None for r in rows(doc).values())
+
+
+def test_history_answers_from_the_windows_start_and_stays_bounded() -> None:
+    history = History(Totals(0.0), keep_s=100.0, every_s=1.0)
+    assert history.before(-50.0).at == 0.0  # younger than the window: since the start
+    for t in (0.5, 1.0, 1.2, 30.0, 60.0):
+        history.add(Totals(t))
+    assert [t.at for t in history.kept] == [0.0, 1.0, 30.0, 60.0]  # at most one a second
+    assert history.before(45.0).at == 30.0 and history.before(10.0).at == 1.0
+    # A page opened long after the traffic still reaches back to the window's start.
+    history.add(Totals(500.0))
+    assert [t.at for t in history.kept] == [60.0, 500.0]
+    assert history.before(500.0 - 60.0).at == 60.0
