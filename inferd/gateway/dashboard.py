@@ -1,7 +1,7 @@
 """The live dashboard: its page, a live overview stream, and every recent request's timeline.
 
     GET /dashboard                       the page (static files from the package, no CDN)
-    GET /dashboard/static/{file}         its script and style sheet
+    GET /dashboard/static/{file}         its scripts and style sheet
     GET /v1/dashboard/overview           one overview snapshot (telemetry/overview.py)
     GET /v1/dashboard/events             the same, as Server-Sent Events, every `interval` s
     GET /v1/requests?model=&status=&lane=&slowest=1&limit=   recent requests, newest first
@@ -35,7 +35,7 @@ from inferd.telemetry.request_log import RequestLog
 
 router = APIRouter(include_in_schema=False)
 
-_ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+_ASSETS = {"app.js": "text/javascript", "common.js": "text/javascript", "style.css": "text/css"}
 _WINDOW_S = 60.0
 _MIN_INTERVAL_S = 0.25
 

@@ -33,7 +33,7 @@ from inferd.router.cluster import Cluster
 from inferd.router.metrics import RouterMetrics
 from inferd.router.overview import History, Totals, overview
 
-_ASSETS = {"router.js": "text/javascript", "style.css": "text/css"}
+_ASSETS = {"common.js": "text/javascript", "router.js": "text/javascript", "style.css": "text/css"}
 _WINDOW_S = 60.0
 _MAX_WINDOW_S = 3600.0
 _MIN_INTERVAL_S = 0.25

@@ -54,7 +54,7 @@ def _assert_path_sums_to_e2e(doc: dict[str, object]) -> None:
 def test_page_and_assets_are_open_data_is_behind_the_key(server: Server) -> None:
     page = httpx.get(f"{server.url}/dashboard", timeout=10)
     assert page.status_code == 200 and "/dashboard/static/app.js" in page.text
-    for name in ("app.js", "style.css"):
+    for name in ("app.js", "common.js", "style.css"):
         assert httpx.get(f"{server.url}/dashboard/static/{name}", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/dashboard/static/nope.js", timeout=10).status_code == 404
     for path in ("/v1/requests", "/v1/requests/x", "/v1/dashboard/overview"):

@@ -12,31 +12,19 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from conftest import ROOT, start_server, stop_server
-from test_router import PREFIX, Cluster, completion, start_router
+import test_router
+from conftest import ROOT
+from test_router import PREFIX, Cluster, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
+# test_router's module fixture: this module gets two replicas and a router of its own.
+c = test_router.c
 SENT = 6  # requests the first test sends through the router
-
-
-@pytest.fixture(scope="module")
-def rc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("router-dashboard")
-    with ThreadPoolExecutor(2) as pool:
-        replicas = list(pool.map(lambda _: start_server(tmp), range(2)))
-    router = start_router(tmp, replicas)
-    yield Cluster(replicas, router)
-    router.proc.terminate()
-    router.proc.wait(timeout=30)
-    for r in replicas:
-        stop_server(r)
 
 
 def overview(c: Cluster) -> dict[str, Any]:
@@ -46,21 +34,21 @@ def overview(c: Cluster) -> dict[str, Any]:
     return doc
 
 
-def test_overview_shows_each_replica_and_adds_up(rc: Cluster) -> None:
-    shared = [completion(rc, PREFIX + f"Question {i}: what happened?") for i in range(4)]
-    other = [completion(rc, f"Unrelated topic {i}, about rivers and lakes. " * 3) for i in (1, 2)]
+def test_overview_shows_each_replica_and_adds_up(c: Cluster) -> None:
+    shared = [completion(c, PREFIX + f"Question {i}: what happened?") for i in range(4)]
+    other = [completion(c, f"Unrelated topic {i}, about rivers and lakes. " * 3) for i in (1, 2)]
     assert all(r.status_code == 200 for r in shared + other)
     home = shared[0].headers["x-inferd-replica"]
     # The replica-reported rate needs one health round's scrape after the requests.
     deadline = time.monotonic() + 10
     while True:
-        doc = overview(rc)
+        doc = overview(c)
         rows = {r["url"]: r for r in doc["replicas"]}
         if rows[home]["replica_hit_rate"]:
             break
         assert time.monotonic() < deadline, f"no replica-reported hit rate: {rows[home]}"
         time.sleep(0.25)
-    assert set(rows) == {r.url for r in rc.replicas}
+    assert set(rows) == {r.url for r in c.replicas}
     assert all(r["state"] == "healthy" and r["in_flight"] == 0 for r in rows.values())
     assert sum(r["routed"] for r in rows.values()) == SENT == doc["requests"]
     assert sum(doc["outcomes"].values()) == SENT and doc["outcomes"].get("cache_hit", 0) >= 3
@@ -71,19 +59,19 @@ def test_overview_shows_each_replica_and_adds_up(rc: Cluster) -> None:
     assert rows[home]["dashboard"] == f"{home}/dashboard"
 
 
-def test_page_and_event_stream(rc: Cluster) -> None:
-    page = httpx.get(f"{rc.router.url}/dashboard", timeout=10)
+def test_page_and_event_stream(c: Cluster) -> None:
+    page = httpx.get(f"{c.router.url}/dashboard", timeout=10)
     assert page.headers["content-type"].startswith("text/html") and "router.js" in page.text
-    script = httpx.get(f"{rc.router.url}/dashboard/static/router.js", timeout=10)
+    script = httpx.get(f"{c.router.url}/dashboard/static/router.js", timeout=10)
     assert script.status_code == 200
-    url = f"{rc.router.url}/v1/dashboard/events"
+    url = f"{c.router.url}/v1/dashboard/events"
     with httpx.stream("GET", url, params={"interval": "0.25"}, timeout=10) as events:
         assert events.headers["content-type"].startswith("text/event-stream")
         data = next(line for line in events.iter_lines() if line.startswith("data: "))
     assert len(json.loads(data[len("data: ") :])["replicas"]) == 2
 
 
-def test_page_in_a_browser_lists_both_replicas(rc: Cluster) -> None:
+def test_page_in_a_browser_lists_both_replicas(c: Cluster) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (dev extra)")
     chromium = os.environ.get("INFERD_CHROMIUM", "/usr/bin/chromium")
     if not (os.path.exists(chromium) or shutil.which(chromium)):
@@ -93,11 +81,11 @@ def test_page_in_a_browser_lists_both_replicas(rc: Cluster) -> None:
         browser = pw.chromium.launch(executable_path=chromium, args=args)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 640})
-            page.goto(f"{rc.router.url}/dashboard")
+            page.goto(f"{c.router.url}/dashboard")
             rows = page.locator("#replicas tbody tr")
             sync_api.expect(rows).to_have_count(2, timeout=15_000)
             links = {rows.nth(i).locator("a").get_attribute("href") for i in range(2)}
-            assert links == {f"{r.url}/dashboard" for r in rc.replicas}
+            assert links == {f"{r.url}/dashboard" for r in c.replicas}
             sync_api.expect(page.locator("#conn")).to_have_text("live")
             if os.environ.get("INFERD_SCREENSHOTS") == "1":
                 page.screenshot(path=str(ROOT / "docs" / "dashboard-router.png"), full_page=True)
@@ -105,12 +93,12 @@ def test_page_in_a_browser_lists_both_replicas(rc: Cluster) -> None:
             browser.close()
 
 
-def test_event_stream_ends_when_the_router_stops(rc: Cluster) -> None:
-    url = f"{rc.router.url}/v1/dashboard/events"
+def test_event_stream_ends_when_the_router_stops(c: Cluster) -> None:
+    url = f"{c.router.url}/v1/dashboard/events"
     with httpx.stream("GET", url, params={"interval": "0.25"}, timeout=10) as events:
         lines = events.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        rc.router.proc.send_signal(signal.SIGTERM)
+        c.router.proc.send_signal(signal.SIGTERM)
         for _ in lines:  # ends (instead of timing out) once the router stops
             pass
-    assert rc.router.proc.wait(timeout=15) == 0
+    assert c.router.proc.wait(timeout=15) == 0

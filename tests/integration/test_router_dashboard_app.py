@@ -49,10 +49,11 @@ def get_all(app: FastAPI, *paths: str, posts: int = 0) -> list[httpx.Response]:
 
 
 def test_page_assets_and_overview(tok: Tokenizer) -> None:
-    page, script, style, missing, doc = get_all(
+    page, script, common, style, missing, doc = get_all(
         make_app(tok),
         "/dashboard",
         "/dashboard/static/router.js",
+        "/dashboard/static/common.js",
         "/dashboard/static/style.css",
         "/dashboard/static/secret.py",
         "/v1/dashboard/overview?window=30",
@@ -60,6 +61,7 @@ def test_page_assets_and_overview(tok: Tokenizer) -> None:
     )
     assert page.headers["content-type"].startswith("text/html") and "router.js" in page.text
     assert script.headers["content-type"].startswith("text/javascript")
+    assert "streamEvents" in common.text and "common.js" in page.text
     assert style.status_code == 200 and missing.status_code == 404
     overview = doc.json()
     assert overview["window_s"] == 30.0 and overview["outcomes"] == {"round_robin": 4}

@@ -67,3 +67,9 @@ def test_dns_names_resolve_to_one_replica_per_address() -> None:
     assert "http://127.0.0.1:8001" in urls
     with pytest.raises(ValueError, match="HOST:PORT"):
         asyncio.run(resolve("localhost"))
+
+
+def test_disable_dashboard_reaches_the_router_config() -> None:
+    base = ["router", "--replica", "http://a:1"]
+    assert router_config(build_parser().parse_args(base)).dashboard
+    assert not router_config(build_parser().parse_args([*base, "--disable-dashboard"])).dashboard

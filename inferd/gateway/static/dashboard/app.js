@@ -1,5 +1,5 @@
 // inferd dashboard: reads /v1/dashboard/events (SSE over fetch, so an API key can ride along),
-// /v1/requests and /v1/requests/{id}; draws with plain DOM and SVG. No dependencies.
+// /v1/requests and /v1/requests/{id}; draws with plain DOM and SVG. Needs common.js only.
 "use strict";
 
 const COLORS = {
@@ -13,13 +13,6 @@ const history = {};      // card id -> [[t, value]]
 let lastTotal = -1;
 let openId = null;
 
-const $ = (sel) => document.querySelector(sel);
-const el = (tag, attrs = {}, text = "") => {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (text !== "") node.textContent = text;
-  return node;
-};
 const svgEl = (tag, attrs = {}) => {
   const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
@@ -27,7 +20,6 @@ const svgEl = (tag, attrs = {}) => {
 };
 const ms = (s) => (s === null || s === undefined ? "–" : s < 1 ? (s * 1000).toFixed(s < 0.01 ? 2 : 1) + " ms" : s.toFixed(2) + " s");
 const num = (x, d = 1) => (x === null || x === undefined ? "n/a" : Number(x).toFixed(d));
-const pct = (x) => (x === null || x === undefined ? "n/a" : (100 * x).toFixed(1) + " %");
 
 function headers() {
   const key = sessionStorage.getItem("inferd-key");
@@ -46,43 +38,10 @@ function askKey() {
   setConn("closed", "API key needed");
 }
 
-function setConn(state, text) {
-  const c = $("#conn");
-  c.dataset.state = state;
-  c.textContent = text;
-}
-
 // -- the live overview ---------------------------------------------------------------------------
 
-async function streamOverview() {
-  for (;;) {
-    try {
-      const res = await fetch("/v1/dashboard/events", { headers: headers() });
-      if (res.status === 401) { askKey(); return; }
-      if (!res.ok || !res.body) throw new Error("events: " + res.status);
-      setConn("live", "live");
-      const reader = res.body.getReader();
-      const decoder = new TextDecoder();
-      let buf = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buf += decoder.decode(value, { stream: true });
-        let cut;
-        while ((cut = buf.indexOf("\n\n")) >= 0) {
-          const event = buf.slice(0, cut);
-          buf = buf.slice(cut + 2);
-          for (const line of event.split("\n")) {
-            if (line.startsWith("data: ")) onOverview(JSON.parse(line.slice(6)));
-          }
-        }
-      }
-    } catch (err) {
-      console.warn(err);
-    }
-    setConn("closed", "reconnecting…");
-    await new Promise((r) => setTimeout(r, 2000));
-  }
+function streamOverview() {
+  return streamEvents("/v1/dashboard/events", headers, onOverview, askKey);
 }
 
 function onOverview(o) {

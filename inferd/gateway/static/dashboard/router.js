@@ -1,5 +1,5 @@
 // inferd router page: reads /v1/dashboard/events (SSE over fetch) and draws the replica table
-// and routing cards with plain DOM. No dependencies.
+// and routing cards with plain DOM. Needs common.js only.
 "use strict";
 
 const OUTCOME_COLORS = {
@@ -7,51 +7,7 @@ const OUTCOME_COLORS = {
   power_of_two: "#e78ac3", round_robin: "#a6d854", passthrough: "#b3b3b3",
 };
 
-const $ = (sel) => document.querySelector(sel);
-const el = (tag, attrs = {}, text = "") => {
-  const node = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (text !== "") node.textContent = text;
-  return node;
-};
 const ms = (s) => (s === null || s === undefined ? "–" : (s * 1000).toFixed(s < 0.01 ? 3 : 1) + " ms");
-const pct = (x) => (x === null || x === undefined ? "n/a" : (100 * x).toFixed(1) + " %");
-
-function setConn(state, text) {
-  const c = $("#conn");
-  c.dataset.state = state;
-  c.textContent = text;
-}
-
-async function streamOverview() {
-  for (;;) {
-    try {
-      const res = await fetch("/v1/dashboard/events");
-      if (!res.ok || !res.body) throw new Error("events: " + res.status);
-      setConn("live", "live");
-      const reader = res.body.getReader();
-      const decoder = new TextDecoder();
-      let buf = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buf += decoder.decode(value, { stream: true });
-        let cut;
-        while ((cut = buf.indexOf("\n\n")) >= 0) {
-          const event = buf.slice(0, cut);
-          buf = buf.slice(cut + 2);
-          for (const line of event.split("\n")) {
-            if (line.startsWith("data: ")) onOverview(JSON.parse(line.slice(6)));
-          }
-        }
-      }
-    } catch (err) {
-      console.warn(err);
-    }
-    setConn("closed", "reconnecting…");
-    await new Promise((r) => setTimeout(r, 2000));
-  }
-}
 
 function onOverview(o) {
   $("#policy").textContent = "policy " + o.policy;
@@ -137,4 +93,4 @@ function drawReplicas(replicas) {
   }
 }
 
-streamOverview();
+streamEvents("/v1/dashboard/events", () => ({}), onOverview, () => setConn("closed", "unauthorized"));
