@@ -4,7 +4,8 @@
 
 Two `inferd serve inferd-tiny` servers run one after the other (never at once): one as shipped
 (the request log on), one with `--disable-dashboard` (no request log at all). Each round sends the
-same mixed workload (bench/serve.py's: prompts 16-256, outputs 16-128, all at once) to:
+same mixed workload (bench/serve.py's: prompts 16-256, outputs 16-128, all at once; each server
+first serves it once unmeasured, as a warm-up, since a fresh server's first run is slower) to:
 
 - `off`:    the server with --disable-dashboard;
 - `closed`: the default server, nobody reading the dashboard;
@@ -34,16 +35,19 @@ from typing import Any
 import httpx
 from common import RESULTS_DIR, BenchRequest, command_line, machine_info, write_result
 from serve import (
+    Launched,
     completion_body,
     launched_server,
+    process_cpu_seconds,
     run_load,
-    send_request,
     summarize,
     workload,
 )
 from serve import parse_args as serve_args
 
 CONDITIONS = ("off", "closed", "open")
+PROCS = ("front", "children")
+SUMMARY_KEYS = ("mean_output_tok_s", "mean_cpu_s_per_1k_tokens", "open_vs_closed", "closed_vs_off")
 EVENTS_INTERVAL_S = 1.0
 LIST_INTERVAL_S = 2.0
 
@@ -87,22 +91,27 @@ async def _next_or_stop(lines: AsyncIterator[str], stop: asyncio.Event) -> str |
 
 
 async def _one_run(
-    base: str, requests: list[BenchRequest], args: argparse.Namespace, page: bool
+    server: Launched, requests: list[BenchRequest], args: argparse.Namespace, page: bool
 ) -> dict[str, Any]:
-    url = f"{base}/v1/completions"
-    warm = [completion_body(r, None, 0.0) for r in requests[:2]]
-    await asyncio.gather(*(send_request(url, b, time.perf_counter(), 60.0) for b in warm))
+    url = f"{server.url}/v1/completions"
     stop = asyncio.Event()
-    reader = asyncio.create_task(_page_reader(base, stop)) if page else None
+    reader = asyncio.create_task(_page_reader(server.url, stop)) if page else None
     if reader is not None:
         await asyncio.sleep(EVENTS_INTERVAL_S)  # the page is open before the load starts
     bodies = [completion_body(r, None, 0.0) for r in requests]
+    before = process_cpu_seconds(server.pid)
     results, wall, _ = await run_load(url, bodies, args)
+    after = process_cpu_seconds(server.pid)
     stop.set()
     events = await reader if reader is not None else 0
     summary = summarize(results, wall, {})
+    tokens = summary["output_throughput"] * wall
+    # CPU per 1k output tokens of the API server process (where the log and the page's reads
+    # run) and of the engine core (its child): less noisy than throughput on a shared machine.
+    cpu = {k: 1000 * (after[k] - before[k]) / tokens for k in before} if before else {}
     return {
         "output_tok_s": summary["output_throughput"],
+        "cpu_s_per_1k_tokens": cpu,
         "failed": summary["failed"],
         "events": events,
     }
@@ -122,23 +131,31 @@ def main(argv: list[str] | None = None) -> int:
     log = RESULTS_DIR / "dashboard.server.log"
     for r in range(args.rounds):
         with launched_server([*base_args, "--disable-dashboard"], log) as server:
-            runs["off"].append(asyncio.run(_one_run(server.url, requests, load_args, False)))
+            asyncio.run(_one_run(server, requests, load_args, False))  # warm-up, not counted
+            runs["off"].append(asyncio.run(_one_run(server, requests, load_args, False)))
         with launched_server(base_args, log) as server:
+            asyncio.run(_one_run(server, requests, load_args, False))  # warm-up, not counted
             # Alternate which goes first, so neither always meets the freshly started server.
             for cond in ("closed", "open") if r % 2 == 0 else ("open", "closed"):
                 runs[cond].append(
-                    asyncio.run(_one_run(server.url, requests, load_args, cond == "open"))
+                    asyncio.run(_one_run(server, requests, load_args, cond == "open"))
                 )
         print(
             f"round {r + 1}: "
             + ", ".join(f"{c} {runs[c][-1]['output_tok_s']:.1f}" for c in CONDITIONS)
         )
     mean = {c: statistics.fmean(x["output_tok_s"] for x in runs[c]) for c in CONDITIONS}
+    cpu = {
+        c: {k: statistics.fmean(x["cpu_s_per_1k_tokens"][k] for x in runs[c]) for k in PROCS}
+        for c in CONDITIONS
+        if all(x["cpu_s_per_1k_tokens"] for x in runs[c])
+    }
     report = {
         "command": command_line(),
         "machine": machine_info(),
         "runs": runs,
         "mean_output_tok_s": mean,
+        "mean_cpu_s_per_1k_tokens": cpu,
         "open_vs_closed": mean["open"] / mean["closed"],
         "closed_vs_off": mean["closed"] / mean["off"],
     }
@@ -146,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(out, report)
     print(
         json.dumps(
-            {k: report[k] for k in ("mean_output_tok_s", "open_vs_closed", "closed_vs_off")},
+            {k: report[k] for k in SUMMARY_KEYS},
             indent=2,
         )
     )
