@@ -36,6 +36,7 @@ from inferd.router import dashboard
 from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
 from inferd.router.health import HealthChecker
+from inferd.router.kv_events import KVEventFeed
 from inferd.router.metrics import RouterMetrics
 from inferd.router.proxy import Forward, Proxy
 from inferd.router.tokenize import TOKENIZED_PATHS, load_tokenizer, prompt_token_ids, validate
@@ -61,6 +62,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
         self.health = HealthChecker(self.cluster, self.client, self.metrics)
         self.proxy = Proxy(self.cluster, self.client, self.metrics)
+        self.kv_events = KVEventFeed(self.cluster.index, config.kv_event_endpoints(), self.metrics)
         # Set on SIGTERM/SIGINT and at shutdown: open dashboard streams end, so they do not hold
         # uvicorn's shutdown (it waits for every response to finish).
         self.stopping = False
@@ -111,8 +113,10 @@ def create_router_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await router.health.check_all()  # in rotation before the first request, not an interval on
         router.health.start()
+        router.kv_events.start()
         yield
         router.stopping = True
+        await router.kv_events.stop()
         await router.health.stop()
         await router.client.aclose()
 

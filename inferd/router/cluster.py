@@ -4,7 +4,8 @@ Pure bookkeeping, no I/O: the app calls `route` for a decision, `dispatch` (then
 `first_byte`/`finish`) around each forwarded request, `failed` on a connect error or 5xx (passive
 health), and `set_health`/`report`/`set_members` from the active checker. A replica that fails
 or turns unready leaves the rotation at once and its prefix index is forgotten: whatever comes
-back at that address may be a restarted process with an empty cache.
+back at that address may be a restarted process with an empty cache (unless the index follows
+its KV events, router/kv_events.py: those show a restart as a gap).
 
     cluster = Cluster(RouterConfig(replicas=("http://a", "http://b")))
     for url in cluster.names(): cluster.set_health(url, ready=True)
@@ -60,6 +61,8 @@ class Cluster:
         )
         self.replicas: dict[str, Replica] = {}
         self.set_members(config.replicas)
+        for url in config.kv_event_endpoints():
+            self.index.follow_events(url)
 
     # -- membership and health ------------------------------------------------------------------
 

@@ -31,6 +31,14 @@ def add_router_parser(sub: Any) -> None:
         metavar="HOST:PORT",
         help="every address HOST resolves to is a replica (re-resolved each health interval)",
     )
+    p.add_argument(
+        "--replica-kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="follow the KV events replica URL publishes on ENDPOINT (its --kv-events-endpoint, "
+        "e.g. tcp://host:5557): its prefix index is exact (repeat per replica)",
+    )
     p.add_argument("--policy", default=d["policy"], choices=get_args(PolicyName))
     p.add_argument("--host", default=d["host"])
     p.add_argument("--port", type=int, default=d["port"])
@@ -67,6 +75,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         replicas=tuple(args.replica),
         dns_name=args.replica_dns,
+        kv_events=tuple(kv_events_pair(text) for text in args.replica_kv_events),
         model=args.model,
         tokenizer=args.tokenizer,
         revision=args.revision,
@@ -83,6 +92,18 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         seed=args.seed,
         dashboard=not args.disable_dashboard,
     )
+
+
+def kv_events_pair(text: str) -> tuple[str, str]:
+    """`--replica-kv-events URL=ENDPOINT` as a pair.
+
+    >>> kv_events_pair("http://10.0.0.5:8000=tcp://10.0.0.5:5557")
+    ('http://10.0.0.5:8000', 'tcp://10.0.0.5:5557')
+    """
+    url, eq, endpoint = text.rpartition("=")
+    if not eq or not url or not endpoint:
+        raise ValueError(f"--replica-kv-events wants URL=ENDPOINT, got {text!r}")
+    return url, endpoint
 
 
 def run_router_command(args: argparse.Namespace) -> int:
@@ -121,4 +142,6 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         dashboard=not args.disable_dashboard,
     )
     grace = args.shutdown_timeout if args.shutdown_timeout is not None else 30.0
-    return run_data_parallel(args.argv, args.data_parallel_size, config, grace)
+    return run_data_parallel(
+        args.argv, args.data_parallel_size, config, grace, args.kv_events_endpoint
+    )

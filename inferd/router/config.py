@@ -40,6 +40,9 @@ class RouterConfig:
     # No read timeout by default: a long generation streams for as long as it needs.
     read_timeout_s: float | None = None
     seed: int | None = None
+    # (replica URL, KV-events endpoint) pairs: those replicas' prefix index is exact, fed by the
+    # events they publish (`inferd serve --kv-events-endpoint`; router/kv_events.py).
+    kv_events: tuple[tuple[str, str], ...] = ()
     # GET /dashboard and /v1/dashboard/* (router/dashboard.py); off: `--disable-dashboard`.
     dashboard: bool = True
 
@@ -48,3 +51,13 @@ class RouterConfig:
             raise ValueError("the router needs --replica URL (repeatable) or --replica-dns NAME")
         if self.block_size < 1 or self.index_capacity_blocks < 1:
             raise ValueError("block size and index capacity must be >= 1")
+        known = {u.rstrip("/") for u in self.replicas}
+        for url, endpoint in self.kv_events:
+            if url.rstrip("/") not in known:
+                raise ValueError(f"--replica-kv-events names {url}, which is no --replica")
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"KV-events endpoint {endpoint!r}: want tcp://HOST:PORT")
+
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """Replica URL (as the cluster names it) -> the endpoint to subscribe to."""
+        return {url.rstrip("/"): endpoint for url, endpoint in self.kv_events}

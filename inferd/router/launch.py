@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from inferd.router.config import RouterConfig
+from inferd.router.kv_events import subscribe_address
 
 logger = logging.getLogger("inferd.router")
 
@@ -75,6 +76,20 @@ def replica_endpoint(endpoint: str, index: int) -> str:
     return f"{endpoint}-{index}"
 
 
+def replica_kv_events(urls: Sequence[str], endpoint: str | None) -> tuple[tuple[str, str], ...]:
+    """The router's subscriptions to `urls`' KV events, replica i on `replica_endpoint(endpoint,
+    i)` reached over loopback.
+
+    >>> replica_kv_events(["http://a", "http://b"], "tcp://*:5557")
+    (('http://a', 'tcp://127.0.0.1:5557'), ('http://b', 'tcp://127.0.0.1:5558'))
+    """
+    if endpoint is None:
+        return ()
+    return tuple(
+        (url, subscribe_address(replica_endpoint(endpoint, i))) for i, url in enumerate(urls)
+    )
+
+
 def start_replicas(argv: Sequence[str], n: int) -> list[tuple[str, subprocess.Popen[bytes]]]:
     start = list(argv).index("serve")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -112,15 +127,25 @@ def stop_replicas(replicas: Sequence[tuple[str, subprocess.Popen[bytes]]], grace
             proc.wait()
 
 
-def run_data_parallel(argv: Sequence[str], n: int, config: RouterConfig, grace_s: float) -> int:
-    """Starts `n` replicas from `argv` and serves the router (`config` without replicas yet)."""
+def run_data_parallel(
+    argv: Sequence[str],
+    n: int,
+    config: RouterConfig,
+    grace_s: float,
+    kv_events_endpoint: str | None = None,
+) -> int:
+    """Starts `n` replicas from `argv` and serves the router (`config` without replicas yet);
+    with `kv_events_endpoint` the router follows each replica's own (exact prefix index)."""
     from dataclasses import replace
 
     from inferd.router.app import run_router
 
     replicas = start_replicas(argv, n)
-    logger.info("data parallel: %d replicas %s", n, [url for url, _ in replicas])
+    urls = tuple(url for url, _ in replicas)
+    logger.info("data parallel: %d replicas %s", n, list(urls))
     try:
-        return run_router(replace(config, replicas=tuple(url for url, _ in replicas)))
+        return run_router(
+            replace(config, replicas=urls, kv_events=replica_kv_events(urls, kv_events_endpoint))
+        )
     finally:
         stop_replicas(replicas, grace_s + 5.0)

@@ -10,6 +10,10 @@ inferd_router_estimated_cached_tokens_total{replica}  of those, what the index e
 inferd_router_retries_total{reason}              tries moved to another replica
 inferd_router_ejections_total{replica, reason}   a replica taken out of rotation
 inferd_router_no_replica_total                   503s for want of a ready replica
+inferd_router_kv_events_total{replica, kind}     KV events applied to the exact index (kind:
+                                                 stored, removed), with --replica-kv-events
+inferd_router_kv_event_gaps_total{replica}       gaps in a replica's KV events: its exact index
+                                                 was dropped and rebuilds from what follows
 inferd_router_replica_ready{replica}             1 in rotation, 0 out (at scrape time)
 inferd_router_in_flight{replica}                 requests the router has there (at scrape time)
 inferd_router_load_tokens{replica}               the policy's load estimate (at scrape time)
@@ -93,5 +97,17 @@ class RouterMetrics:
         )
         self.no_replica = Counter(
             "inferd_router_no_replica", "Requests refused: no replica ready", registry=r
+        )
+        self.kv_events = Counter(
+            "inferd_router_kv_events",
+            "KV events applied to the exact prefix index",
+            ["replica", "kind"],
+            registry=r,
+        )
+        self.kv_event_gaps = Counter(
+            "inferd_router_kv_event_gaps",
+            "Gaps in a replica's KV events (its exact index dropped)",
+            ["replica"],
+            registry=r,
         )
         r.register(_ClusterCollector(cluster))
