@@ -38,11 +38,11 @@ class Cluster:
         return self.router.metrics()
 
 
-def start_router(tmp: Path, replicas: list[Server]) -> Server:
+def start_router(tmp: Path, replicas: list[Server], *extra: str) -> Server:
     port = free_port()
     log = tmp / "router.log"
     cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", str(port)]
-    cmd += ["--health-interval", "0.5", "--max-retries", "2"]
+    cmd += ["--health-interval", "0.5", "--max-retries", "2", *extra]
     for r in replicas:
         cmd += ["--replica", r.url]
     with log.open("wb") as f:

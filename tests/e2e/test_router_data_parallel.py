@@ -1,20 +1,27 @@
 """`inferd serve --data-parallel-size 2`: one command, two engine replicas behind the router on
-the main port, through the `openai` client; SIGTERM takes the replicas down with it."""
+the main port, through the `openai` client; each replica publishes KV events on its own port,
+which the router follows; SIGTERM takes the replicas down with it."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import openai
-from conftest import child_pids, start_server
+from conftest import child_pids, free_port, start_server
+
+from inferd.telemetry.metrics import parse_samples
 
 
 def test_data_parallel_serves_through_the_router_and_stops_its_replicas(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "--data-parallel-size", "2")
+    kv_port = _two_free_ports()
+    server = start_server(
+        tmp_path, "--data-parallel-size", "2", "--kv-events-endpoint", f"tcp://*:{kv_port}"
+    )
     replicas = child_pids(server.proc.pid)
     try:
         deadline = time.monotonic() + 60
@@ -35,6 +42,11 @@ def test_data_parallel_serves_through_the_router_and_stops_its_replicas(tmp_path
                 model="inferd-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
             assert chat.choices[0].message.content is not None
+        # The router follows both replicas' KV events (ports P and P+1): both stored blocks.
+        deadline = time.monotonic() + 10
+        while not all(_stored_events(server.url, replica) for replica in seen):
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.1)
     finally:
         server.proc.send_signal(signal.SIGTERM)
         try:
@@ -45,6 +57,23 @@ def test_data_parallel_serves_through_the_router_and_stops_its_replicas(tmp_path
     assert server.proc.returncode == 0
     alive = [pid for pid in replicas if _running(pid)]
     assert alive == [], server.log.read_text()
+
+
+def _two_free_ports() -> int:
+    """P such that P and P + 1 are both free now."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def _stored_events(url: str, replica: str) -> float:
+    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=5).text)
+    return samples.get(f'inferd_router_kv_events_total{{kind="stored",replica="{replica}"}}', 0.0)
 
 
 def _running(pid: int) -> bool:
