@@ -177,6 +177,8 @@ def _replica(cluster: Cluster, r: Replica, newest: Totals, oldest: Totals) -> di
             "kv_cache_usage": round(report.kv_cache_usage, 4),
         },
         "index_blocks": cluster.index.size(url),
+        # True: the index follows the replica's KV events (router/kv_events.py), not estimates.
+        "index_exact": cluster.index.is_exact(url),
         "routed": round(sum(outcomes.values())),
         "routed_total": round(sum(mine.values())),
         "outcomes": {o: round(n) for o, n in sorted(outcomes.items()) if n > 0},

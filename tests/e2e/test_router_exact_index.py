@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from conftest import free_port, start_server, stop_server
 from test_router import PREFIX, Cluster, completion, start_router
@@ -58,6 +59,8 @@ def test_the_index_holds_what_the_replica_stored_and_the_prefix_goes_back_there(
     stored = f'inferd_router_kv_events_total{{kind="stored",replica="{home}"}}'
     assert samples[stored] >= 1
     assert index_blocks(c, other) == 0
+    overview = httpx.get(f"{c.router.url}/v1/dashboard/overview", timeout=10).json()
+    assert all(row["index_exact"] for row in overview["replicas"])
     # Every one of the prompt's block hashes is indexed for the home replica (the router's
     # estimate is the whole prompt's full blocks), and the replica agrees it had them cached.
     again = completion(c, prompt)
