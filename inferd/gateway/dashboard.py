@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from importlib import resources
 
 import orjson
@@ -46,6 +46,7 @@ def install(app: FastAPI, state: GatewayState, log: RequestLog | None = None) ->
     app.state.request_log = log
     state.metrics.request_log = log
     state.model_metrics.request_log = log
+    app.include_router(page_routes("index.html", _ASSETS))
     app.include_router(router)
     return log
 
@@ -55,21 +56,28 @@ def _log(request: Request) -> RequestLog:
     return log
 
 
+def page_routes(page: str, assets: Mapping[str, str]) -> APIRouter:
+    """`GET /dashboard` (the HTML file `page`) and `GET /dashboard/static/{name}` for `assets`
+    (file name -> media type). The server's page and the router's are both served from this
+    package's static/dashboard folder, and share its style sheet and common.js."""
+    routes = APIRouter(include_in_schema=False)
+
+    @routes.get("/dashboard")
+    async def html() -> Response:
+        return HTMLResponse(_asset(page), headers={"Cache-Control": "no-cache"})
+
+    @routes.get("/dashboard/static/{name}")
+    async def asset(name: str) -> Response:
+        media_type = assets.get(name)
+        if media_type is None:
+            raise APIError(404, f"no dashboard file {name!r}", code="not_found", reason="not_found")
+        return Response(_asset(name), media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    return routes
+
+
 def _asset(name: str) -> bytes:
     return resources.files("inferd.gateway").joinpath("static", "dashboard", name).read_bytes()
-
-
-@router.get("/dashboard")
-async def page() -> Response:
-    return HTMLResponse(_asset("index.html"), headers={"Cache-Control": "no-cache"})
-
-
-@router.get("/dashboard/static/{name}")
-async def asset(name: str) -> Response:
-    media_type = _ASSETS.get(name)
-    if media_type is None:
-        raise APIError(404, f"no dashboard file {name!r}", code="not_found", reason="not_found")
-    return Response(_asset(name), media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
 class _Overview:
@@ -106,7 +114,7 @@ class _Overview:
 
 
 def _window(request: Request) -> float:
-    return _float_param(request, "window", _WINDOW_S, 1.0, 3600.0)
+    return float_param(request, "window", _WINDOW_S, 1.0, 3600.0)
 
 
 @router.get("/v1/dashboard/overview")
@@ -119,7 +127,7 @@ async def overview_events(request: Request) -> Response:
     """`data: {overview}` every `interval` seconds (default 1) until the client leaves or the
     server drains."""
     state = gateway(request)
-    interval = _float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
+    interval = float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
     source = _Overview(state, _log(request), _window(request))
 
     async def events() -> AsyncIterator[bytes]:
@@ -140,7 +148,7 @@ async def list_requests(request: Request) -> Response:
         status=q.get("status") or None,
         lane=q.get("lane") or None,
         slowest=q.get("slowest", "") in ("1", "true", "yes"),
-        limit=int(_float_param(request, "limit", 100, 1, 1000)),
+        limit=int(float_param(request, "limit", 100, 1, 1000)),
     )
     return json_response({"object": "list", "data": [r.summary() for r in rows]})
 
@@ -159,7 +167,9 @@ async def one_request(request: Request, request_id: str) -> Response:
     return json_response(record.timeline())
 
 
-def _float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+def float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    """The query parameter `name` clamped to [lo, hi]; `default` when absent; a 400 when it is
+    not a number."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default

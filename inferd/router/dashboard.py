@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from importlib import resources
 
 import orjson
 from fastapi import APIRouter, FastAPI, Request
-from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
-from inferd.gateway.errors import APIError
+from inferd.gateway.dashboard import float_param, page_routes
 from inferd.gateway.responses import json_response
 from inferd.router.cluster import Cluster
 from inferd.router.metrics import RouterMetrics
@@ -63,18 +62,7 @@ def install(
     routes = APIRouter(include_in_schema=False)
 
     def window(request: Request) -> float:
-        return _float_param(request, "window", _WINDOW_S, 1.0, _MAX_WINDOW_S)
-
-    @routes.get("/dashboard")
-    async def page() -> Response:
-        return HTMLResponse(_asset("router.html"), headers={"Cache-Control": "no-cache"})
-
-    @routes.get("/dashboard/static/{name}")
-    async def asset(name: str) -> Response:
-        media_type = _ASSETS.get(name)
-        if media_type is None:
-            raise APIError(404, f"no dashboard file {name!r}", code="not_found", reason="not_found")
-        return Response(_asset(name), media_type=media_type, headers={"Cache-Control": "no-cache"})
+        return float_param(request, "window", _WINDOW_S, 1.0, _MAX_WINDOW_S)
 
     @routes.get("/v1/dashboard/overview")
     async def overview_once(request: Request) -> Response:
@@ -82,7 +70,7 @@ def install(
 
     @routes.get("/v1/dashboard/events")
     async def overview_events(request: Request) -> Response:
-        interval = _float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
+        interval = float_param(request, "interval", 1.0, _MIN_INTERVAL_S, 60.0)
         window_s = window(request)
 
         async def events() -> AsyncIterator[bytes]:
@@ -94,19 +82,5 @@ def install(
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
+    app.include_router(page_routes("router.html", _ASSETS))
     app.include_router(routes)
-
-
-def _asset(name: str) -> bytes:
-    # The server's dashboard package holds both pages' files: one style sheet for both.
-    return resources.files("inferd.gateway").joinpath("static", "dashboard", name).read_bytes()
-
-
-def _float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query_params.get(name)
-    if not raw:
-        return default
-    try:
-        return min(max(float(raw), lo), hi)
-    except ValueError:
-        raise APIError(400, f"'{name}' must be a number", param=name) from None
