@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from inferd.telemetry.stages import StageTimings, ordered
+from inferd.telemetry.stages import StageTimings
 
 # KServe v2 datatype -> numpy dtype (BYTES: object array of bytes).
 DATATYPES: dict[str, np.dtype[Any]] = {
@@ -107,9 +107,3 @@ class InferResponse:
     # Tokens the text preprocess produced (for /v1/embeddings usage); None for non-text models.
     num_input_tokens: int | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
-
-
-def stage_seconds(timings: StageTimings) -> dict[str, float]:
-    """`{stage: seconds}` in lifecycle order, unrounded (the access log's form; the response
-    body's is `timings.as_dict()`, rounded to microseconds)."""
-    return {str(stage): timings.seconds[stage] for stage in ordered(timings.seconds)}

@@ -28,7 +28,7 @@ import itertools
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -268,7 +268,7 @@ class RequestLog:
     def add_classic(
         self,
         model: str,
-        timings: StageTimings | Mapping[str, float],
+        timings: StageTimings,
         outcome: str,
         batch: Sequence[str] = (),
     ) -> None:
@@ -399,7 +399,7 @@ def log_id(fallback: str) -> str:
 
 def classic_record(
     model: str,
-    timings: StageTimings | Mapping[str, float],
+    timings: StageTimings,
     outcome: str,
     batch: Sequence[str] = (),
 ) -> RequestRecord:
@@ -435,11 +435,8 @@ def classic_record(
 _anonymous = itertools.count(1)  # gRPC requests carry no X-Request-Id
 
 
-def _classic_stages(timings: StageTimings | Mapping[str, float], now: float) -> StageTimings:
-    if isinstance(timings, StageTimings):
-        out = StageTimings(dict(timings.seconds), dict(timings.starts))
-    else:
-        out = StageTimings({Stage(k): float(v) for k, v in timings.items()})
+def _classic_stages(timings: StageTimings, now: float) -> StageTimings:
+    out = StageTimings(dict(timings.seconds), dict(timings.starts))
     end = now
     for stage in reversed(CLASSIC_STAGES):
         if stage in out.seconds and stage not in out.starts:

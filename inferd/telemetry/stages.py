@@ -137,11 +137,13 @@ class StageTimings:
         for stage, seconds in other.seconds.items():
             self.add(stage, seconds, other.starts.get(stage))
 
-    def as_dict(self) -> dict[str, float]:
-        """`{stage: seconds}` in lifecycle order, rounded to microseconds (the `timings` form)."""
-        return {
-            str(s): round(self.seconds[s], 6) for s in sorted(self.seconds, key=_ORDER.__getitem__)
-        }
+    def as_dict(self, digits: int | None = 6) -> dict[str, float]:
+        """`{stage: seconds}` in lifecycle order, rounded to microseconds (the `timings` form of
+        a response body); `digits=None` leaves them unrounded (the access log's form)."""
+        stages = ordered(self.seconds)
+        if digits is None:
+            return {str(s): self.seconds[s] for s in stages}
+        return {str(s): round(self.seconds[s], digits) for s in stages}
 
     @classmethod
     def from_mapping(cls, seconds: Mapping[str, float]) -> StageTimings:

@@ -128,8 +128,9 @@ def test_classic_record_uses_the_request_context_and_the_raised_error() -> None:
         try:
             raise ValueError("input 'x' has shape [3], expected [4]")
         except ValueError:
-            log.add_classic("fraud", {"validate": 0.001}, "invalid")
-        log.add_classic("fraud", {"validate": 0.001, "queue": 0.01, "infer": 0.02}, "success")
+            log.add_classic("fraud", StageTimings.from_mapping({"validate": 0.001}), "invalid")
+        timings = {"validate": 0.001, "queue": 0.01, "infer": 0.02}
+        log.add_classic("fraud", StageTimings.from_mapping(timings), "success")
         log.finish_classic(receive_s=0.002, stream_s=0.003)
     finally:
         current_request.reset(token)

@@ -51,7 +51,7 @@ from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.responses import FinalizingResponse, json_response
 from inferd.gateway.state import GatewayState, gateway
 from inferd.telemetry.stages import Stage
-from inferd.tensors import InferRequest, InferResponse, stage_seconds
+from inferd.tensors import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from inferd.repository.manager import ModelRepository
@@ -246,7 +246,7 @@ def _respond(
         request.state.access_extra = {
             "model": response.model_name,
             "model_version": response.model_version,
-            "timings": {**stage_seconds(response.timings), "stream": stream_s},
+            "timings": {**response.timings.as_dict(digits=None), "stream": stream_s},
         }
 
     out = FinalizingResponse(body, done, media_type=encoded.media_type)

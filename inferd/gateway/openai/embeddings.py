@@ -37,7 +37,7 @@ from inferd.gateway.responses import FinalizingResponse
 from inferd.gateway.state import GatewayState, gateway
 from inferd.model_config import EmbeddingConfig
 from inferd.telemetry.stages import Stage, StageTimings
-from inferd.tensors import InferRequest, InferResponse, stage_seconds
+from inferd.tensors import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from inferd.batching.pipeline import ServedModel
@@ -255,7 +255,7 @@ def _respond(
         state.inflight -= 1
         stream_s = time.monotonic() - stream_start
         state.model_metrics.observe_gateway(model, timings.seconds[Stage.RECEIVE], stream_s)
-        extra_timings = {**stage_seconds(timings), "stream": stream_s}
+        extra_timings = {**timings.as_dict(digits=None), "stream": stream_s}
         request.state.access_extra = {"model": model, "timings": extra_timings}
 
     return FinalizingResponse(content, done, media_type="application/json")
