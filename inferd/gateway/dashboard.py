@@ -19,6 +19,7 @@ telemetry hooks); an overview is computed only for an open page, once per tick.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from importlib import resources
@@ -176,5 +177,7 @@ def float_param(request: Request, name: str, default: float, lo: float, hi: floa
     try:
         value = float(raw)
     except ValueError:
-        raise APIError(400, f"'{name}' must be a number", param=name) from None
+        value = math.nan
+    if math.isnan(value):  # "nan" parses, and would pass through min/max unclamped
+        raise APIError(400, f"'{name}' must be a number", param=name)
     return min(max(value, lo), hi)

@@ -188,3 +188,17 @@ def test_event_stream_ends_when_the_server_drains() -> None:
     with TestClient(app) as client:
         r = client.get("/v1/dashboard/events")
     assert r.status_code == 200 and r.text == "retry: 2000\n\n"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/dashboard/overview?window=nan",
+        "/v1/requests?limit=abc",
+        "/v1/dashboard/events?interval=NaN",
+    ],
+)
+def test_a_query_parameter_that_is_not_a_number_is_a_400(server: Server, path: str) -> None:
+    r = httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10)
+    assert r.status_code == 400, r.text
+    assert "must be a number" in r.json()["error"]["message"]
