@@ -40,6 +40,7 @@ from inferd.router.kv_events import KVEventFeed
 from inferd.router.metrics import RouterMetrics
 from inferd.router.proxy import Forward, Proxy
 from inferd.router.tokenize import TOKENIZED_PATHS, load_tokenizer, prompt_token_ids, validate
+from inferd.router.tracing import RouteTracer
 
 logger = logging.getLogger("inferd.router")
 
@@ -52,6 +53,7 @@ class Router:
         config: RouterConfig,
         tokenizer: Tokenizer,
         transport: httpx.AsyncBaseTransport | None = None,
+        tracer: RouteTracer | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -63,6 +65,8 @@ class Router:
         self.health = HealthChecker(self.cluster, self.client, self.metrics)
         self.proxy = Proxy(self.cluster, self.client, self.metrics)
         self.kv_events = KVEventFeed(self.cluster.index, config.kv_event_endpoints(), self.metrics)
+        endpoint = config.otlp_traces_endpoint
+        self.tracer = tracer or RouteTracer.from_endpoint(endpoint, config.policy)
         # Set on SIGTERM/SIGINT and at shutdown: open dashboard streams end, so they do not hold
         # uvicorn's shutdown (it waits for every response to finish).
         self.stopping = False
@@ -70,24 +74,42 @@ class Router:
     async def routed_request(self, request: Request) -> Response:
         """Validate and tokenize (4xx here), decide, forward."""
         body = await request.body()
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as e:
             raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
         ids = prompt_token_ids(self.tokenizer, validate(request.url.path, doc))
         routed = self._route(ids)
-        route_s = time.perf_counter() - t0
+        route_s = time.monotonic() - t0
         self.metrics.decision.observe(route_s)
-        return await self.proxy.forward(request, Forward.of(request, body, ids, route_s), routed)
+        fwd = self._traced(request, Forward.of(request, body, ids, route_s), t0)
+        return await self.proxy.forward(request, fwd, routed)
 
     async def passthrough(self, request: Request) -> Response:
+        t0 = time.monotonic()
         body = await request.body()
-        return await self.proxy.forward(request, Forward.of(request, body, [], 0.0), None)
+        fwd = self._traced(request, Forward.of(request, body, [], 0.0), t0)
+        return await self.proxy.forward(request, fwd, None)
+
+    def _traced(self, request: Request, fwd: Forward, start_s: float) -> Forward:
+        """`fwd` with its span (started at `start_s`), when tracing is on."""
+        if self.tracer is None:
+            return fwd
+        traceparent = request.headers.get("traceparent")
+        return fwd.traced(self.tracer.start(fwd.request_id, traceparent, start_s))
 
     def _route(self, ids: list[int]) -> Routed | None:
         """None when no replica is ready: `forward` answers the 503."""
         return self.cluster.route(ids) if self.cluster.ready() else None
+
+    async def close(self) -> None:
+        self.stopping = True
+        await self.kv_events.stop()
+        await self.health.stop()
+        await self.client.aclose()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # flushes the spans still batched
 
     def readiness(self) -> Response:
         ready = len(self.cluster.ready())
@@ -104,10 +126,11 @@ def create_router_app(
     config: RouterConfig,
     tokenizer: Tokenizer | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    tracer: RouteTracer | None = None,
 ) -> FastAPI:
-    """`tokenizer` and `transport` (to the replicas) are injectable for tests."""
+    """`tokenizer`, `transport` (to the replicas) and `tracer` are injectable for tests."""
     tok = tokenizer or load_tokenizer(config.model, config.tokenizer, config.revision)
-    router = Router(config, tok, transport)
+    router = Router(config, tok, transport, tracer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,10 +138,7 @@ def create_router_app(
         router.health.start()
         router.kv_events.start()
         yield
-        router.stopping = True
-        await router.kv_events.stop()
-        await router.health.stop()
-        await router.client.aclose()
+        await router.close()
 
     app = FastAPI(title="inferd router", lifespan=lifespan, openapi_url=None)
     app.state.router = router

@@ -64,6 +64,13 @@ def add_router_parser(sub: Any) -> None:
     p.add_argument("--max-retries", type=int, default=d["max_retries"])
     p.add_argument("--seed", type=int, default=None, help="power_of_two's RNG seed")
     p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP/gRPC collector (e.g. http://localhost:4317) for a span per routed request, "
+        "the parent of the replica's own trace",
+    )
+    p.add_argument(
         "--disable-dashboard",
         action="store_true",
         help="no /dashboard page or /v1/dashboard overview of the replicas",
@@ -91,6 +98,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_retries=args.max_retries,
         seed=args.seed,
         dashboard=not args.disable_dashboard,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -140,6 +148,8 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         port=args.port,
         block_size=args.block_size,
         dashboard=not args.disable_dashboard,
+        # The replicas get the flag too (their argv): one trace spans router and replica.
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     grace = args.shutdown_timeout if args.shutdown_timeout is not None else 30.0
     return run_data_parallel(

@@ -45,6 +45,9 @@ class RouterConfig:
     kv_events: tuple[tuple[str, str], ...] = ()
     # GET /dashboard and /v1/dashboard/* (router/dashboard.py); off: `--disable-dashboard`.
     dashboard: bool = True
+    # OTLP/gRPC collector for the router's `inferd.route` spans (router/tracing.py), the
+    # server's flag; None: tracing off.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas and self.dns_name is None:

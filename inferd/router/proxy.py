@@ -21,7 +21,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import httpx
@@ -33,6 +33,7 @@ from inferd.gateway.errors import APIError
 from inferd.router.cluster import Cluster, NoReplicaError, Routed
 from inferd.router.load import Ticket
 from inferd.router.metrics import RouterMetrics
+from inferd.router.tracing import NO_SPAN, TRACE_HEADERS, RouteSpan
 
 logger = logging.getLogger("inferd.router")
 
@@ -66,6 +67,8 @@ class Forward:
     body: bytes
     token_ids: list[int]
     route_s: float
+    # The router's OTel span of this request (router/tracing.py); NO_SPAN with tracing off.
+    span: RouteSpan = NO_SPAN
 
     @classmethod
     def of(cls, request: Request, body: bytes, token_ids: list[int], route_s: float) -> Forward:
@@ -75,6 +78,16 @@ class Forward:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return cls(request.method, path, headers, body, token_ids, route_s)
 
+    @property
+    def request_id(self) -> str:
+        return next(v for k, v in self.headers if k.lower() == "x-request-id")
+
+    def traced(self, span: RouteSpan) -> Forward:
+        """Every try carries `span` as the replica's parent, in place of the client's own trace
+        context (the router's span is already the client's child)."""
+        kept = [(k, v) for k, v in self.headers if k.lower() not in TRACE_HEADERS]
+        return replace(self, headers=kept + span.headers(), span=span)
+
 
 class Proxy:
     def __init__(self, cluster: Cluster, client: httpx.AsyncClient, metrics: RouterMetrics):
@@ -83,6 +96,18 @@ class Proxy:
         self.metrics = metrics
 
     async def forward(self, request: Request, fwd: Forward, routed: Routed | None) -> Response:
+        """The answer of the first try that reaches the client (a stream ends the span when it
+        ends; anything else ends it here)."""
+        response: Response | None = None
+        try:
+            response = await self._forward(request, fwd, routed)
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):
+                # None: the 503 for want of a replica is on its way up as an APIError.
+                fwd.span.end(response.status_code if response is not None else 503)
+
+    async def _forward(self, request: Request, fwd: Forward, routed: Routed | None) -> Response:
         tried: list[str] = []
         last: Response | None = None
         retries = self.cluster.config.max_retries
@@ -92,6 +117,8 @@ class Proxy:
             except NoReplicaError:
                 break
             url = routed.decision.replica
+            if not tried:
+                fwd.span.decided(routed, fwd.route_s)
             tried.append(url)
             answer = await self._try(request, fwd, routed, url, final=attempt == retries)
             if isinstance(answer, Response):
@@ -115,6 +142,7 @@ class Proxy:
         self, request: Request, fwd: Forward, routed: Routed, url: str, final: bool
     ) -> Response | _Failed:
         ticket = self.cluster.dispatch(url, routed)
+        fwd.span.tried(url, routed.prompt_tokens - ticket.prefill_tokens)
         req = self.client.build_request(
             fwd.method, url + fwd.path, headers=fwd.headers, content=fwd.body
         )
@@ -133,7 +161,7 @@ class Proxy:
         self._count(url, routed)
         headers = _response_headers(upstream, url, ticket, routed)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            stream = self._stream(upstream, ticket, url, fwd.route_s)
+            stream = self._stream(upstream, ticket, url, fwd)
             return StreamingResponse(stream, upstream.status_code, headers)
         try:
             body = await _unless_gone(request, upstream.aread())
@@ -162,9 +190,9 @@ class Proxy:
         return _Failed(code, Response(body, upstream.status_code, headers))
 
     async def _stream(
-        self, upstream: httpx.Response, ticket: Ticket, url: str, route_s: float
+        self, upstream: httpx.Response, ticket: Ticket, url: str, fwd: Forward
     ) -> AsyncIterator[bytes]:
-        events = SSEEvents(route_s)
+        events = SSEEvents(fwd.route_s)
         try:
             async for chunk in upstream.aiter_raw():
                 if out := events.feed(chunk):
@@ -180,6 +208,7 @@ class Proxy:
             yield b"\n\ndata: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
         finally:
             ticket.finish()
+            fwd.span.end(upstream.status_code)
             await upstream.aclose()
 
     def _eject(self, url: str, reason: str, detail: str = "") -> None:

@@ -52,6 +52,9 @@ class RequestTimeline:
     preemptions_by_request: dict[str, int] = field(default_factory=dict)
     # The OTel trace of this request, once the tracer exported it (None with tracing off).
     trace_id: str | None = None
+    # The W3C `traceparent` the request arrived with (a router's span): the request's own span
+    # becomes its child.
+    traceparent: str | None = None
 
     def add(self, stage: Stage, seconds: float, start: float | None = None) -> None:
         """Adds `seconds` to `stage` (stages such as `stream` are measured in many pieces)."""

@@ -5,6 +5,10 @@ opentelemetry is imported, and the request path pays one `is None` check. When o
 created after the request finished (from RequestTimeline's recorded instants) and handed to a
 BatchSpanProcessor, whose export runs on its own thread, off the event loop.
 
+A request that arrives with a W3C `traceparent` header (as `inferd router` sends one) gets its
+`inferd.request` span as a child of that remote span, so one trace shows the router's decision
+and the replica's stages.
+
 Needs the `otel` extra: `pip install 'inferd[otel]'`.
 """
 
@@ -34,6 +38,7 @@ class RequestTracer:
         end = timeline.finished if timeline.finished is not None else time.monotonic()
         root = self._tracer.start_span(
             "inferd.request",
+            context=remote_parent(timeline.traceparent),
             start_time=_to_epoch_ns(timeline.arrival, self._offset_ns),
             attributes={"inferd.request_id": timeline.request_id, **(attributes or {})},
         )
@@ -62,10 +67,28 @@ class RequestTracer:
             self._provider.shutdown()
 
 
+def remote_parent(traceparent: str | None) -> Any:
+    """The OTel context a W3C `traceparent` header names, as the parent of a new span; None (the
+    span starts a trace of its own) without one. A malformed header parses to an empty context,
+    which also starts a new trace: the W3C rule, never an error for the request."""
+    if not traceparent:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+
+
 def make_tracer(endpoint: str | None, service_name: str = "inferd") -> RequestTracer | None:
     """None when tracing is off. Raises ImportError (with the fix) when the extra is missing."""
     if not endpoint:
         return None
+    provider = otlp_provider(endpoint, service_name)
+    return RequestTracer(provider.get_tracer("inferd"), provider)
+
+
+def otlp_provider(endpoint: str, service_name: str) -> Any:
+    """A TracerProvider exporting to the OTLP/gRPC collector at `endpoint` in batches (the
+    server's and the router's, so both honour `--otlp-traces-endpoint` the same way)."""
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -77,4 +100,4 @@ def make_tracer(endpoint: str | None, service_name: str = "inferd") -> RequestTr
         ) from e
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    return RequestTracer(provider.get_tracer("inferd"), provider)
+    return provider

@@ -73,3 +73,11 @@ def test_disable_dashboard_reaches_the_router_config() -> None:
     base = ["router", "--replica", "http://a:1"]
     assert router_config(build_parser().parse_args(base)).dashboard
     assert not router_config(build_parser().parse_args([*base, "--disable-dashboard"])).dashboard
+
+
+def test_otlp_traces_endpoint_reaches_the_router_config() -> None:
+    base = ["router", "--replica", "http://a:1"]
+    assert router_config(build_parser().parse_args(base)).otlp_traces_endpoint is None
+    flag = ["--otlp-traces-endpoint", "http://collector:4317"]
+    cfg = router_config(build_parser().parse_args([*base, *flag]))
+    assert cfg.otlp_traces_endpoint == "http://collector:4317"

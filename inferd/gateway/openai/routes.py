@@ -122,6 +122,8 @@ async def serve_http(request: Request, body: Body, kind: Kind) -> Response:
     state = gateway(request)
     st = request.state
     job = await prepare(state, body, kind, st.request_id, st.arrival)
+    # A router's span (or the client's): this request's trace joins it (telemetry/tracing.py).
+    job.timeline.traceparent = request.headers.get("traceparent")
     decode = token_decoder(state.engine().tokenizer)
     try:
         outputs = await race_disconnect(request, start(state, job))
