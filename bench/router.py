@@ -219,7 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-blocks", type=int, default=64, help="P in blocks of 16 tokens")
     p.add_argument("--suffix-len", type=int, default=64, help="S tokens")
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-requests", type=int, default=200, help="R per workload and setup")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="R per workload and setup (200; quick 24)"
+    )
     p.add_argument("--turns", type=int, default=6, help="multiturn: turns per session (K of them)")
     p.add_argument("--zipf-s", type=float, default=1.5)
     p.add_argument(
@@ -251,9 +253,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.workloads = args.workloads[:1]
     if args.quick:
         args.groups, args.prefix_blocks, args.suffix_len = 6, 16, 32
-        args.output_len, args.num_requests, args.turns = 8, 24, 4
-        args.calibration_requests = 24
+        args.output_len, args.turns, args.calibration_requests = 8, 4, 24
+        args.num_requests = args.num_requests or 24
         args.no_progress = True
+    args.num_requests = args.num_requests or 200
     args.log_dir.mkdir(parents=True, exist_ok=True)
     return args
 

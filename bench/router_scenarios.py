@@ -197,6 +197,7 @@ def kill_report(
     return {
         "replica": kill.replica.url,
         "after_s": kill.after_s,
+        "killed": kill.after_s < wall,
         "window_s": kill.window_s,
         "failed_not_yet_streaming": len(not_streaming),
         "failed_already_streaming": len(streaming),
