@@ -55,10 +55,11 @@ from router_workloads import (
     WORKLOADS,
     Shape,
     Sizing,
+    TextCodec,
+    cell_prompts,
     closed_form_hit_rate,
     ideal_hit_rate,
     prompts_for,
-    salted,
     size_pools,
 )
 
@@ -75,23 +76,31 @@ def setups_for(args: argparse.Namespace) -> list[Setup]:
         ]
     if args.scenario == "kill":
         return [Setup(f"{args.policies[0]} kill", args.policies[0])]
-    return [Setup(p, p) for p in args.policies]
+    peers = [Setup(name, name, command=cmd) for name, cmd in args.peer_router]
+    return [Setup(p, p) for p in args.policies] + peers
 
 
 def run_workload(
-    args: argparse.Namespace, replicas: list[Replica], workload: str, salts: Iterator[int]
+    args: argparse.Namespace,
+    replicas: list[Replica],
+    workload: str,
+    salts: Iterator[int],
+    codec: TextCodec | None,
 ) -> dict[str, Any]:
     """Calibration (unless a rate was given), then every setup, over one workload."""
     prompts = prompts_for(workload, shape_from(args))
     out: dict[str, Any] = {"requests": len(prompts), "setups": {}}
-    out["prompt_tokens"] = sum(len(p) + 1 for p in prompts)
-    out["ideal_hit_rate"] = ideal = ideal_hit_rate([[0, *p] for p in prompts])
+    ids = cell_prompts(prompts, 0, codec).ids
+    out["prompt_tokens"] = sum(len(p) for p in ids)
+    out["ideal_hit_rate"] = ideal = ideal_hit_rate(ids)
     if workload in ("uniform", "zipf"):
         out["closed_form_hit_rate"] = closed_form_hit_rate(shape_from(args))
     rate = args.request_rate
     if rate is None:
         print(f"-- {workload} / calibrating round_robin's saturation")
-        out["calibration"] = cal = calibrate(args, replicas, salted(prompts, next(salts)))
+        out["calibration"] = cal = calibrate(
+            args, replicas, cell_prompts(prompts, next(salts), codec)
+        )
         rate = args.load_factor * cal["saturation_rps"]
         print(f"   saturation {cal['saturation_rps']:.2f} req/s -> Poisson {rate:.2f} req/s")
     out["request_rate"] = rate
@@ -101,7 +110,8 @@ def run_workload(
         if args.scenario == "kill":
             kill = Kill(replicas[-1], args.kill_after, args.window)
         cell_args = argparse.Namespace(**(vars(args) | {"request_rate": rate}))
-        cell = run_cell(cell_args, replicas, setup, salted(prompts, next(salts)), kill)
+        cell_input = cell_prompts(prompts, next(salts), codec)
+        cell = run_cell(cell_args, replicas, setup, cell_input, kill)
         cell["hit_rate_over_ideal"] = cell["hit_rate"] / ideal if ideal else math.nan
         out["setups"][setup.label] = cell
     return out
@@ -192,11 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     result["sizing"]["share_of_cluster"] = sizing.share_of_cluster
     started = time.perf_counter()
     salts = iter(range(SALTS))
+    codec = text_codec() if args.text_prompts else None
     kv_events = args.scenario == "two-routers"
     with launched_replicas(args.replicas, server_args, args.log_dir, kv_events) as replicas:
         result["replica_num_blocks_reported"] = [replica_num_blocks(r.url) for r in replicas]
         for workload in args.workloads:
-            data = run_workload(args, replicas, workload, salts)
+            data = run_workload(args, replicas, workload, salts, codec)
             result["workloads"][workload] = data
             print_table(workload, data)
     result["wall_s"] = time.perf_counter() - started
@@ -206,6 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     write_result(path, result)
     print(f"\nwrote {path} ({result['wall_s']:.0f} s)")
     return 0
+
+
+def text_codec() -> TextCodec:
+    """inferd-tiny's tokenizer, as the replicas and the router load it."""
+    from inferd.router.tokenize import load_tokenizer
+
+    return load_tokenizer("inferd-tiny", None, None)
+
+
+def peer_router(text: str) -> tuple[str, str]:
+    name, sep, cmd = text.partition("=")
+    if not sep or not name or not cmd:
+        raise argparse.ArgumentTypeError(f"--peer-router wants NAME=CMD, got {text!r}")
+    return name, cmd
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -239,6 +264,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--calibration-concurrency", type=int, default=8, help="per replica")
     p.add_argument("--kill-after", type=float, default=20.0, help="kill: seconds into the cell")
     p.add_argument("--window", type=float, default=5.0, help="kill: hit-rate window, seconds")
+    p.add_argument(
+        "--peer-router",
+        type=peer_router,
+        action="append",
+        default=[],
+        metavar="NAME=CMD",
+        help="a peer router as one more setup (policies scenario): CMD with {port} and a "
+        "{workers} word, e.g. 'vllm-router --port {port} --worker-urls {workers}'",
+    )
+    p.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send the prompts as text (decoded ids) for routers that take no token ids",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--goodput", nargs="*", default=["ttft:2000", "tpot:200"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -105,13 +106,9 @@ def launched_replicas(
         yield replicas
 
 
-@contextmanager
-def launched_router(
-    replicas: Sequence[Replica], policy: str, log_path: Path, exact: bool
-) -> Iterator[str]:
-    """One `inferd router` over `replicas` (fresh: an empty index); `exact` follows their KV
-    events instead of indexing its own decisions."""
-    port = free_port()
+def router_command(replicas: Sequence[Replica], policy: str, port: int, exact: bool) -> list[str]:
+    """`inferd router` over `replicas`; `exact` follows their KV events instead of indexing
+    its own decisions."""
     exe = Path(sys.executable).parent / "inferd"
     cmd = [str(exe), "router", "--port", str(port), "--policy", policy, "--seed", "0"]
     cmd += ["--block-size", str(BLOCK_SIZE)]
@@ -121,11 +118,45 @@ def launched_router(
             if r.kv_events is None:
                 raise ValueError("an exact index needs replicas started with KV events")
             cmd += ["--replica-kv-events", f"{r.url}={r.kv_events}"]
+    return cmd
+
+
+def peer_command(template: str, replicas: Sequence[Replica], port: int) -> list[str]:
+    """A peer router's command line: `{port}` filled in, and a `{workers}` word replaced by
+    the replicas' URLs, one word each.
+
+    >>> peer_command("r --port {port} --worker-urls {workers}", [Replica("http://a", 1, None)], 9)
+    ['r', '--port', '9', '--worker-urls', 'http://a']
+    """
+    cmd: list[str] = []
+    for word in shlex.split(template):
+        if word == "{workers}":
+            cmd += [r.url for r in replicas]
+        else:
+            cmd.append(word.replace("{port}", str(port)))
+    return cmd
+
+
+@contextmanager
+def launched_router(
+    replicas: Sequence[Replica],
+    policy: str,
+    log_path: Path,
+    exact: bool,
+    peer: str | None = None,
+) -> Iterator[str]:
+    """A fresh router (an empty index) over `replicas` until the block ends: `inferd router`,
+    or the `peer` command line (ready when its /health answers 200)."""
+    port = free_port()
+    if peer is None:
+        cmd = router_command(replicas, policy, port, exact)
+    else:
+        cmd = peer_command(peer, replicas, port)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
-            wait_ready(f"{base}/health/ready", proc)
+            wait_ready(f"{base}/health/ready" if peer is None else f"{base}/health", proc)
             if exact:
                 time.sleep(0.5)  # ZeroMQ's slow joiner: subscriptions connect after readiness
             yield base

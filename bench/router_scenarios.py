@@ -25,7 +25,7 @@ from router_cluster import (
     prefix_counters,
     router_stats,
 )
-from router_workloads import ideal_hit_tokens
+from router_workloads import CellPrompts, ideal_hit_tokens
 from serve import RequestResult, completion_body, parse_goodput, run_load, summarize
 
 
@@ -39,6 +39,8 @@ class Setup:
     policy: str
     routers: int = 1
     exact: bool = False
+    # A peer router's command line instead of `inferd router` ({port} and {workers} filled in).
+    command: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,15 +79,23 @@ async def split_load(
     return results, max(wall for _, wall, _ in runs)
 
 
-def bodies_for(prompts: list[list[int]], output_len: int) -> list[dict[str, Any]]:
-    return [completion_body(BenchRequest(p, output_len), None, 0.0) for p in prompts]
+def bodies_for(prompts: CellPrompts, output_len: int) -> list[dict[str, Any]]:
+    """Streaming completion bodies; a text prompt replaces the token ids (its `prompt_len` in
+    the client's results is then in characters)."""
+    bodies = []
+    for sent, ids in zip(prompts.sent, prompts.ids, strict=True):
+        # `model` named: sglang-router's schema requires it (inferd does not).
+        body = completion_body(BenchRequest(ids, output_len), "inferd-tiny", 0.0)
+        body["prompt"] = sent
+        bodies.append(body)
+    return bodies
 
 
 def run_cell(
     args: argparse.Namespace,
     replicas: list[Replica],
     setup: Setup,
-    prompts: list[list[int]],
+    prompts: CellPrompts,
     kill: Kill | None = None,
 ) -> dict[str, Any]:
     """One setup over one (salted) workload at `args.request_rate`: the replicas' counter
@@ -102,6 +112,7 @@ def run_cell(
                     setup.policy,
                     args.log_dir / f"router_{setup.label}_{i}.log",
                     setup.exact,
+                    setup.command,
                 )
             )
             for i in range(setup.routers)
@@ -111,14 +122,12 @@ def run_cell(
         if timer is not None:
             timer.cancel()
         sampler.stop()
-        routed = router_stats(routers)
+        routed = router_stats(routers) if setup.command is None else {}
     # The last sample: live replicas scraped at the end, a killed one's values frozen.
     summary = cell_summary(args, results, wall, before, sampler.samples[-1][1])
-    summary["router_requests"] = routed["requests"]
-    summary["router_retries"] = routed["retries"]
-    summary["router_estimated_hit_rate"] = routed["estimated_hit_rate"]
+    summary |= {f"router_{k}": v for k, v in routed.items()}
     if kill is not None:
-        summary["kill"] = kill_report(kill, results, prompts, sampler, wall)
+        summary["kill"] = kill_report(kill, results, prompts.ids, sampler, wall)
     return summary
 
 
@@ -153,16 +162,16 @@ def cell_summary(
 
 
 def calibrate(
-    args: argparse.Namespace, replicas: list[Replica], prompts: list[list[int]]
+    args: argparse.Namespace, replicas: list[Replica], prompts: CellPrompts
 ) -> dict[str, Any]:
     """Round-robin's saturation on this workload: closed-loop throughput with
     `calibration_concurrency` requests per replica always outstanding (more concurrency only
     queues), over the workload's first `calibration_requests` prompts (own salt, so cold)."""
-    n = min(len(prompts), args.calibration_requests)
+    n = min(len(prompts.ids), args.calibration_requests)
     concurrency = args.calibration_concurrency * len(replicas)
     setup = Setup("calibrate", "round_robin")
     closed = _with(args, request_rate=math.inf, max_concurrency=concurrency)
-    cell = run_cell(closed, replicas, setup, prompts[:n])
+    cell = run_cell(closed, replicas, setup, prompts.head(n))
     return {
         "requests": n,
         "concurrency": concurrency,

@@ -14,6 +14,7 @@ Workloads (bench token ids, seeded, the same for every policy):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -98,6 +99,37 @@ def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
     if not 0 <= salt < SALTS:
         raise ValueError(f"salt {salt} outside [0, {SALTS}): too many cells in one run")
     return [[salt, *p] for p in prompts]
+
+
+class TextCodec(Protocol):
+    """The model's tokenizer, as far as text prompts need it."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class CellPrompts:
+    """What one cell sends (`sent`: token ids, or text for routers that take only text) and
+    the token ids the replicas see (`ids`: H* and the per-window ideal are computed on them)."""
+
+    sent: list[list[int]] | list[str]
+    ids: list[list[int]]
+
+    def head(self, n: int) -> CellPrompts:
+        return CellPrompts(self.sent[:n], self.ids[:n])
+
+
+def cell_prompts(prompts: list[list[int]], salt: int, codec: TextCodec | None) -> CellPrompts:
+    """The workload salted for one cell; with a `codec`, as text: the ids decoded, behind a
+    text salt, and the ids the replicas will tokenize that text into (the round trip is not
+    exact at the prefix/suffix seam, but deterministic, so shared prefixes stay shared)."""
+    if codec is None:
+        ids = salted(prompts, salt)
+        return CellPrompts(ids, ids)
+    texts = [f"[{salt}] " + codec.decode(p, skip_special_tokens=False) for p in prompts]
+    return CellPrompts(texts, [codec.encode(t) for t in texts])
 
 
 def ideal_hit_tokens(prompts: list[list[int]]) -> list[int]:
