@@ -61,6 +61,7 @@ from router_workloads import (
     ideal_hit_rate,
     prompts_for,
     size_pools,
+    text_inflation,
 )
 
 POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
@@ -172,21 +173,26 @@ def shape_from(args: argparse.Namespace) -> Shape:
     )
 
 
-def print_sizing(args: argparse.Namespace, sizing: Sizing) -> None:
+def sizing_for(args: argparse.Namespace, codec: TextCodec | None) -> tuple[Sizing, float]:
+    """The replicas' KV pools for the issue's rule, on the prefixes' length as the replicas see
+    it (text prompts re-tokenize into more tokens than the ids they were decoded from)."""
+    inflation = 1.0
+    if codec is not None:
+        shape = shape_from(args)
+        prefixes = [p[: shape.prefix_len] for p in prompts_for("nosharing", shape)[:8]]
+        inflation = text_inflation(prefixes, codec)
+    blocks = round(args.prefix_blocks * inflation)
+    sizing = size_pools(args.groups, blocks, args.replicas, args.prefix_cache_ratio)
     print(sizing.describe())
-    if "multiturn" in args.workloads:
-        history = args.prefix_blocks * BLOCK_SIZE + (args.turns - 1) * 2 * args.suffix_len
-        blocks = args.groups * history // BLOCK_SIZE
-        print(
-            f"  multiturn: the sessions' histories end at {blocks} blocks = "
-            f"{blocks / (sizing.replicas * sizing.replica_blocks):.0%} of the cluster's"
-        )
+    if codec is not None:
+        print(f"  (text prompts: {inflation:.3f} tokens per bench token id)")
+    return sizing, inflation
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sizing = size_pools(args.groups, args.prefix_blocks, args.replicas, args.prefix_cache_ratio)
-    print_sizing(args, sizing)
+    codec = text_codec() if args.text_prompts else None
+    sizing, inflation = sizing_for(args, codec)
     server_args = ["--model", "inferd-tiny", "--block-size", str(BLOCK_SIZE)]
     server_args += ["--kv-cache-memory", str(sizing.replica_blocks * BYTES_PER_BLOCK)]
     server_args += ["--disable-access-log", "--num-threads", "1"]
@@ -200,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {},
     }
     result["sizing"]["share_of_cluster"] = sizing.share_of_cluster
+    result["sizing"]["text_inflation"] = inflation
     started = time.perf_counter()
     salts = iter(range(SALTS))
-    codec = text_codec() if args.text_prompts else None
     kv_events = args.scenario == "two-routers"
     with launched_replicas(args.replicas, server_args, args.log_dir, kv_events) as replicas:
         result["replica_num_blocks_reported"] = [replica_num_blocks(r.url) for r in replicas]

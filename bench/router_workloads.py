@@ -7,7 +7,9 @@ Workloads (bench token ids, seeded, the same for every policy):
     zipf        the same, groups drawn Zipf(s): the hottest group carries more than 1/N of the
                 traffic, so a policy must spill it to keep the load balanced
     multiturn   K sessions of T turns; turn t's prompt = turn t-1's prompt + the assistant's reply
-                (S tokens standing in for it) + a new S-token user message; rounds of turns
+                (S tokens standing in for it) + a new S-token user message; rounds of turns.
+                A session starts at P - (T-1)*2S tokens, so its last turn is P tokens long: the
+                sessions need the same KV budget as the K prefixes of the other variants
     nosharing   every prompt unique (P + S tokens): any hit is noise, only balance matters
 """
 
@@ -73,7 +75,8 @@ def multiturn(shape: Shape) -> list[list[int]]:
     """K sessions' T turns in rounds (every session's turn 1, then turn 2, ...), each round in a
     shuffled order; a turn's prompt extends the previous one (reply + new user message)."""
     rng = np.random.default_rng(shape.seed)
-    history = [_ids(rng, shape.prefix_len) for _ in range(shape.groups)]
+    start = max(BLOCK_SIZE, shape.prefix_len - (shape.turns - 1) * 2 * shape.suffix_len)
+    history = [_ids(rng, start) for _ in range(shape.groups)]
     prompts: list[list[int]] = []
     for turn in range(shape.turns):
         for s in rng.permutation(shape.groups):
@@ -130,6 +133,13 @@ def cell_prompts(prompts: list[list[int]], salt: int, codec: TextCodec | None) -
         return CellPrompts(ids, ids)
     texts = [f"[{salt}] " + codec.decode(p, skip_special_tokens=False) for p in prompts]
     return CellPrompts(texts, [codec.encode(t) for t in texts])
+
+
+def text_inflation(prompts: list[list[int]], codec: TextCodec) -> float:
+    """Tokens the replicas see per bench token id once `prompts` go as text (decoded ids
+    re-tokenize into more tokens): the KV sizing scales the prefixes by it."""
+    seen = sum(len(codec.encode(codec.decode(p, skip_special_tokens=False))) for p in prompts)
+    return seen / sum(len(p) for p in prompts)
 
 
 def ideal_hit_tokens(prompts: list[list[int]]) -> list[int]:
