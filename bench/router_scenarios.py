@@ -158,6 +158,11 @@ def cell_summary(
     summary["prefill_tokens_per_replica"] = prefill
     mean = float(np.mean(prefill)) if prefill else 0.0
     summary["prefill_max_over_mean"] = max(prefill) / mean if mean else math.nan
+    # Per request (workload order): when it was sent and its TTFT, both in seconds (NaN when it
+    # failed), to see where a tail comes from (cold groups at the start, a burst, a spill).
+    summary["sent_s_ttft_s"] = [
+        (round(r.start, 3), round(r.ttft, 4) if r.success else math.nan) for r in results
+    ]
     return summary
 
 
