@@ -114,6 +114,9 @@ def run_workload(
         cell_input = cell_prompts(prompts, next(salts), codec)
         cell = run_cell(cell_args, replicas, setup, cell_input, kill)
         cell["hit_rate_over_ideal"] = cell["hit_rate"] / ideal if ideal else math.nan
+        if args.saturation_all:
+            closed = calibrate(args, replicas, cell_prompts(prompts, next(salts), codec), setup)
+            cell["saturation"] = closed
         out["setups"][setup.label] = cell
     return out
 
@@ -139,6 +142,8 @@ def print_table(workload: str, data: dict[str, Any]) -> None:
             + "".join(f"{v:>9.0f}" for v in ms)
             + f"{good:>9.2f}{c['failed']:>9}{c['prefill_max_over_mean']:>9.2f}   {prefill}"
         )
+        if "saturation" in c:
+            print(f"{'':<19}closed-loop saturation {c['saturation']['saturation_rps']:.2f} req/s")
         if "kill" in c:
             print_kill(c["kill"])
 
@@ -268,6 +273,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-factor", type=float, default=0.7, help="x round-robin's saturation")
     p.add_argument("--calibration-requests", type=int, default=64)
     p.add_argument("--calibration-concurrency", type=int, default=8, help="per replica")
+    p.add_argument(
+        "--saturation-all",
+        action="store_true",
+        help="also measure every setup's own saturation (closed loop, as the calibration)",
+    )
     p.add_argument("--kill-after", type=float, default=20.0, help="kill: seconds into the cell")
     p.add_argument("--window", type=float, default=5.0, help="kill: hit-rate window, seconds")
     p.add_argument(

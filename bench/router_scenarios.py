@@ -166,15 +166,21 @@ def cell_summary(
     return summary
 
 
+ROUND_ROBIN = Setup("calibrate", "round_robin")
+
+
 def calibrate(
-    args: argparse.Namespace, replicas: list[Replica], prompts: CellPrompts
+    args: argparse.Namespace,
+    replicas: list[Replica],
+    prompts: CellPrompts,
+    setup: Setup = ROUND_ROBIN,
 ) -> dict[str, Any]:
-    """Round-robin's saturation on this workload: closed-loop throughput with
-    `calibration_concurrency` requests per replica always outstanding (more concurrency only
-    queues), over the workload's first `calibration_requests` prompts (own salt, so cold)."""
+    """A setup's saturation on this workload (round-robin's sets the load): closed-loop
+    throughput with `calibration_concurrency` requests per replica always outstanding (more
+    concurrency only queues), over the workload's first `calibration_requests` prompts (own
+    salt, so cold)."""
     n = min(len(prompts.ids), args.calibration_requests)
     concurrency = args.calibration_concurrency * len(replicas)
-    setup = Setup("calibrate", "round_robin")
     closed = _with(args, request_rate=math.inf, max_concurrency=concurrency)
     cell = run_cell(closed, replicas, setup, prompts.head(n))
     return {
