@@ -278,6 +278,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also measure every setup's own saturation (closed loop, as the calibration)",
     )
+    p.add_argument(
+        "--steady-after",
+        type=float,
+        default=2.0,
+        help="TTFT percentiles also over the requests sent after this many seconds (no cold start)",
+    )
     p.add_argument("--kill-after", type=float, default=20.0, help="kill: seconds into the cell")
     p.add_argument("--window", type=float, default=5.0, help="kill: hit-rate window, seconds")
     p.add_argument(

@@ -26,7 +26,14 @@ from router_cluster import (
     router_stats,
 )
 from router_workloads import CellPrompts, ideal_hit_tokens
-from serve import RequestResult, completion_body, parse_goodput, run_load, summarize
+from serve import (
+    RequestResult,
+    completion_body,
+    distribution_ms,
+    parse_goodput,
+    run_load,
+    summarize,
+)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,9 @@ def cell_summary(
     summary["sent_s_ttft_s"] = [
         (round(r.start, 3), round(r.ttft, 4) if r.success else math.nan) for r in results
     ]
+    # The same TTFTs without the cold start (every prefix new at once): the steady state.
+    steady = [r.ttft for r in results if r.success and r.start >= args.steady_after]
+    summary["ttft_ms_steady"] = {"sent_after_s": args.steady_after} | distribution_ms(steady)
     return summary
 
 
