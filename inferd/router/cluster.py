@@ -16,6 +16,7 @@ its KV events, router/kv_events.py: those show a restart as a gap).
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -129,7 +130,8 @@ class Cluster:
                 r.url,
                 self.load_tokens(r),
                 self.index.match(r.url, hashes) * cfg.block_size,
-                self.index.size(r.url),
+                self.index.owned(r.url),
+                self.index.home(r.url, hashes) * cfg.block_size,
             )
             for r in ready
         ]
@@ -141,10 +143,39 @@ class Cluster:
         prompt tokens as load there and record that `url` will hold its prompt's blocks."""
         replica = self.replicas[url]
         cached = self.cached_tokens(url, routed)
-        ticket = Ticket.dispatch(url, replica.load, max(routed.prompt_tokens - cached, 0))
+        stamp = self.index.stamp
+        claim = self._claim(replica, routed, stamp)
+        uncached = max(routed.prompt_tokens - cached, 0)
+        ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim)
         replica.routed += 1
         self.index.insert(url, routed.hashes)
         return ticket
+
+    def _claim(self, replica: Replica, routed: Routed, stamp: int) -> tuple[int, ...]:
+        """The stamps of the prompt's leading blocks the index says `replica` holds, as far as
+        the replica can report them: settled blocks only (one stamped by a request still
+        prefilling may not be computed yet, and its absence says nothing of eviction), and not
+        the block of the prompt's last token (the engine always computes that one)."""
+        reportable = max(routed.prompt_tokens - 1, 0) // self.config.block_size
+        settled = replica.load.settled(stamp)
+        claim = self.index.stamps(replica.url, routed.hashes[:reportable])
+        return tuple(itertools.takewhile(lambda s: s <= settled, claim))
+
+    def reported(
+        self, ticket: Ticket, routed: Routed, prompt_tokens: int, cached_tokens: int
+    ) -> int:
+        """The replica answered the ticket's request saying `cached_tokens` of its prompt were
+        cached (usage.prompt_tokens_details). Fewer than the index claimed: the replica evicted
+        the first claimed block it did not report, and with it everything the index had touched
+        no later; those leave the index (router/index.py). Returns the blocks dropped.
+        `prompt_tokens` (the replica's count) guards against a body that is not this prompt's
+        (batched prompts, another tokenizer): the claim stands then."""
+        if prompt_tokens != routed.prompt_tokens or ticket.replica not in self.replicas:
+            return 0
+        held = cached_tokens // self.config.block_size
+        if held >= len(ticket.claim):
+            return 0
+        return self.index.drop_through(ticket.replica, ticket.claim[held])
 
     def cached_tokens(self, url: str, routed: Routed) -> int:
         return self.index.match(url, routed.hashes) * self.config.block_size

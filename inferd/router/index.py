@@ -28,12 +28,31 @@ prefill) the blocks are not yet indexed, so a burst sharing a new prefix may spr
     index.follow_events("b")
     index.stored("b", [1, 2]); index.insert("b", [7]); index.removed("b", [2])
     index.match("b", [1, 2])      # 1
+
+Correction from what the replica reports (approximate replicas only). Each block carries a stamp,
+a counter that grows with every insert (tail first), so stamps order the LRU. A replica that
+answers a request with fewer cached tokens than the index claimed at dispatch has evicted the first
+claimed block it did not report, and, evicting least recent first, every block the index had
+touched no later than it: `drop_through(replica, stamp)` drops those, so the index stops claiming
+blocks the replica no longer holds (false hits: a decision that trusts a cold replica). The
+prompt's own blocks are not among them: its dispatch re-stamped them, and the replica has just
+computed them again. Dropped blocks are remembered as the replica's ghosts (bounded like its
+index): no longer a hit, but where those prefixes lived, so a prompt nobody holds any more goes back
+to its former replica when load allows (`home`), instead of scattering its group across replicas.
+
+    index = PrefixIndex(capacity_blocks=10)
+    index.insert("a", [5, 6]); index.insert("a", [1, 2, 3])
+    claim = index.stamps("a", [1, 2, 3])    # at dispatch, before the insert re-stamps them
+    index.insert("a", [1, 2, 3])
+    index.drop_through("a", claim[1])       # the replica reported 1 block: 5, 6 are gone
+    index.match("a", [1, 2, 3])             # 3 (re-stamped at dispatch)
+    index.match("a", [5, 6]), index.home("a", [5, 6])    # 0, 2
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class PrefixIndex:
@@ -44,11 +63,15 @@ class PrefixIndex:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        # Replica -> block hash -> stamp, least recent first (stamps grow along the order).
+        self._blocks: dict[str, OrderedDict[int, int]] = {}
         self._capacity: dict[str, int] = {}
+        # Blocks the replicas' own reports showed evicted (drop_through), least recent first.
+        self._ghosts: dict[str, OrderedDict[int, None]] = {}
         # Replicas indexed from their KV events instead of from routing decisions.
         self._exact: set[str] = set()
         self.evictions = 0
+        self._stamp = 0
 
     def follow_events(self, replica: str) -> None:
         """The replica's index is exact from now on: emptied, then fed by `stored`/`removed`."""
@@ -63,7 +86,8 @@ class PrefixIndex:
         replica's own cache bounds them)."""
         held = self._blocks.setdefault(replica, OrderedDict())
         for h in hashes:
-            held[h] = None
+            held[h] = self._next_stamp()
+            held.move_to_end(h)
 
     def removed(self, replica: str, hashes: Sequence[int]) -> None:
         """A BlockRemoved event: the replica evicted `hashes` (unknown ones are ignored: they were
@@ -105,12 +129,71 @@ class PrefixIndex:
             return
         held = self._blocks.setdefault(replica, OrderedDict())
         for h in reversed(hashes):
-            held[h] = None
+            held[h] = self._next_stamp()
             held.move_to_end(h)
+        if ghosts := self._ghosts.get(replica):
+            for h in hashes:
+                ghosts.pop(h, None)  # live again
         cap = self.capacity(replica)
         while len(held) > cap:
             held.popitem(last=False)
             self.evictions += 1
+
+    @property
+    def stamp(self) -> int:
+        """The last stamp given: every block stamped so far has one no larger."""
+        return self._stamp
+
+    def _next_stamp(self) -> int:
+        self._stamp += 1
+        return self._stamp
+
+    def stamps(self, replica: str, hashes: Sequence[int]) -> tuple[int, ...]:
+        """The stamps of the leading blocks of `hashes` the replica holds (`match` of them)."""
+        held = self._blocks.get(replica)
+        if not held:
+            return ()
+        out: list[int] = []
+        for h in hashes:
+            stamp = held.get(h)
+            if stamp is None:
+                break
+            out.append(stamp)
+        return tuple(out)
+
+    def drop_through(self, replica: str, stamp: int) -> int:
+        """The replica evicted the block stamped `stamp`: every block it holds stamped no later
+        becomes a ghost (none for an exact replica: its events say what it evicted). Returns how
+        many were dropped."""
+        held = self._blocks.get(replica)
+        if held is None or replica in self._exact:
+            return 0
+        ghosts = self._ghosts.setdefault(replica, OrderedDict())
+        dropped = 0
+        while held and next(iter(held.values())) <= stamp:
+            ghosts[held.popitem(last=False)[0]] = None
+            dropped += 1
+        # Bounded like the index: older homes than one cache's worth say little any more.
+        while len(ghosts) > self.capacity(replica):
+            ghosts.popitem(last=False)
+        return dropped
+
+    def home(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the replica holds or held until its own report
+        showed them evicted (`match` counting ghosts too)."""
+        held: Mapping[int, int] = self._blocks.get(replica) or {}
+        ghosts: Mapping[int, None] = self._ghosts.get(replica) or {}
+        n = 0
+        for h in hashes:
+            if h not in held and h not in ghosts:
+                break
+            n += 1
+        return n
+
+    def owned(self, replica: str) -> int:
+        """Blocks the replica holds or is the home of (its ghosts): the groups placed there,
+        whether or not their blocks are still cached."""
+        return self.size(replica) + len(self._ghosts.get(replica, ()))
 
     def forget(self, replica: str) -> None:
         """The replica restarted or left: nothing it held is known any more. An exact replica
@@ -119,6 +202,7 @@ class PrefixIndex:
             return
         self._blocks.pop(replica, None)
         self._capacity.pop(replica, None)
+        self._ghosts.pop(replica, None)
 
     def size(self, replica: str) -> int:
         return len(self._blocks.get(replica, ()))

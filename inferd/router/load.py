@@ -16,7 +16,7 @@ between scrapes, never hide the router's own fresh dispatches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,20 @@ class ReplicaLoad:
     prefill_tokens: int = 0
     in_flight: int = 0
     report: ReplicaReport = ReplicaReport()
+    # Requests still prefilling, by the prefix index's stamp when each was dispatched: a block
+    # stamped later may not be computed yet (router/index.py's correction leaves it alone).
+    prefilling: dict[int, int] = field(default_factory=dict)
 
     def tokens(self, decode_weight: int) -> int:
         r = self.report
         prefill = max(self.prefill_tokens, r.queued_prompt_tokens)
         seqs = max(self.in_flight, r.running + r.waiting + r.queued)
         return prefill + decode_weight * seqs
+
+    def settled(self, stamp: int) -> int:
+        """Blocks stamped no later than this were stamped by requests already past their
+        prefill (`stamp`: the index's newest, the answer when nothing is prefilling)."""
+        return min(self.prefilling, default=stamp)
 
 
 @dataclass(eq=False)
@@ -57,20 +65,34 @@ class Ticket:
     replica: str
     load: ReplicaLoad
     prefill_tokens: int
+    # The prefix index's newest stamp at dispatch, and the stamps of the prompt's leading blocks
+    # the index then claimed the replica held, as far as they were settled (router/index.py).
+    stamp: int = 0
+    claim: tuple[int, ...] = ()
     started: bool = False
     done: bool = False
 
     @classmethod
-    def dispatch(cls, replica: str, load: ReplicaLoad, prefill_tokens: int) -> Ticket:
+    def dispatch(
+        cls,
+        replica: str,
+        load: ReplicaLoad,
+        prefill_tokens: int,
+        stamp: int = 0,
+        claim: tuple[int, ...] = (),
+    ) -> Ticket:
         load.prefill_tokens += prefill_tokens
         load.in_flight += 1
-        return cls(replica, load, prefill_tokens)
+        load.prefilling[stamp] = load.prefilling.get(stamp, 0) + 1
+        return cls(replica, load, prefill_tokens, stamp, claim)
 
     def first_byte(self) -> None:
         """The replica answered: its prefill for this request is done."""
         if not self.started and not self.done:
             self.started = True
             self.load.prefill_tokens -= self.prefill_tokens
+            if (left := self.load.prefilling.pop(self.stamp) - 1) > 0:
+                self.load.prefilling[self.stamp] = left
 
     def finish(self) -> None:
         """Finished, failed or cancelled: the request holds nothing any more (idempotent)."""

@@ -14,6 +14,9 @@ inferd_router_kv_events_total{replica, kind}     KV events applied to the exact 
                                                  stored, removed), with --replica-kv-events
 inferd_router_kv_event_gaps_total{replica}       gaps in a replica's KV events: its exact index
                                                  was dropped and rebuilds from what follows
+inferd_router_index_stale_blocks_total{replica}  blocks dropped from the approximate index because
+                                                 the replica's reported cached tokens showed them
+                                                 evicted
 inferd_router_replica_ready{replica}             1 in rotation, 0 out (at scrape time)
 inferd_router_in_flight{replica}                 requests the router has there (at scrape time)
 inferd_router_load_tokens{replica}               the policy's load estimate (at scrape time)
@@ -107,6 +110,12 @@ class RouterMetrics:
         self.kv_event_gaps = Counter(
             "inferd_router_kv_event_gaps",
             "Gaps in a replica's KV events (its exact index dropped)",
+            ["replica"],
+            registry=r,
+        )
+        self.stale_blocks = Counter(
+            "inferd_router_index_stale_blocks",
+            "Prefix index blocks dropped: the replica's reported cached tokens showed them evicted",
             ["replica"],
             registry=r,
         )

@@ -17,7 +17,9 @@ the one holding most of the prompt (sglang PR #32195: the fallback need not thro
 A prompt no replica holds any of (a new prefix group) goes, among the replicas within one prompt's
 tokens of the least loaded, to the one whose index holds the fewest blocks (SGLang's "smallest
 tree", bounded by load; llm-d-router#346: new groups piled onto the replica that happened to be
-idle, and evicted its groups).
+idle, and evicted its groups); but first to a replica that held the prompt's prefix until it
+evicted it (`home_tokens`, from the replicas' own cached-token reports): a group whose blocks were
+evicted comes back to re-cache where it lived, instead of scattering over the cluster.
 Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
 third replica.
 """
@@ -45,6 +47,8 @@ class Candidate:
     cached_tokens: int = 0
     # Blocks the router's index says it holds: how much cache it already "owns".
     held_blocks: int = 0
+    # Prompt tokens it holds or held until it reported them evicted: the prompt's former home.
+    home_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class CacheAware:
         most = max(c.cached_tokens for c in candidates)
         if most == 0:
             near = [c for c in order if c.load <= low + prompt_tokens]
-            chosen = min(near, key=lambda c: c.held_blocks)  # stable: cost order breaks ties
+            # Stable: cost order breaks ties.
+            chosen = min(near, key=lambda c: (-c.home_tokens, c.held_blocks))
             return _decision(order, "cold", chosen)
         pool = order
         if self.imbalanced([c.load for c in candidates]):

@@ -8,10 +8,13 @@ also takes the replica out of rotation at once (passive health check). A 500 is 
 failure and passes through without a retry (another replica would likely fail it the same way).
 
 Streams (`text/event-stream`) pass through event by event as they arrive (the one carrying
-`timings` gets `route` added), never buffered whole; a stream
+`timings` gets `route` added: router/answer.py), never buffered whole; a stream
 the replica breaks ends with an SSE error event and `[DONE]`, never a hang. A client that goes
 away (while the replica works, or mid-stream) closes the upstream request, so the replica aborts
 the generation.
+
+An answer's `usage` (the replica's own cached-token count for the prompt) corrects the prefix
+index: blocks the index claimed and the replica no longer held leave it (Cluster.reported).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from inferd.gateway.errors import APIError
+from inferd.router.answer import SSEEvents, Usage, read_answer
 from inferd.router.cluster import Cluster, NoReplicaError, Routed
 from inferd.router.load import Ticket
 from inferd.router.metrics import RouterMetrics
@@ -161,7 +165,7 @@ class Proxy:
         self._count(url, routed)
         headers = _response_headers(upstream, url, ticket, routed)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            stream = self._stream(upstream, ticket, url, fwd)
+            stream = self._stream(upstream, ticket, routed, fwd)
             return StreamingResponse(stream, upstream.status_code, headers)
         try:
             body = await _unless_gone(request, upstream.aread())
@@ -173,7 +177,9 @@ class Proxy:
             await upstream.aclose()
         if body is None:  # the client left; nobody is listening any more
             return Response(status_code=499)
-        return Response(_with_route_timing(body, fwd.route_s), upstream.status_code, headers)
+        body, usage = read_answer(body, fwd.route_s)
+        self._reported(ticket, routed, usage)
+        return Response(body, upstream.status_code, headers)
 
     async def _refused(self, upstream: httpx.Response, ticket: Ticket, url: str) -> _Failed:
         try:
@@ -190,15 +196,17 @@ class Proxy:
         return _Failed(code, Response(body, upstream.status_code, headers))
 
     async def _stream(
-        self, upstream: httpx.Response, ticket: Ticket, url: str, fwd: Forward
+        self, upstream: httpx.Response, ticket: Ticket, routed: Routed, fwd: Forward
     ) -> AsyncIterator[bytes]:
         events = SSEEvents(fwd.route_s)
+        url = ticket.replica
         try:
             async for chunk in upstream.aiter_raw():
                 if out := events.feed(chunk):
                     yield out
             if events.pending:
                 yield events.pending
+            self._reported(ticket, routed, events.usage)
         except httpx.HTTPError as e:
             self._eject(url, "broken_stream", repr(e))
             message = f"replica {url} failed mid-stream"
@@ -215,6 +223,14 @@ class Proxy:
         if self.cluster.failed(url, reason):
             self.metrics.ejections.labels(url, reason).inc()
             logger.warning("replica %s out of rotation: %s %s", url, reason, detail)
+
+    def _reported(self, ticket: Ticket, routed: Routed, usage: Usage | None) -> None:
+        """The replica's own cached-token count corrects the prefix index (Cluster.reported)."""
+        if usage is None or not routed.prompt_tokens:
+            return
+        dropped = self.cluster.reported(ticket, routed, usage.prompt_tokens, usage.cached_tokens)
+        if dropped:
+            self.metrics.stale_blocks.labels(ticket.replica).inc(dropped)
 
     def _count(self, url: str, routed: Routed) -> None:
         outcome = routed.decision.outcome if routed.prompt_tokens else "passthrough"
@@ -270,51 +286,3 @@ def _error_code(body: bytes) -> str | None:
         if isinstance(err, dict) and isinstance(err.get("code"), str):
             return str(err["code"])
     return None
-
-
-class SSEEvents:
-    r"""Re-cuts a byte stream at SSE event boundaries (a blank line) so the event that carries
-    `timings` (the last one) gets `route` added; every complete event leaves at once, only a
-    partial one waits for its end.
-
-    >>> e = SSEEvents(0.5)
-    >>> e.feed(b'data: {"a": 1}\n\ndata: {"timings": {"e2e')
-    b'data: {"a": 1}\n\n'
-    >>> e.feed(b'": 1}}\n\n')
-    b'data: {"timings":{"route":0.5,"e2e":1}}\n\n'
-    """
-
-    def __init__(self, route_s: float) -> None:
-        self.route_s = route_s
-        self.pending = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self.pending + chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self.pending = data
-            return b""
-        done, self.pending = data[: cut + 2], data[cut + 2 :]
-        if b'"timings"' not in done:
-            return done
-        return b"\n\n".join(self._event(e) for e in done.split(b"\n\n"))
-
-    def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: {") or b'"timings"' not in event:
-            return event
-        return b"data: " + _with_route_timing(event[6:], self.route_s)
-
-
-def _with_route_timing(body: bytes, route_s: float) -> bytes:
-    """Adds `timings.route` (seconds, first) to a JSON body that carries `timings`."""
-    if b'"timings"' not in body:
-        return body
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body
-    timings = doc.get("timings") if isinstance(doc, dict) else None
-    if not isinstance(timings, dict):
-        return body
-    doc["timings"] = {"route": round(route_s, 6), **timings}
-    return orjson.dumps(doc)

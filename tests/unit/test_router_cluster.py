@@ -48,6 +48,8 @@ class Result:
     hit_rate: float
     prefill: dict[str, int]
     groups_on: dict[int, set[str]]
+    # Tokens the index claimed cached that the replica did not hold (false hits).
+    over_claimed: int = 0
 
 
 def prompt(group: int, request: int) -> list[int]:
@@ -63,7 +65,11 @@ def simulate(
     duration: int = 4,
     eject_at: int | None = None,
     abs_threshold: int = 4096,
+    true_blocks: int | None = None,
+    feedback: bool = False,
 ) -> tuple[Result, Cluster]:
+    """`true_blocks`: the replicas' real cache when smaller than the index (`cache_blocks`);
+    `feedback`: each answer's cached tokens go back to the cluster (Cluster.reported)."""
     urls = [f"http://r{i}" for i in range(replicas)]
     cfg = RouterConfig(
         replicas=tuple(urls),
@@ -76,11 +82,11 @@ def simulate(
     cluster = Cluster(cfg, random.Random(0))
     for u in urls:
         cluster.set_health(u, ready=True)
-    truth = {u: TrueCache(cache_blocks) for u in urls}
+    truth = {u: TrueCache(true_blocks or cache_blocks) for u in urls}
     prefill = dict.fromkeys(urls, 0)
     groups_on: dict[int, set[str]] = {}
     running: list[tuple[int, Ticket]] = []
-    hit = total = 0
+    hit = total = over = 0
     for t, g in enumerate(groups):
         for end, ticket in [x for x in running if x[0] <= t]:
             ticket.finish()
@@ -92,14 +98,18 @@ def simulate(
         ids = prompt(g, t)
         routed = cluster.route(ids)
         url = routed.decision.replica
-        running.append((t + duration, cluster.dispatch(url, routed)))
+        ticket = cluster.dispatch(url, routed)
+        running.append((t + duration, ticket))
         cached = truth[url].serve(block_hashes(ids, BS)) * BS
+        if feedback:
+            cluster.reported(ticket, routed, len(ids), cached)
+        over += max(routed.decision.cached_tokens - cached, 0)
         hit, total = hit + cached, total + len(ids)
         prefill[url] += len(ids) - cached
         groups_on.setdefault(g, set()).add(url)
     for _, ticket in running:
         ticket.finish()
-    return Result(hit / total, prefill, groups_on), cluster
+    return Result(hit / total, prefill, groups_on, over), cluster
 
 
 def ideal(groups: list[int]) -> float:
@@ -227,3 +237,65 @@ def test_load_returns_to_zero_whatever_the_order_of_events(events: list[tuple[st
     for t in tickets:
         t.finish()
     assert all(r.load.prefill_tokens == 0 == r.load.in_flight for r in cluster.replicas.values())
+
+
+def shifting(per_group: int = 12) -> list[int]:
+    """Groups 0-7, then 8-15 (evicting the first ones from the replicas), then 0-7 again."""
+    first, second, third = (uniform(8, per_group, seed) for seed in (1, 2, 3))
+    return first + [8 + g for g in second] + third
+
+
+def test_reported_cached_tokens_correct_an_index_larger_than_the_replicas_cache() -> None:
+    # The index is sized 400 blocks, the replicas hold 70: without the replicas' reports it
+    # keeps claiming prefixes they evicted long ago (false hits).
+    groups = shifting()
+    stale, _ = simulate("cache_aware", groups, cache_blocks=400, true_blocks=70)
+    fed, cluster = simulate("cache_aware", groups, cache_blocks=400, true_blocks=70, feedback=True)
+    assert stale.over_claimed > 0
+    assert fed.over_claimed <= 0.5 * stale.over_claimed
+    # Affinity kept: evicted groups come back to the replica they lived on (its ghosts), and
+    # a replica whose index shrank does not attract the new groups (it still owns its ghosts).
+    assert all(len(on) == 1 for on in fed.groups_on.values())
+    assert fed.hit_rate >= max(0.95 * ideal(groups), stale.hit_rate)
+    work = fed.prefill.values()
+    assert max(work) / (sum(work) / len(work)) <= 1.25
+    assert any(cluster.index.owned(u) > cluster.index.size(u) for u in cluster.names())
+
+
+def _one_replica(block_size: int = 16) -> Cluster:
+    cluster = Cluster(RouterConfig(replicas=("http://a",), block_size=block_size))
+    cluster.set_health("http://a", ready=True)
+    return cluster
+
+
+def test_a_report_on_blocks_still_being_prefilled_drops_nothing() -> None:
+    # Two requests of a new prefix back to back: the second's claim rests on the first's
+    # dispatch, whose prefill has not run yet, so the replica's "0 cached" says nothing of
+    # eviction.
+    cluster = _one_replica()
+    old = cluster.route(list(range(1000, 1064)))
+    cluster.dispatch("http://a", old).finish()
+    ids = list(range(64))
+    first = cluster.route(ids)
+    cluster.dispatch("http://a", first)
+    second = cluster.route(ids)
+    ticket = cluster.dispatch("http://a", second)
+    assert second.decision.cached_tokens == 64 and ticket.claim == ()
+    assert cluster.reported(ticket, second, 64, 0) == 0
+    assert cluster.index.size("http://a") == 8
+
+
+def test_a_report_of_fewer_cached_tokens_drops_older_blocks() -> None:
+    cluster = _one_replica()
+    a = "http://a"
+    for prompt_ids in (list(range(1000, 1064)), list(range(64)), list(range(2000, 2064))):
+        cluster.dispatch(a, cluster.route(prompt_ids)).finish()
+    again = cluster.route(list(range(64)))
+    ticket = cluster.dispatch(a, again)
+    assert len(ticket.claim) == 3  # the last token's block is always computed: not reportable
+    # A body that is not this prompt's (another length) is no evidence.
+    assert cluster.reported(ticket, again, 65, 16) == 0
+    # The replica kept 1 block of it: the 4 blocks of the first prompt (older) are gone.
+    assert cluster.reported(ticket, again, 64, 16) == 4
+    assert cluster.index.size(a) == 8
+    assert cluster.route(list(range(1000, 1064))).decision.cached_tokens == 0

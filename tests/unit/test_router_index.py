@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import OrderedDict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,3 +98,70 @@ def test_a_replica_known_to_hold_fewer_blocks_gets_a_smaller_index() -> None:
     index.insert("huge", list(range(20)))
     assert (index.size("small"), index.size("huge")) == (2, 10)
     assert index.match("small", [1, 2, 3]) == 2  # the prefix stayed, the leaf went
+
+
+def test_a_reported_eviction_drops_what_the_index_touched_no_later_into_ghosts() -> None:
+    index = PrefixIndex(10)
+    index.insert("a", [5, 6])
+    index.insert("a", [1, 2, 3])
+    claim = index.stamps("a", [1, 2, 3])  # at dispatch, before the insert re-stamps them
+    assert len(claim) == 3 and claim[0] > claim[1] > claim[2]  # the prefix is the most recent
+    index.insert("a", [1, 2, 3])
+    assert index.drop_through("a", claim[1]) == 2  # reported 1 block: 5 and 6 were older
+    assert index.match("a", [1, 2, 3]) == 3  # re-stamped at dispatch: just computed again
+    assert index.match("a", [5, 6]) == 0 and index.size("a") == 3
+    assert index.home("a", [5, 6]) == 2 and index.home("b", [5, 6]) == 0
+    index.insert("a", [5])  # live again: a hit, no longer a ghost
+    assert index.match("a", [5, 6]) == 1 and index.home("a", [5, 6]) == 2
+
+
+def test_an_exact_replica_is_never_corrected_from_reports() -> None:
+    index = PrefixIndex(10)
+    index.follow_events("a")
+    index.stored("a", [1, 2])
+    assert index.drop_through("a", index.stamp) == 0 and index.match("a", [1, 2]) == 2
+
+
+def test_ghosts_are_bounded_by_the_replicas_capacity() -> None:
+    index = PrefixIndex(3)
+    for h in range(6):
+        index.insert("a", [h])
+        index.drop_through("a", index.stamp)
+    assert index.size("a") == 0
+    assert [index.home("a", [h]) for h in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+def _serve(truth: OrderedDict[int, None], hashes: list[int], capacity: int) -> int:
+    """The replica: an LRU of `capacity` blocks touched tail first, as the engine's."""
+    hit = 0
+    while hit < len(hashes) and hashes[hit] in truth:
+        hit += 1
+    for h in reversed(hashes):
+        truth[h] = None
+        truth.move_to_end(h)
+    while len(truth) > capacity:
+        truth.popitem(last=False)
+    return hit
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=40),
+    st.integers(2, 12),
+    st.integers(0, 12),
+)
+def test_corrections_drop_only_what_the_replica_evicted(
+    prompts: list[tuple[int, int]], true_cap: int, extra: int
+) -> None:
+    # An index larger than the replica's cache over-claims; the reports correct it, and never
+    # drop a block the replica still holds (requests one after another, as one router sees them).
+    index = PrefixIndex(true_cap + extra)
+    truth: OrderedDict[int, None] = OrderedDict()
+    for group, length in prompts:
+        hashes = [group * 100 + i for i in range(length)]
+        claim = index.stamps("r", hashes)
+        index.insert("r", hashes)
+        hit = _serve(truth, hashes, true_cap)
+        if hit < len(claim):
+            index.drop_through("r", claim[hit])
+        assert set(truth) <= {h for h in range(600) if index.match("r", [h]) == 1}

@@ -61,6 +61,16 @@ def test_a_new_group_goes_to_the_replica_owning_least_cache_among_the_lightly_lo
     assert d.replica == "b" and d.outcome == "cold"  # c holds nothing but is far too loaded
 
 
+def test_a_prompt_nobody_holds_goes_back_to_its_former_home_when_load_allows() -> None:
+    # b held the prompt until it reported it evicted; a owns less cache and is lighter.
+    home = [Candidate("a", 0, 0, 10), Candidate("b", 100, 0, 500, home_tokens=96)]
+    d = CacheAware().choose(home, 128)
+    assert d.replica == "b" and d.outcome == "cold"
+    # Busier than the least loaded by more than the prompt: the home is not worth the wait.
+    busy = [Candidate("a", 0, 0, 10), Candidate("b", 200, 0, 500, home_tokens=96)]
+    assert CacheAware().choose(busy, 128).replica == "a"
+
+
 def test_round_robin_and_least_load() -> None:
     rr = RoundRobin()
     cands = [Candidate("a", 5), Candidate("b", 1), Candidate("c", 3)]
