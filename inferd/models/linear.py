@@ -90,6 +90,16 @@ def _row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
+def padded_rows(kind: LinearKind, rows: int) -> int:
+    """Rows an input of `rows` rows is padded to before this kind's GEMM (one chunk at most).
+
+    A caller that produces its activations with this many rows (extra rows zeroed) saves the
+    linear layer its pad copy; it slices the first `rows` rows of the result."""
+    if kind != "onednn" or rows > _ONEDNN_CHUNK:
+        return rows
+    return _row_bucket(rows)
+
+
 def _onednn(weight: Tensor, bias: Tensor | None) -> LinearFn:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     op = torch.ops.mkldnn._linear_pointwise.default

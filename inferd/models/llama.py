@@ -13,6 +13,14 @@ goes inside the fused parameters.
 
 Parameters are allocated with `torch.empty` (no init kernels): the loader fills every one of them,
 so a model built under `torch.device("cuda")` goes straight to the GPU without a CPU copy.
+
+Two paths through a layer, the same math:
+- eager PyTorch (CUDA, or no native kernels): each norm, RoPE, SiLU and residual add an op;
+- fused (CPU with the native kernels, `use_fused_ops`): per layer, one add + RMSNorm before each
+  block (the residual stream is carried beside the hidden state, vLLM's fused_add_rms_norm),
+  one q/k norm + RoPE + KV-cache write after the qkv projection, one SiLU * up. The activations
+  entering a linear layer are produced already padded to the row count its GEMM runs
+  (`linear.padded_rows`), with the extra rows zero, so no op copies them to pad.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from torch import Tensor, nn
 
 from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
-from inferd.models.linear import Linear
+from inferd.models.kernels.fused import FusedOps
+from inferd.models.linear import Linear, LinearKind, padded_rows
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
 
@@ -38,11 +47,44 @@ class WeightTarget:
     rows: int
 
 
+_NO_TENSOR = torch.empty(0)
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: the batch's positions and attention metadata, its
+    row counts, and which path runs."""
+
+    positions: Tensor  # [T] int64
+    meta: AttentionMetadata
+    rows: int  # T, the real rows
+    # Rows of the activations entering each linear layer (>= rows on the fused path).
+    padded_rows: int
+    fused: FusedOps | None
+    # cos, sin of each position, gathered once for every layer (eager path only).
+    rope: RopeCosSin | None = None
+    # The whole cos, sin tables [max_position, D/2] (fused path: the kernel gathers its rows).
+    rope_tables: tuple[Tensor, Tensor] = (_NO_TENSOR, _NO_TENSOR)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
+
+    def add_norm(
+        self, step: Step, x: Tensor, residual: Tensor | None, pad: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """(norm(x + residual), x + residual); residual None: (norm(x), x). x: [T, dim]; on the
+        fused path the residual is updated in place and the normed rows come padded to
+        step.padded_rows (unless not `pad`)."""
+        if step.fused is None:
+            residual = x if residual is None else x + residual
+            return self(residual), residual
+        rows = step.padded_rows if pad else step.rows
+        out = step.fused.rms_norm(x, self.weight, self.eps, residual, rows)
+        return out, x if residual is None else residual
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
@@ -79,10 +121,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
-    def forward(self, rope: RopeCosSin, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        # x: [T, hidden] -> qkv: [T, (Hq + 2 Hkv) D]
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, step: Step, x: Tensor) -> Tensor:
+        # x: [T', hidden] (T' = step.padded_rows) -> qkv: [T, (Hq + 2 Hkv) D] -> [T', hidden]
+        qkv = self.qkv_proj(x)[: step.rows]
+        if step.fused is None:
+            assert step.rope is not None
+            return self.o_proj(self._eager(step.rope, qkv, step.meta))
+        q = step.fused.rope_qkv(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            step.positions,
+            step.rope_tables[0],
+            step.rope_tables[1],
+            self.attn.kv_cache,
+            step.meta.slot_mapping,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            0.0 if self.q_norm is None else self.q_norm.eps,
+        )
+        o = self.attn.forward_cached(q, step.meta, step.padded_rows)  # [T', Hq, D]
+        return self.o_proj(o.view(step.padded_rows, self.q_size))
+
+    def _eager(self, rope: RopeCosSin, qkv: Tensor, meta: AttentionMetadata) -> Tensor:
+        t = qkv.shape[0]
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -90,7 +153,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attn(q, k, v, meta)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -101,10 +164,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, shards, cfg.mlp_bias, dtype)
         self.down_proj = Linear(inter, [("down_proj", cfg.hidden_size)], cfg.mlp_bias, dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, hidden] -> gate, up: [T, I] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, step: Step, x: Tensor) -> Tensor:
+        # x: [T', hidden] -> gate, up: [T, I] -> [T', hidden]
+        gate_up = self.gate_up_proj(x)[: step.rows]
+        if step.fused is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(step.fused.silu_mul(gate_up, step.padded_rows))
 
 
 class DecoderLayer(nn.Module):
@@ -115,9 +181,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rope: RopeCosSin, h: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, step: Step, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        # h: this layer's input less the residual stream (None: h is the whole input) -> the same
+        # pair after this layer; the caller adds the last layer's two.
+        x, residual = self.input_layernorm.add_norm(step, h, residual)
+        h = self.self_attn(step, x)[: step.rows]
+        x, residual = self.post_attention_layernorm.add_norm(step, h, residual)
+        return self.mlp(step, x)[: step.rows], residual
 
 
 class LlamaModel(nn.Module):
@@ -129,14 +199,26 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.fused: FusedOps | None = None
+        # How the linear layers multiply (set with the fused ops, after the weights are prepared).
+        self.linear_kind: LinearKind = "dense"
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
-        # cos/sin of each token's position, gathered once and shared by every layer.
-        rope = self.rotary_emb.cos_sin(positions)
+        t = h.shape[0]
+        # The fused path needs the native attention kernel's batch (it writes K/V for it).
+        fused = self.fused if meta.paged is not None else None
+        if fused is None:
+            # cos/sin of each token's position, gathered once and shared by every layer.
+            step = Step(positions, meta, t, t, None, self.rotary_emb.cos_sin(positions))
+        else:
+            tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
+            rows = padded_rows(self.linear_kind, t)
+            step = Step(positions, meta, t, rows, fused, rope_tables=tables)
+        residual: Tensor | None = None
         for layer in self.layers:
-            h = layer(rope, h, meta)
-        return self.norm(h)
+            h, residual = layer(step, h, residual)
+        return self.norm.add_norm(step, h, residual, pad=False)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,6 +243,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Runs the fused path on batches the native attention kernel serves (None: eager)."""
+        self.model.fused = ops
+        self.model.linear_kind = self.lm_head.kind
 
     def checkpoint_layout(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> where it lands, for every tensor the checkpoint must hold."""

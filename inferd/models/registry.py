@@ -8,6 +8,7 @@ from torch import Tensor
 
 from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
+from inferd.models.kernels.fused import FusedOps
 from inferd.models.llama import LlamaForCausalLM
 
 
@@ -23,6 +24,10 @@ class CausalLM(Protocol):
         ...
 
     def attention_layers(self) -> list[PagedAttention]: ...
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        """Fused elementwise kernels for batches the native attention kernel serves."""
+        ...
 
 
 # One implementation covers the family; the differences are ArchConfig flags.

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def kernel() -> PagedAttentionKernel:
     try:
-        return kernels.load(read_environment().cache_dir)
+        return kernels.load(read_environment().cache_dir).attention
     except kernels.KernelUnavailable as e:
         pytest.skip(f"kernel unavailable here: {e}")
 

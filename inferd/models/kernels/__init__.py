@@ -1,7 +1,9 @@
 """Native CPU kernels: build once, cache, load, or say why not (the caller then uses PyTorch).
 
-`paged_attention.cpp` is compiled into a plain shared library (no torch headers) with the machine's
-C++ compiler, `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
+`paged_attention.cpp` (attention over the paged KV cache) and `fused_ops.cpp` (a decoder layer's
+elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) are
+compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
+`-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
 
     build, plain .so (this file, 6 head dims)        2.4 s   (no torch headers to parse)
@@ -40,13 +42,16 @@ from torch import Tensor
 
 from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
+from inferd.models.kernels.fused import _DTYPE_CODES, FusedOps
 
 logger = logging.getLogger("inferd.executor")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp")
+# Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
+HEADERS = (_HERE / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _BUILD_TIMEOUT_S = 120
 
 
@@ -76,12 +81,19 @@ class PagedBatch:
         return int(self.q_start.shape[0])
 
 
-class PagedAttentionKernel:
-    """The loaded library. `__call__` writes the rows of `out` that `batch` covers."""
+@dataclass(frozen=True)
+class NativeKernels:
+    """The loaded library: its attention kernel and its fused elementwise ops."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        lib = ctypes.CDLL(str(path))
+    path: Path
+    attention: PagedAttentionKernel
+    ops: FusedOps
+
+
+class PagedAttentionKernel:
+    """`__call__` writes the rows of `out` that `batch` covers."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.inferd_paged_attention
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32]
@@ -126,8 +138,8 @@ def select(
     kv_dtype: torch.dtype,
     head_dim: int,
     env: Environment,
-) -> PagedAttentionKernel | None:
-    """The kernel the engine should use, or None for the PyTorch path; logs the choice once.
+) -> NativeKernels | None:
+    """The kernels the engine should use, or None for the PyTorch path; logs the choice once.
 
     backend is CacheConfig.attention_backend: "torch" never loads it, "cpu_kernel" raises
     KernelUnavailable when it cannot run, "auto" falls back quietly (one log line).
@@ -142,7 +154,7 @@ def select(
         except KernelUnavailable as e:
             why = str(e)
     if kernel is not None:
-        logger.info("attention: native CPU paged-attention kernel (%s)", kernel.path.name)
+        logger.info("attention and fused ops: native CPU kernels (%s)", kernel.path.name)
         return kernel
     if backend == "cpu_kernel":
         raise KernelUnavailable(f"attention_backend=cpu_kernel, but: {why}")
@@ -187,11 +199,13 @@ def compiler() -> str | None:
 
 def library_path(cache_dir: Path, cxx: str) -> Path:
     """Where the build for this source, compiler, flags and CPU lives."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        h.update(source.read_bytes())
     h.update(_compiler_version(cxx).encode())
     h.update(" ".join(FLAGS).encode())
     h.update(_cpu_flags().encode())
-    return cache_dir / "kernels" / f"paged_attention-{h.hexdigest()[:16]}.so"
+    return cache_dir / "kernels" / f"inferd_kernels-{h.hexdigest()[:16]}.so"
 
 
 def build(cache_dir: Path) -> Path:
@@ -206,7 +220,7 @@ def build(cache_dir: Path) -> Path:
     # Compile to a temporary name and rename: concurrent builders never see a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp]
+    cmd = [cxx, *FLAGS, *(str(s) for s in SOURCES), "-o", tmp]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -219,11 +233,12 @@ def build(cache_dir: Path) -> Path:
     return path
 
 
-def load(cache_dir: Path) -> PagedAttentionKernel:
+def load(cache_dir: Path) -> NativeKernels:
     """Build if needed and load. Raises KernelUnavailable."""
     path = build(cache_dir)
     try:
-        return PagedAttentionKernel(path)
+        lib = ctypes.CDLL(str(path))
+        return NativeKernels(path, PagedAttentionKernel(lib), FusedOps(lib))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
 

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -32,10 +34,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-#ifndef __AVX512F__
-#error "paged_attention.cpp needs AVX-512F (the loader falls back to the PyTorch path)"
-#endif
 
 namespace {
 
@@ -48,53 +46,6 @@ constexpr int kMaxItemWidth = 512;
 // Query-key pairs (times query heads) under which one thread does the whole call.
 constexpr int64_t kMinParallelWork = 16384;
 constexpr float kNegInf = -INFINITY;
-
-enum DType : int { kF32 = 0, kBF16 = 1 };
-
-// ---- conversions -------------------------------------------------------------------------------
-inline __m512 load16(const void* p, int dtype) {
-  if (dtype == kF32) return _mm512_loadu_ps(p);
-  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline void store_row(void* dst, const float* src, int d, int dtype) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, sizeof(float) * d);
-    return;
-  }
-  auto* o = static_cast<uint16_t*>(dst);
-  for (int i = 0; i < d; ++i) o[i] = f32_to_bf16(src[i]);
-}
-
-// exp for x <= 0 (scores minus the running max); exactly 0 below -87.
-inline __m512 exp512(__m512 x) {
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
-  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-  r = _mm512_fnmadd_ps(n, ln2_lo, r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
 
 // [sum(a[0]), sum(a[1]), ..., sum(a[15])]: pairwise unpack/shuffle adds, 45 ops for 16 sums.
 inline __m512 hsum16(const __m512* a) {

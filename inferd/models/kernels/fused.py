@@ -1,0 +1,157 @@
+"""The fused elementwise kernels of `fused_ops.cpp`, as tensor-in, tensor-out calls.
+
+Each call replaces several eager PyTorch ops of a decoder layer with one pass over the rows (the
+C++ file lists them). Inputs are checked here (shape, dtype, contiguity): the C side trusts them.
+
+Row-bucketed outputs: `rms_norm` and `silu_mul` can allocate their output with `out_rows >= rows`
+rows, the extra rows zeroed. The next op is a linear layer whose oneDNN kernel runs only a fixed
+set of row counts (models/linear.py ROW_BUCKETS); handing it a tensor already of that size saves
+the pad (an allocation, a fill and a copy) it would otherwise make. Callers slice `[:rows]` of the
+linear's result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_NULL = None
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES[dtype]
+
+
+class FusedOps:
+    """Bound to a loaded kernel library (kernels.load)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i32, i64, ptr, f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._norm = lib.inferd_rms_norm
+        self._norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, f32]
+        self._silu = lib.inferd_silu_mul
+        self._silu.argtypes = [ptr, ptr, i32, i64, i64]
+        self._rope = lib.inferd_rope_qkv
+        self._rope.argtypes = [ptr, i64, i32, i64, i32, i32, i32, ptr, ptr, ptr, i64]
+        self._rope.argtypes += [ptr, ptr, f32, ptr, ptr, i32, i64, ptr]
+        for fn in (self._norm, self._silu, self._rope):
+            fn.restype = ctypes.c_int
+
+    def rms_norm(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        residual: Tensor | None = None,
+        out_rows: int | None = None,
+    ) -> Tensor:
+        """rms_norm(x [+ residual]) * weight -> [out_rows or T, dim]; with `residual` ([T, dim]
+        contiguous), residual <- x + residual first, in place. x may be a row-strided view."""
+        rows, dim = x.shape
+        _check_rows(x, weight.dtype)
+        if residual is not None:
+            assert residual.shape == x.shape and residual.is_contiguous()
+            assert residual.dtype == x.dtype
+        out = _alloc(rows, out_rows, dim, x.dtype)
+        rc = self._norm(
+            out.data_ptr(),
+            dim,
+            x.data_ptr(),
+            x.stride(0),
+            _NULL if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            _DTYPE_CODES[x.dtype],
+            rows,
+            dim,
+            eps,
+        )
+        _ok(rc, "rms_norm")
+        return out
+
+    def silu_mul(self, gate_up: Tensor, out_rows: int | None = None) -> Tensor:
+        """[T, 2I] (gate, up) -> silu(gate) * up, [out_rows or T, I]."""
+        rows, width = gate_up.shape
+        assert gate_up.is_contiguous() and width % 2 == 0
+        out = _alloc(rows, out_rows, width // 2, gate_up.dtype)
+        rc = self._silu(
+            out.data_ptr(), gate_up.data_ptr(), _DTYPE_CODES[gate_up.dtype], rows, width // 2
+        )
+        _ok(rc, "silu_mul")
+        return out
+
+    def rope_qkv(
+        self,
+        qkv: Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        positions: Tensor,
+        cos_cache: Tensor,
+        sin_cache: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        q_norm: Tensor | None = None,
+        k_norm: Tensor | None = None,
+        eps: float = 0.0,
+    ) -> Tensor:
+        """The fused qkv projection's output [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]
+        (contiguous); rotated k and v are written into `kv_cache` [2, slots, Hkv, D]-shaped
+        (any leading block dims) at `slot_mapping`. `q_norm` / `k_norm`: per-head RMSNorm weights
+        applied before RoPE (Qwen3)."""
+        t = qkv.shape[0]
+        d = cos_cache.shape[1] * 2
+        assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * d and qkv.stride(1) == 1
+        assert positions.dtype == slot_mapping.dtype == torch.int64
+        assert positions.shape == slot_mapping.shape == (t,)
+        assert positions.is_contiguous() and slot_mapping.is_contiguous()
+        assert cos_cache.is_contiguous() and sin_cache.is_contiguous()
+        assert cos_cache.dtype == sin_cache.dtype == qkv.dtype and kv_cache.is_contiguous()
+        for w in (q_norm, k_norm):
+            assert w is None or (w.shape == (d,) and w.dtype == qkv.dtype and w.is_contiguous())
+        plane_slots = kv_cache[0].numel() // (num_kv_heads * d)
+        q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
+        rc = self._rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            _DTYPE_CODES[qkv.dtype],
+            t,
+            num_heads,
+            num_kv_heads,
+            d,
+            positions.data_ptr(),
+            cos_cache.data_ptr(),
+            sin_cache.data_ptr(),
+            cos_cache.shape[0],
+            _NULL if q_norm is None else q_norm.data_ptr(),
+            _NULL if k_norm is None else k_norm.data_ptr(),
+            eps,
+            q.data_ptr(),
+            kv_cache.data_ptr(),
+            _DTYPE_CODES[kv_cache.dtype],
+            plane_slots,
+            slot_mapping.data_ptr(),
+        )
+        _ok(rc, "rope_qkv")
+        return q
+
+
+def _check_rows(x: Tensor, dtype: torch.dtype) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == dtype and x.device.type == "cpu"
+
+
+def _alloc(rows: int, out_rows: int | None, dim: int, dtype: torch.dtype) -> Tensor:
+    if out_rows is None or out_rows == rows:
+        return torch.empty(rows, dim, dtype=dtype)
+    assert out_rows > rows
+    out = torch.empty(out_rows, dim, dtype=dtype)
+    out[rows:].zero_()  # rows the linear layer computes and the caller drops: zeros, not garbage
+    return out
+
+
+def _ok(rc: int, name: str) -> None:
+    if rc == -2:
+        raise IndexError(f"{name}: a position or KV slot is out of range")
+    if rc != 0:
+        raise RuntimeError(f"{name} kernel rejected its arguments (rc={rc})")

@@ -1,0 +1,195 @@
+// Fused elementwise kernels of a decoder layer: what eager PyTorch runs as 4-10 separate ops, each
+// reading and writing the whole activation, done in one pass per row.
+//
+//   inferd_rms_norm   out = rms_norm(x [+ residual]) * w; with a residual, residual <- x + residual
+//                     first (vLLM's fused_add_rms_norm: the residual add of the previous block and
+//                     this block's norm in one pass)
+//   inferd_silu_mul   out = silu(gate) * up over [T, 2I] -> [T, I]
+//   inferd_rope_qkv   q, k of the fused qkv projection: optional per-head RMSNorm (Qwen3), RoPE
+//                     (rotate-half), q written contiguous for the attention kernel, k and v written
+//                     into the paged KV cache at their slots (the attention kernel then reads them
+//                     in place); replaces the norms, 4 muls, 2 adds, 2 cats, the q copy and two
+//                     index_copy_ calls per layer
+//
+// Built into the same library as paged_attention.cpp (see its header for how it is loaded and why
+// OpenMP here shares torch's thread pool). Layouts are row-major; `*_stride` counts elements.
+// Arithmetic is float32; bfloat16 values are rounded where the eager model rounds (simd.h).
+// Rows run in parallel once a call has kMinParallelElems elements: below that, waking the pool
+// costs more than the work.
+#include <omp.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kMinParallelElems = 1 << 15;
+constexpr int kMaxHeadDim = 256;
+
+inline int64_t esize(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+inline const char* at(const void* base, int64_t elems, int dtype) {
+  return static_cast<const char*>(base) + elems * esize(dtype);
+}
+inline char* at(void* base, int64_t elems, int dtype) {
+  return static_cast<char*>(base) + elems * esize(dtype);
+}
+
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// One row: r = x (+ residual, rounded and stored back), out = round(round(r * inv_rms) * w).
+void norm_row(void* out, const void* x, void* residual, const void* w, int dtype, int64_t dim,
+              float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __mmask16 m = tail_mask(dim - i);
+    __m512 v = load16m(at(x, i, dtype), dtype, m);
+    if (residual != nullptr) {
+      v = as_dtype(_mm512_add_ps(v, load16m(at(residual, i, dtype), dtype, m)), dtype);
+      store16m(at(residual, i, dtype), v, dtype, m);
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.0f / std::sqrt(reduce(ss) / static_cast<float>(dim) + eps);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const void* src = residual != nullptr ? residual : x;
+  for (int64_t i = 0; i < dim; i += 16) {
+    const __mmask16 m = tail_mask(dim - i);
+    __m512 n = as_dtype(_mm512_mul_ps(load16m(at(src, i, dtype), dtype, m), vinv), dtype);
+    store16m(at(out, i, dtype), _mm512_mul_ps(n, load16m(at(w, i, dtype), dtype, m)), dtype, m);
+  }
+}
+
+// silu(g) = g * sigmoid(g), with exp only of non-positive arguments (exp512's domain).
+inline __m512 silu(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
+  __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+  __m512 num = _mm512_mask_blend_ps(pos, e, one);  // sigmoid = 1/(1+e) or e/(1+e)
+  return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+}
+
+struct Rope {
+  const void* cos;
+  const void* sin;
+  int dtype;  // of cos, sin (the model dtype)
+  int64_t half;
+};
+
+// One head vector of d values: optional RMSNorm with weight nw, then rotate-half RoPE by the
+// position's cos/sin row, stored to dst in dst_dtype. `buf` holds d floats.
+void rope_head(void* dst, int dst_dtype, const void* src, int dtype, int d, const void* nw,
+               float eps, const Rope& r, int64_t pos, float* buf) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += 16) {
+    const __mmask16 m = tail_mask(d - i);
+    __m512 v = load16m(at(src, i, dtype), dtype, m);
+    _mm512_mask_storeu_ps(buf + i, m, v);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  if (nw != nullptr) {
+    const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(reduce(ss) / static_cast<float>(d) + eps));
+    for (int i = 0; i < d; i += 16) {
+      const __mmask16 m = tail_mask(d - i);
+      __m512 n = as_dtype(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), vinv), dtype);
+      n = as_dtype(_mm512_mul_ps(n, load16m(at(nw, i, dtype), dtype, m)), dtype);
+      _mm512_mask_storeu_ps(buf + i, m, n);
+    }
+  }
+  const int64_t h = r.half;
+  const void* cos = at(r.cos, pos * h, r.dtype);
+  const void* sin = at(r.sin, pos * h, r.dtype);
+  for (int64_t i = 0; i < h; i += 16) {
+    const __mmask16 m = tail_mask(h - i);
+    __m512 a = _mm512_maskz_loadu_ps(m, buf + i), b = _mm512_maskz_loadu_ps(m, buf + h + i);
+    __m512 c = load16m(at(cos, i, r.dtype), r.dtype, m);
+    __m512 s = load16m(at(sin, i, r.dtype), r.dtype, m);
+    store16m(at(dst, i, dst_dtype), _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)), dst_dtype, m);
+    store16m(at(dst, h + i, dst_dtype), _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)), dst_dtype, m);
+  }
+}
+
+void convert_row(void* dst, int dst_dtype, const void* src, int dtype, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store16m(at(dst, i, dst_dtype), load16m(at(src, i, dtype), dtype, m), dst_dtype, m);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [rows, out_stride], x [rows, x_stride], residual [rows, dim] contiguous or null, w [dim].
+// out may be x. Returns 0, or -1 for a bad dtype.
+int inferd_rms_norm(void* out, int64_t out_stride, const void* x, int64_t x_stride,
+                    void* residual, const void* w, int dtype, int64_t rows, int64_t dim,
+                    float eps) {
+  if (dtype != kF32 && dtype != kBF16) return -1;
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelElems)
+  for (int64_t t = 0; t < rows; ++t) {
+    void* res = residual != nullptr ? at(residual, t * dim, dtype) : nullptr;
+    norm_row(at(out, t * out_stride, dtype), at(x, t * x_stride, dtype), res, w, dtype, dim, eps);
+  }
+  return 0;
+}
+
+// gate_up [rows, 2 * inter] contiguous (gate then up) -> out [rows, inter] contiguous.
+int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows, int64_t inter) {
+  if (dtype != kF32 && dtype != kBF16) return -1;
+#pragma omp parallel for schedule(static) if (rows * inter >= kMinParallelElems)
+  for (int64_t t = 0; t < rows; ++t) {
+    const void* g = at(gate_up, t * 2 * inter, dtype);
+    const void* u = at(g, inter, dtype);
+    void* o = at(out, t * inter, dtype);
+    for (int64_t i = 0; i < inter; i += 16) {
+      const __mmask16 m = tail_mask(inter - i);
+      __m512 s = as_dtype(silu(load16m(at(g, i, dtype), dtype, m)), dtype);
+      store16m(at(o, i, dtype), _mm512_mul_ps(s, load16m(at(u, i, dtype), dtype, m)), dtype, m);
+    }
+  }
+  return 0;
+}
+
+// qkv [T, qkv_stride]: per row Hq query heads, then Hkv key heads, then Hkv value heads, d each.
+// positions [T] index cos, sin [max_pos, d / 2]; q_norm, k_norm [d] or null; q_out [T, Hq, d]
+// contiguous (model dtype); kv_cache [2, plane_slots, Hkv, d] (K plane then V plane) in kv_dtype;
+// slots [T] its rows. Returns 0; -1 bad shape or dtype; -2 a position or slot out of range
+// (nothing is guaranteed written then).
+int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, int hq, int hkv,
+                    int d, const int64_t* positions, const void* cos, const void* sin,
+                    int64_t max_pos, const void* q_norm, const void* k_norm, float eps,
+                    void* q_out, void* kv_cache, int kv_dtype, int64_t plane_slots,
+                    const int64_t* slots) {
+  if ((dtype != kF32 && dtype != kBF16) || (kv_dtype != kF32 && kv_dtype != kBF16) || d % 2 ||
+      d > kMaxHeadDim || hq <= 0 || hkv <= 0)
+    return -1;
+  const Rope rope{cos, sin, dtype, d / 2};
+  const int64_t kv_row = static_cast<int64_t>(hkv) * d;
+  void* v_plane = at(kv_cache, plane_slots * kv_row, kv_dtype);
+  std::atomic<bool> bad{false};
+#pragma omp parallel for schedule(static) if (T * (hq + 2 * hkv) * d >= kMinParallelElems)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pos = positions[t], slot = slots[t];
+    if (pos < 0 || pos >= max_pos || slot < 0 || slot >= plane_slots) {
+      bad.store(true, std::memory_order_relaxed);
+      continue;
+    }
+    alignas(64) float buf[kMaxHeadDim];
+    const void* row = at(qkv, t * qkv_stride, dtype);
+    for (int h = 0; h < hq; ++h)
+      rope_head(at(q_out, (t * hq + h) * d, dtype), dtype, at(row, h * d, dtype), dtype, d,
+                q_norm, eps, rope, pos, buf);
+    for (int h = 0; h < hkv; ++h)
+      rope_head(at(kv_cache, slot * kv_row + h * d, kv_dtype), kv_dtype,
+                at(row, (hq + h) * d, dtype), dtype, d, k_norm, eps, rope, pos, buf);
+    convert_row(at(v_plane, slot * kv_row, kv_dtype), kv_dtype, at(row, (hq + hkv) * d, dtype),
+                dtype, kv_row);
+  }
+  return bad.load() ? -2 : 0;
+}
+
+}  // extern "C"

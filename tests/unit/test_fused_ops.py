@@ -1,0 +1,142 @@
+"""The native fused elementwise kernels against the eager PyTorch ops they replace.
+
+float32 must agree to float32 rounding (the kernels change only the order of a row's sum);
+bfloat16 to one bfloat16 rounding step (they round once where eager rounds after every op).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from inferd.config import read_environment
+from inferd.models import kernels
+from inferd.models.kernels.fused import FusedOps
+from inferd.models.rope import apply_rotary
+
+pytestmark = pytest.mark.unit
+
+# (rtol, atol) per dtype: float32 differs only by summation order; bfloat16 by a rounding step
+# (2^-8 relative) of the values and of the intermediate the eager path rounded.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops() -> FusedOps:
+    try:
+        return kernels.load(read_environment().cache_dir).ops
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"native kernels unavailable here: {e}")
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _eager_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    # The model's RMSNorm: float32 in one op; bfloat16 normalised in float32, scaled after the cast.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _close(got: Tensor, want: Tensor) -> None:
+    rtol, atol = TOL[want.dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 512), (7, 896), (33, 100), (300, 64)])
+def test_rms_norm(ops: FusedOps, dtype: torch.dtype, rows: int, dim: int) -> None:
+    x, w = _rand(rows, dim, dtype=dtype), _rand(dim, dtype=dtype, seed=1)
+    _close(ops.rms_norm(x, w, 1e-6), _eager_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual(ops: FusedOps, dtype: torch.dtype) -> None:
+    x, res = _rand(9, 512, dtype=dtype), _rand(9, 512, dtype=dtype, seed=2)
+    w = _rand(512, dtype=dtype, seed=1)
+    want_res = x + res
+    out = ops.rms_norm(x, w, 1e-5, residual=res)
+    assert torch.equal(res, want_res), "residual <- x + residual, rounded as eager rounds"
+    _close(out, _eager_norm(want_res, w, 1e-5))
+
+
+def test_rms_norm_reads_row_strided_views_and_pads_rows(ops: FusedOps) -> None:
+    base = _rand(5, 1024, dtype=torch.float32)
+    x = base[:, :512]  # stride 1024: a column slice, as of a fused projection's output
+    w = _rand(512, dtype=torch.float32, seed=1)
+    out = ops.rms_norm(x, w, 1e-6, out_rows=8)
+    assert out.shape == (8, 512)
+    _close(out[:5], _eager_norm(x.contiguous(), w, 1e-6))
+    assert not out[5:].any(), "padded rows are zero"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 1408), (17, 4864), (64, 40)])
+def test_silu_mul(ops: FusedOps, dtype: torch.dtype, rows: int, inter: int) -> None:
+    gate_up = _rand(rows, 2 * inter, dtype=dtype) * 4  # reach SiLU's tails too
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(ops.silu_mul(gate_up), F.silu(gate) * up)
+    padded = ops.silu_mul(gate_up, out_rows=rows + 3)
+    assert padded.shape == (rows + 3, inter) and not padded[rows:].any()
+
+
+def _rope_tables(positions: int, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(positions).float(), inv)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,qk_norm", [(8, 4, 64, False), (14, 2, 64, False), (4, 2, 16, True)]
+)
+def test_rope_qkv_writes_rotated_q_and_the_kv_cache(
+    ops: FusedOps,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    hq: int,
+    hkv: int,
+    d: int,
+    qk_norm: bool,
+) -> None:
+    t, num_slots = 37, 64
+    qkv = _rand(t, (hq + 2 * hkv) * d, dtype=dtype)
+    positions = torch.randint(0, 100, (t,), generator=torch.Generator().manual_seed(3))
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(4))[:t]
+    cos, sin = _rope_tables(128, d, dtype)
+    qn = _rand(d, dtype=dtype, seed=5) if qk_norm else None
+    kn = _rand(d, dtype=dtype, seed=6) if qk_norm else None
+    # Two blocks' worth of leading dims, as the runner's [2, NB, bs, Hkv, D] pool has.
+    cache = torch.zeros(2, num_slots // 16, 16, hkv, d, dtype=kv_dtype)
+
+    q = ops.rope_qkv(qkv, hq, hkv, positions, cos, sin, cache, slots, qn, kn, 1e-6)
+
+    wq, wk, wv = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
+    wq, wk, wv = wq.reshape(t, hq, d), wk.reshape(t, hkv, d), wv.reshape(t, hkv, d)
+    if qn is not None and kn is not None:
+        wq, wk = _eager_norm(wq, qn, 1e-6), _eager_norm(wk, kn, 1e-6)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    _close(q, apply_rotary(wq, c, s))
+    flat = cache.view(2, num_slots, hkv, d)
+    _close(flat[0, slots].to(dtype), apply_rotary(wk, c, s).to(kv_dtype).to(dtype))
+    _close(flat[1, slots], wv.to(kv_dtype))
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any(), "only the given slots are written"
+
+
+def test_rope_qkv_refuses_out_of_range_positions_and_slots(ops: FusedOps) -> None:
+    qkv = _rand(2, 4 * 16, dtype=torch.float32)
+    cos, sin = _rope_tables(8, 16, torch.float32)
+    cache = torch.zeros(2, 1, 4, 1, 16)
+    ok = torch.tensor([0, 1])
+    with pytest.raises(IndexError):
+        ops.rope_qkv(qkv, 2, 1, torch.tensor([0, 8]), cos, sin, cache, ok)
+    with pytest.raises(IndexError):
+        ops.rope_qkv(qkv, 2, 1, ok, cos, sin, cache, torch.tensor([0, 4]))
