@@ -149,8 +149,10 @@ def print_table(workload: str, data: dict[str, Any]) -> None:
 
 
 def print_kill(k: dict[str, Any]) -> None:
+    at = k.get("killed_at_s")
+    when = "never" if at is None else f"{at:.2f} s"
     print(
-        f"  killed {k['replica']} at {k['after_s']:.0f} s: failed not yet streaming "
+        f"  killed {k['replica']} at {when}: failed not yet streaming "
         f"{k['failed_not_yet_streaming']}, already streaming {k['failed_already_streaming']}"
     )
     for err in k["errors_not_yet_streaming"] + k["errors_already_streaming"]:
@@ -158,7 +160,11 @@ def print_kill(k: dict[str, Any]) -> None:
     print("  window   reqs    hit  ideal  hit/ideal")
     for w in k["windows"]:
         ratio = w["hit_rate"] / w["ideal"] if w["ideal"] else math.nan
-        mark = "  <- kill" if w["start_s"] <= k["after_s"] < w["start_s"] + k["window_s"] else ""
+        mark = (
+            "  <- kill"
+            if at is not None and w["start_s"] <= at < w["start_s"] + k["window_s"]
+            else ""
+        )
         print(
             f"  {w['start_s']:>5.0f}s {w['requests']:>6} {w['hit_rate']:>6.3f} {w['ideal']:>6.3f}"
             f" {ratio:>10.3f}{mark}"

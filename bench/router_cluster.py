@@ -56,6 +56,11 @@ def prefix_counters(url: str) -> tuple[float, float]:
     )
 
 
+def in_flight(router: str, replica: str) -> float:
+    """The requests `router` has in flight on `replica` right now."""
+    return scrape(router).get(("inferd_router_in_flight", (("replica", replica),)), 0.0)
+
+
 def replica_num_blocks(url: str) -> int | None:
     for (name, labels), _ in scrape(url).items():
         if name == "inferd_cache_config_info":

@@ -62,7 +62,8 @@ def plot_windows(ax: Any, name: str, data: dict[str, Any]) -> None:
         ax.step(starts, [w["hit_rate"] for w in k["windows"]], where="post", label=label)
         ideal = [w["ideal"] if not math.isnan(w["ideal"]) else None for w in k["windows"]]
         ax.step(starts, ideal, where="post", linestyle=":", label="ideal")
-        ax.axvline(k["after_s"], color="red", linewidth=0.8)
+        if k.get("killed_at_s") is not None:
+            ax.axvline(k["killed_at_s"], color="red", linewidth=0.8)
     ax.set_title(f"{name}: hit rate per window (kill in red)", fontsize=9)
     ax.set_xlabel("s since start", fontsize=8)
     ax.legend(fontsize=7)

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from common import BenchRequest
 from router_cluster import (
     CounterSampler,
     Replica,
+    in_flight,
     kill_replica,
     launched_router,
     prefix_counters,
@@ -124,10 +125,13 @@ def run_cell(
             )
             for i in range(setup.routers)
         ]
-        timer = _arm(kill, sampler)
+        sampler.start(time.perf_counter())  # the load's clock starts right after
+        switch = KillSwitch(kill, routers[0], time.perf_counter()) if kill else None
+        if switch is not None:
+            switch.arm()
         results, wall = asyncio.run(split_load(routers, bodies, args))
-        if timer is not None:
-            timer.cancel()
+        if switch is not None:
+            switch.disarm()
         sampler.stop()
         routed = router_stats(routers) if setup.command is None else {}
     # The last sample: live replicas scraped at the end, a killed one's values frozen.
@@ -135,18 +139,48 @@ def run_cell(
     summary |= {f"router_{k}": v for k, v in routed.items()}
     if kill is not None:
         summary["kill"] = kill_report(kill, results, prompts.ids, sampler, wall)
+        summary["kill"]["killed_at_s"] = switch.fired_s if switch else None
+        summary["kill"]["killed"] = summary["kill"]["killed_at_s"] is not None
     return summary
 
 
-def _arm(kill: Kill | None, sampler: CounterSampler) -> threading.Timer | None:
-    """Starts the counter sampler now (the load's clock starts right after) and, for a kill
-    cell, the timer that kills the replica."""
-    sampler.start(time.perf_counter())
-    if kill is None:
-        return None
-    timer = threading.Timer(kill.after_s, kill_replica, args=(kill.replica,))
-    timer.start()
-    return timer
+# How long a kill may wait past `after_s` for a request in flight on the victim.
+STREAM_WAIT_S = 30.0
+
+
+@dataclass
+class KillSwitch:
+    """Kills `kill.replica` `after_s` into the cell, at the first moment from then on when the
+    router has a request in flight there (within STREAM_WAIT_S; then regardless), so that the
+    kill catches a stream open on it. `fired_s`: when it fired, in seconds since `start`."""
+
+    kill: Kill
+    router: str
+    start: float
+    fired_s: float | None = None
+    _done: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def disarm(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        if self._done.wait(self.kill.after_s):
+            return
+        deadline = time.monotonic() + STREAM_WAIT_S
+        while time.monotonic() < deadline and not self._done.is_set():
+            if in_flight(self.router, self.kill.replica.url) > 0:
+                break
+            time.sleep(0.02)
+        if not self._done.is_set():
+            kill_replica(self.kill.replica)
+            self.fired_s = time.perf_counter() - self.start
 
 
 def cell_summary(
@@ -227,7 +261,6 @@ def kill_report(
     return {
         "replica": kill.replica.url,
         "after_s": kill.after_s,
-        "killed": kill.after_s < wall,
         "window_s": kill.window_s,
         "failed_not_yet_streaming": len(not_streaming),
         "failed_already_streaming": len(streaming),
