@@ -16,7 +16,10 @@ Two deployments:
 - `CacheAwareRequestRouter` is a Ray Serve `RequestRouter` (alpha API, ray >= 2.50) whose
   decision is `inferd.router.cluster.Cluster.route`: the same prefix index, token-load
   accounting and policy (`cache_aware` by default). Each ingress replica holds its own router
-  state, as several `inferd router` instances do.
+  state, as several `inferd router` instances do. Its decision (time, replica, the cached tokens
+  the index expected) reaches the ingress through inferd.router.route_notes, which adds the
+  `route` stage to the answer's `timings` and `x-inferd-route-cached-tokens`, as `inferd router`
+  does.
 
 Serve's default `max_ongoing_requests` (5) would starve continuous batching; replicas take the
 engine's `max_num_seqs + max_queued_requests` unless told otherwise.
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -245,7 +249,8 @@ class CacheAwareRequestRouter(RequestRouter):
         # RouterConfig insists on a replica; Serve's replica set replaces it below.
         self._cluster = Cluster(RouterConfig(replicas=("ray://pending",), **kwargs))
         self._cluster.set_members(())
-        self._pending: OrderedDict[str, Routed] = OrderedDict()
+        # With each decision its time (the `route` stage's share spent here).
+        self._pending: OrderedDict[str, tuple[Routed, float]] = OrderedDict()
         self._open: dict[str, deque[Ticket]] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -264,6 +269,7 @@ class CacheAwareRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
         by_name = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         for name, replica in by_name.items():
             self._cluster.report(name, _report(replica.routing_stats or {}))
@@ -271,7 +277,8 @@ class CacheAwareRequestRouter(RequestRouter):
         skip = [n for n in self._cluster.names() if n not in by_name]
         routed = self._cluster.route(_token_ids(pending_request), exclude=skip)
         if pending_request is not None:
-            self._pending[pending_request.metadata.internal_request_id] = routed
+            decided = (routed, time.perf_counter() - t0)
+            self._pending[pending_request.metadata.internal_request_id] = decided
             while len(self._pending) > self._MAX_PENDING:
                 self._pending.popitem(last=False)
         return [[by_name[name]] for name in routed.decision.ranking]
@@ -285,15 +292,23 @@ class CacheAwareRequestRouter(RequestRouter):
         Overrides a private method: Serve (2.60) calls the public `on_request_routed` only with
         strict max_ongoing_requests on, and this is the one place that sees every (request,
         replica) pair."""
+        # Imported here, as in Ingress.forward: the process's own notes, whichever copy of
+        # this class Serve shipped.
+        from inferd.router.route_notes import NOTES, RouteNote
+
         replica: RunningReplica = await super()._choose_replica_for_request(
             pending_request, is_retry=is_retry
         )
         name = replica.replica_id.to_full_id_str()
-        routed = self._pending.pop(pending_request.metadata.internal_request_id, None)
+        request_id = pending_request.metadata.internal_request_id
+        routed, decision_s = self._pending.pop(request_id, (None, 0.0))
         if name in self._cluster.replicas:
             if routed is None:  # routed while another request's decision was pending
                 routed = self._cluster.route(_token_ids(pending_request))
-            self._open.setdefault(name, deque()).append(self._cluster.dispatch(name, routed))
+            ticket = self._cluster.dispatch(name, routed)
+            self._open.setdefault(name, deque()).append(ticket)
+            cached = routed.prompt_tokens - ticket.prefill_tokens
+            NOTES.put(request_id, RouteNote(decision_s, name, cached))
         return replica
 
     def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
@@ -334,22 +349,39 @@ class Ingress:
 
     @_api.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
     async def forward(self, request: Request) -> Response:
+        # Imported here: Serve ships these classes by value, module-level names with them (a
+        # copy each); the notes must be the process's own, shared with the request router.
+        from inferd.router.route_notes import NOTES, rewrites, with_route_timing
+
         body = await request.body()
         path = request.url.path
+        t0 = time.perf_counter()
+        token_ids = self.token_ids(path, body)
+        tokenize_s = time.perf_counter() - t0
         forwarded = ForwardedRequest(
             method=request.method,
             path=path,
             query_string=request.url.query.encode(),
             headers=tuple(request.headers.raw),
             body=body,
-            token_ids=self.token_ids(path, body),
+            token_ids=token_ids,
         )
         parts: Any = self._engine.remote(forwarded)
         start = await parts.__anext__()
         assert isinstance(start, ResponseStart)
-        response = StreamingResponse(_body(parts), status_code=start.status)
+        # The router's note for this request (the handle call carried this internal id).
+        note = NOTES.take(serve.context._get_serve_request_context()._internal_request_id)
         # Serve's proxy sets x-request-id itself (the same id: it passed it to the replica).
-        response.raw_headers = [h for h in start.headers if h[0] != b"x-request-id"]
+        headers = [h for h in start.headers if h[0] != b"x-request-id"]
+        stream = _body(parts)
+        if note is not None and token_ids:
+            content_type = dict(headers).get(b"content-type", b"").decode()
+            stream = with_route_timing(stream, content_type, tokenize_s + note.decision_s)
+            if rewrites(content_type):  # the length changes
+                headers = [h for h in headers if h[0] != b"content-length"]
+            headers.append((b"x-inferd-route-cached-tokens", str(note.cached_tokens).encode()))
+        response = StreamingResponse(stream, status_code=start.status)
+        response.raw_headers = headers
         return response
 
 

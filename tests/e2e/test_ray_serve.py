@@ -90,6 +90,9 @@ def test_a_stream_arrives_chunk_by_chunk(app: App) -> None:
         chunks = list(stream)
     assert len(chunks) >= 3  # role, tokens (several at once only if detokenizing holds some)
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The last event carries the timings, with the router's stage first.
+    timings = (chunks[-1].model_extra or {})["timings"]
+    assert next(iter(timings)) == "route" and timings["route"] >= 0
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica(app: App) -> None:
@@ -100,6 +103,9 @@ def test_requests_sharing_a_prefix_land_on_one_replica(app: App) -> None:
     assert len(homes) == 1
     # The replica really held the prefix: its engine reports the cached tokens.
     assert first[-1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    # The route stage, as `inferd router` gives it: first in timings, and the index's estimate.
+    assert next(iter(first[-1].json()["timings"])) == "route"
+    assert int(first[-1].headers["x-inferd-route-cached-tokens"]) >= 32
     # A new prefix group goes to the replica holding less, not to the warm one.
     assert other.headers[REPLICA] not in homes
 
