@@ -1,0 +1,113 @@
+"""The fused elementwise kernels on and off, in one engine, alternating (offline, no server).
+
+    .venv/bin/python bench/fused_ops.py --shape llama-32m --rounds 3
+    .venv/bin/python bench/fused_ops.py --shape qwen2-0.5b-shape --rounds 1
+
+One `LLM` (random float32 weights, prefix caching off so every round computes every prompt) runs
+the same workload with `use_fused_ops(ops)` and `use_fused_ops(None)` in turn: the native
+attention kernel and oneDNN linear layers run in both, only the add + RMSNorm, q/k norm + RoPE +
+KV write and SiLU * up kernels differ. Alternating inside one process makes a slow spell on a
+shared machine hit both variants alike; the best round of each is reported, with the process's
+CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256, outputs
+16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream, 32-token
+prompt, 256 tokens), as bench/peers.py sends them to servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+from common import (
+    DEFAULT_CACHE_DIR,
+    SHAPES,
+    ModelShape,
+    WorkloadSpec,
+    command_line,
+    default_result_path,
+    ensure_model_folder,
+    machine_info,
+    make_workload,
+    write_result,
+)
+
+SHAPE_CHOICES: dict[str, ModelShape] = {
+    "llama-32m": dataclasses.replace(SHAPES["tiny"], name="llama-32m", vocab_size=8192),
+    "qwen2-0.5b-shape": SHAPES["qwen2-0.5b-shape"],
+}
+MIXED_REQUESTS = {"llama-32m": 96, "qwen2-0.5b-shape": 32}
+
+
+def workload(shape: ModelShape, kind: str, seed: int) -> WorkloadSpec:
+    if kind == "single":
+        return WorkloadSpec(1, shape.vocab_size, seed, 32, 32, 256, 256)
+    return WorkloadSpec(MIXED_REQUESTS[shape.name], shape.vocab_size, seed, 16, 256, 16, 128)
+
+
+def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    from inferd import LLM, SamplingParams
+    from inferd.config import read_environment
+    from inferd.engine.llm_engine import TokensPrompt
+    from inferd.models import kernels
+
+    shape = SHAPE_CHOICES[args.shape]
+    folder = ensure_model_folder(shape, DEFAULT_CACHE_DIR)
+    llm = LLM(
+        model=str(folder),
+        dtype=dtype,
+        load_format="dummy",
+        num_threads=args.threads,
+        seed=args.seed,
+        enable_prefix_caching=False,
+    )
+    runner = llm.llm_engine.runner
+    if runner.attn_kernel is None:
+        raise SystemExit("the native kernels are not loaded here: nothing to compare")
+    model, ops = runner.model, kernels.load(read_environment().cache_dir).ops
+    results: dict[str, Any] = {}
+    for kind in ("mixed", "single"):
+        reqs = make_workload(workload(shape, kind, args.seed))
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in reqs]
+        params = [
+            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs
+        ]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+        best: dict[str, tuple[float, float]] = {}
+        for _ in range(args.rounds):
+            for name, variant in (("fused", ops), ("eager", None)):
+                model.use_fused_ops(variant)
+                c0, t0 = time.process_time(), time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                tok_s, cpu_ms = n / wall, cpu / n * 1e3
+                old = best.get(name, (0.0, float("inf")))
+                best[name] = (max(old[0], tok_s), min(old[1], cpu_ms))
+        model.use_fused_ops(ops)
+        results[kind] = {name: {"tok_s": t, "cpu_ms_per_token": c} for name, (t, c) in best.items()}
+        f, e = best["fused"], best["eager"]
+        print(
+            f"{args.shape} {dtype} {kind:6s} fused {f[0]:8.1f} tok/s ({f[1]:.2f} CPU ms/tok)"
+            f"   eager {e[0]:8.1f} ({e[1]:.2f})   fused/eager {f[0] / e[0]:.2f}x"
+        )
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPE_CHOICES), default="llama-32m")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated model dtypes")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    out = {dtype: measure(args, dtype) for dtype in args.dtypes.split(",")}
+    path = default_result_path("fused_ops", args.shape)
+    write_result(path, {"command": command_line(), "machine": machine_info(), "results": out})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
