@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inferd.models.linear import ROW_BUCKETS, Linear, has_int8_gemm, prepare_linears
+from inferd.models.linear import (
+    ROW_BUCKETS,
+    Linear,
+    has_int8_gemm,
+    padded_rows,
+    prepare_linears,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -28,9 +34,10 @@ def _linear(bias: bool, dtype: torch.dtype = torch.float32) -> Linear:
 
 @onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [0, 1, 3, 17, 128, 129, 300])
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 128, 129, 300, 2048, 2049, 4200])
 def test_onednn_matches_f_linear_for_any_row_count(rows: int, bias: bool) -> None:
-    # Row counts off the buckets are padded, and more than one chunk's worth is split.
+    # Row counts off the buckets are padded (up to 128 to ROW_BUCKETS, above to multiples of
+    # 128), and more than one chunk's worth (2048 rows) is split.
     m = _linear(bias)
     weight = m.weight.detach().clone()
     b = None if m.bias is None else m.bias.detach().clone()
@@ -80,3 +87,20 @@ def test_dense_is_f_linear_and_keeps_the_weight() -> None:
 
 def test_row_buckets_are_increasing() -> None:
     assert list(ROW_BUCKETS) == sorted(set(ROW_BUCKETS)) and ROW_BUCKETS[0] == 1
+
+
+def test_padded_rows_bound_the_shapes_onednn_meets() -> None:
+    # The fused path allocates activations with this many rows; oneDNN then never pads them.
+    assert [padded_rows("onednn", r) for r in (1, 3, 100, 128, 129, 300, 2048)] == [
+        1,
+        4,
+        112,
+        128,
+        256,
+        384,
+        2048,
+    ]
+    assert padded_rows("onednn", 2049) == 2049  # more than a chunk: the linear splits it
+    assert padded_rows("dense", 3) == padded_rows("int8", 3) == 3
+    shapes = {padded_rows("onednn", r) for r in range(1, 2049)}
+    assert len(shapes) == len(ROW_BUCKETS) + 2048 // 128 - 1
