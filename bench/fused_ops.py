@@ -16,13 +16,11 @@ prompt, 256 tokens), as bench/peers.py sends them to servers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from typing import Any
 
 from common import (
     DEFAULT_CACHE_DIR,
-    SHAPES,
     ModelShape,
     WorkloadSpec,
     command_line,
@@ -32,12 +30,9 @@ from common import (
     make_workload,
     write_result,
 )
+from peers import MIXED_REQUESTS, SHAPES  # the shapes and request counts bench/peers.py serves
 
-SHAPE_CHOICES: dict[str, ModelShape] = {
-    "llama-32m": dataclasses.replace(SHAPES["tiny"], name="llama-32m", vocab_size=8192),
-    "qwen2-0.5b-shape": SHAPES["qwen2-0.5b-shape"],
-}
-MIXED_REQUESTS = {"llama-32m": 96, "qwen2-0.5b-shape": 32}
+SHAPE_CHOICES: dict[str, ModelShape] = {k: SHAPES[k] for k in ("llama-32m", "qwen2-0.5b-shape")}
 
 
 def workload(shape: ModelShape, kind: str, seed: int) -> WorkloadSpec:
