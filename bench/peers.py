@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import common
 import numpy as np
 import torch
 from common import (
     DEFAULT_CACHE_DIR,
     REPO_ROOT,
-    SHAPES,
     BenchRequest,
     ModelShape,
     WorkloadSpec,
@@ -65,8 +65,8 @@ from serve import (
 )
 
 # The model A: the tiny Llama with an 8k vocabulary (~32 M parameters).
-SHAPES = SHAPES | {
-    "llama-32m": dataclasses.replace(SHAPES["tiny"], name="llama-32m", vocab_size=8192),
+SHAPES = common.SHAPES | {
+    "llama-32m": dataclasses.replace(common.SHAPES["tiny"], name="llama-32m", vocab_size=8192),
 }
 MIXED_REQUESTS = {"llama-32m": 96, "tiny": 96, "qwen2-0.5b-shape": 32}
 READY_TIMEOUT_S = 600.0
