@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
+from inferd.models.kernels.fused import padded_empty
 
 
 @dataclass
@@ -94,10 +95,7 @@ class PagedAttention(nn.Module):
         step's there). q: [T, Hq, D] contiguous -> [out_rows, Hq, D], rows past T zero (they feed
         the padded rows of o_proj)."""
         assert self.kernel is not None and meta.paged is not None
-        t = q.shape[0]
-        out = q.new_empty((out_rows, self.num_heads, self.head_dim))
-        if out_rows > t:
-            out[t:].zero_()
+        out = padded_empty(q.shape[0], out_rows, (self.num_heads, self.head_dim), q.dtype)
         self.kernel(out, q, self.kv_cache, meta.paged, self.scale)
         return out
 

@@ -47,9 +47,6 @@ class WeightTarget:
     rows: int
 
 
-_NO_TENSOR = torch.empty(0)
-
-
 @dataclass
 class Step:
     """What every layer of one forward shares: the batch's positions and attention metadata, its
@@ -61,10 +58,10 @@ class Step:
     # Rows of the activations entering each linear layer (>= rows on the fused path).
     padded_rows: int
     fused: FusedOps | None
+    # The model's cos/sin tables (the fused kernel gathers its rows from them).
+    rotary: RotaryEmbedding
     # cos, sin of each position, gathered once for every layer (eager path only).
     rope: RopeCosSin | None = None
-    # The whole cos, sin tables [max_position, D/2] (fused path: the kernel gathers its rows).
-    rope_tables: tuple[Tensor, Tensor] = (_NO_TENSOR, _NO_TENSOR)
 
 
 class RMSNorm(nn.Module):
@@ -132,8 +129,8 @@ class Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             step.positions,
-            step.rope_tables[0],
-            step.rope_tables[1],
+            step.rotary.cos_cache,
+            step.rotary.sin_cache,
             self.attn.kv_cache,
             step.meta.slot_mapping,
             None if self.q_norm is None else self.q_norm.weight,
@@ -210,11 +207,11 @@ class LlamaModel(nn.Module):
         fused = self.fused if meta.paged is not None else None
         if fused is None:
             # cos/sin of each token's position, gathered once and shared by every layer.
-            step = Step(positions, meta, t, t, None, self.rotary_emb.cos_sin(positions))
+            rope = self.rotary_emb.cos_sin(positions)
+            step = Step(positions, meta, t, t, None, self.rotary_emb, rope)
         else:
-            tables = (self.rotary_emb.cos_cache, self.rotary_emb.sin_cache)
             rows = padded_rows(self.linear_kind, t)
-            step = Step(positions, meta, t, rows, fused, rope_tables=tables)
+            step = Step(positions, meta, t, rows, fused, self.rotary_emb)
         residual: Tensor | None = None
         for layer in self.layers:
             h, residual = layer(step, h, residual)

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
-from inferd.models.kernels.fused import _DTYPE_CODES, FusedOps
+from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
 
 logger = logging.getLogger("inferd.executor")
 
@@ -111,9 +111,9 @@ class PagedAttentionKernel:
         rc = self._fn(
             out.data_ptr(),
             q.data_ptr(),
-            _DTYPE_CODES[q.dtype],
+            DTYPE_CODES[q.dtype],
             kv_cache.data_ptr(),
-            _DTYPE_CODES[kv_cache.dtype],
+            DTYPE_CODES[kv_cache.dtype],
             num_blocks,
             block_size,
             q.shape[1],
@@ -186,7 +186,7 @@ def kernel_available(env: Environment | None = None) -> bool:
 
 def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str | None:
     """None if the kernel handles this shape, else why not."""
-    if dtype not in _DTYPE_CODES or kv_dtype not in _DTYPE_CODES:
+    if dtype not in DTYPE_CODES or kv_dtype not in DTYPE_CODES:
         return f"dtype {dtype} / KV cache dtype {kv_dtype} (float32 and bfloat16 only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (supported: {sorted(HEAD_DIMS)})"

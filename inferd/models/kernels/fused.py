@@ -17,12 +17,8 @@ import ctypes
 import torch
 from torch import Tensor
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_NULL = None
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES[dtype]
+# The element types every native kernel takes, as their C side numbers them (simd.h `DType`).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class FusedOps:
@@ -55,15 +51,15 @@ class FusedOps:
         if residual is not None:
             assert residual.shape == x.shape and residual.is_contiguous()
             assert residual.dtype == x.dtype
-        out = _alloc(rows, out_rows, dim, x.dtype)
+        out = padded_empty(rows, out_rows or rows, (dim,), x.dtype)
         rc = self._norm(
             out.data_ptr(),
             dim,
             x.data_ptr(),
             x.stride(0),
-            _NULL if residual is None else residual.data_ptr(),
+            None if residual is None else residual.data_ptr(),
             weight.data_ptr(),
-            _DTYPE_CODES[x.dtype],
+            DTYPE_CODES[x.dtype],
             rows,
             dim,
             eps,
@@ -75,9 +71,9 @@ class FusedOps:
         """[T, 2I] (gate, up) -> silu(gate) * up, [out_rows or T, I]."""
         rows, width = gate_up.shape
         assert gate_up.is_contiguous() and width % 2 == 0
-        out = _alloc(rows, out_rows, width // 2, gate_up.dtype)
+        out = padded_empty(rows, out_rows or rows, (width // 2,), gate_up.dtype)
         rc = self._silu(
-            out.data_ptr(), gate_up.data_ptr(), _DTYPE_CODES[gate_up.dtype], rows, width // 2
+            out.data_ptr(), gate_up.data_ptr(), DTYPE_CODES[gate_up.dtype], rows, width // 2
         )
         _ok(rc, "silu_mul")
         return out
@@ -115,7 +111,7 @@ class FusedOps:
         rc = self._rope(
             qkv.data_ptr(),
             qkv.stride(0),
-            _DTYPE_CODES[qkv.dtype],
+            DTYPE_CODES[qkv.dtype],
             t,
             num_heads,
             num_kv_heads,
@@ -124,12 +120,12 @@ class FusedOps:
             cos_cache.data_ptr(),
             sin_cache.data_ptr(),
             cos_cache.shape[0],
-            _NULL if q_norm is None else q_norm.data_ptr(),
-            _NULL if k_norm is None else k_norm.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
             eps,
             q.data_ptr(),
             kv_cache.data_ptr(),
-            _DTYPE_CODES[kv_cache.dtype],
+            DTYPE_CODES[kv_cache.dtype],
             plane_slots,
             slot_mapping.data_ptr(),
         )
@@ -141,12 +137,13 @@ def _check_rows(x: Tensor, dtype: torch.dtype) -> None:
     assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == dtype and x.device.type == "cpu"
 
 
-def _alloc(rows: int, out_rows: int | None, dim: int, dtype: torch.dtype) -> Tensor:
-    if out_rows is None or out_rows == rows:
-        return torch.empty(rows, dim, dtype=dtype)
-    assert out_rows > rows
-    out = torch.empty(out_rows, dim, dtype=dtype)
-    out[rows:].zero_()  # rows the linear layer computes and the caller drops: zeros, not garbage
+def padded_empty(rows: int, out_rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """[out_rows, *shape] for a kernel to fill rows [0, rows) of; rows past `rows` are zeroed (a
+    linear layer computes them and the caller drops them: zeros, not garbage)."""
+    assert out_rows >= rows
+    out = torch.empty(out_rows, *shape, dtype=dtype)
+    if out_rows > rows:
+        out[rows:].zero_()
     return out
 
 
