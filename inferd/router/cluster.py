@@ -25,7 +25,7 @@ from inferd.kv_cache.block_hash import block_hashes
 from inferd.router.config import RouterConfig
 from inferd.router.index import PrefixIndex
 from inferd.router.load import ReplicaLoad, ReplicaReport, Ticket
-from inferd.router.policy import Candidate, Decision, Policy, make_policy
+from inferd.router.policy import Candidate, Decision, Policy, make_policy, rendezvous
 
 
 class NoReplicaError(Exception):
@@ -59,6 +59,8 @@ class Cluster:
             rng or random.Random(config.seed),
             config.balance_abs_threshold,
             config.balance_rel_threshold,
+            config.cold_margin_tokens,
+            config.block_size,
         )
         self.replicas: dict[str, Replica] = {}
         self.set_members(config.replicas)
@@ -129,9 +131,10 @@ class Cluster:
             Candidate(
                 r.url,
                 self.load_tokens(r),
-                self.index.match(r.url, hashes) * cfg.block_size,
+                self._usable(r, hashes) * cfg.block_size,
                 self.index.owned(r.url),
                 self.index.home(r.url, hashes) * cfg.block_size,
+                rendezvous(hashes[0], r.url) if hashes else 0,
             )
             for r in ready
         ]
@@ -146,7 +149,13 @@ class Cluster:
         stamp = self.index.stamp
         claim = self._claim(replica, routed, stamp)
         uncached = max(routed.prompt_tokens - cached, 0)
-        ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim)
+        # Blocks the index does not hold there yet: this request brings them (load.py's births).
+        brings = (
+            ()
+            if self.index.is_exact(url)
+            else routed.hashes[self.index.match(url, routed.hashes) :]
+        )
+        ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim, brings)
         replica.routed += 1
         self.index.insert(url, routed.hashes)
         return ticket
@@ -178,4 +187,12 @@ class Cluster:
         return self.index.drop_through(ticket.replica, ticket.claim[held])
 
     def cached_tokens(self, url: str, routed: Routed) -> int:
-        return self.index.match(url, routed.hashes) * self.config.block_size
+        """Prompt tokens a request sent to `url` now would find cached there (`_usable`)."""
+        replica = self.replicas[url]
+        return self._usable(replica, routed.hashes) * self.config.block_size
+
+    def _usable(self, replica: Replica, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` the index says the replica holds, short of any still
+        being brought by a request queued behind another's prefill (load.py: the engine would
+        admit this one with it and compute them again)."""
+        return replica.load.usable(hashes[: self.index.match(replica.url, hashes)])

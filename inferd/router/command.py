@@ -60,6 +60,13 @@ def add_router_parser(sub: Any) -> None:
     )
     p.add_argument("--balance-abs-threshold", type=int, default=d["balance_abs_threshold"])
     p.add_argument("--balance-rel-threshold", type=float, default=d["balance_rel_threshold"])
+    p.add_argument(
+        "--cold-margin-tokens",
+        type=int,
+        default=d["cold_margin_tokens"],
+        help="a prompt no replica holds goes among the replicas within this many tokens of load "
+        "of the least loaded, by a rendezvous hash of its first block",
+    )
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"])
     p.add_argument("--max-retries", type=int, default=d["max_retries"])
     p.add_argument("--seed", type=int, default=None, help="power_of_two's RNG seed")
@@ -94,6 +101,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         decode_weight=args.decode_weight,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
+        cold_margin_tokens=args.cold_margin_tokens,
         health_interval_s=args.health_interval,
         max_retries=args.max_retries,
         seed=args.seed,

@@ -30,6 +30,10 @@ class RouterConfig:
     decode_weight: int = 32
     balance_abs_threshold: int = 4096
     balance_rel_threshold: float = 1.5
+    # A prompt no replica holds goes among those within this many tokens of the least loaded
+    # (router/policy.py): small, so it balances like least_load, but a few decoding sequences
+    # wide, so routers sharing no state see the same eligible replicas and agree.
+    cold_margin_tokens: int = 256
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     # Seconds a client is told to wait (Retry-After) when no replica is ready.

@@ -12,10 +12,19 @@ the work standing between a new request and its first token. Sequences in flight
 (`inferd_queued_prompt_tokens`, `inferd_num_requests_running` + `_waiting`) cover traffic other
 routers sent; the larger of the two views wins, so a stale scrape can only raise the estimate
 between scrapes, never hide the router's own fresh dispatches.
+
+Blocks still being brought (`births`): a prompt's blocks a request is the first to bring to a
+replica exist there only once that request's prefill step has run. The engine looks a request's
+prefix up when it admits it and registers blocks after the step that computed them
+(kv_cache/block_manager.py), so a request sent now finds such a block only if the request
+bringing it is already being computed; if that one still waits behind another request's prefill,
+both are admitted in the same step and the block is computed twice. `usable` counts a prompt's
+indexed blocks up to the first of those.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -44,6 +53,8 @@ class ReplicaLoad:
     # Requests still prefilling, by the prefix index's stamp when each was dispatched: a block
     # stamped later may not be computed yet (router/index.py's correction leaves it alone).
     prefilling: dict[int, int] = field(default_factory=dict)
+    # Block hash -> the stamp of the request still prefilling that brought it here first.
+    births: dict[int, int] = field(default_factory=dict)
 
     def tokens(self, decode_weight: int) -> int:
         r = self.report
@@ -55,6 +66,24 @@ class ReplicaLoad:
         """Blocks stamped no later than this were stamped by requests already past their
         prefill (`stamp`: the index's newest, the answer when nothing is prefilling)."""
         return min(self.prefilling, default=stamp)
+
+    def ahead(self, stamp: int) -> int:
+        """Requests still prefilling here that were dispatched before the one stamped `stamp`."""
+        return sum(n for s, n in self.prefilling.items() if s < stamp)
+
+    def usable(self, hashes: Sequence[int]) -> int:
+        """How many of these leading indexed blocks a request sent now would find: all, up to
+        the first one brought by a request still queued behind another's prefill."""
+        queued: dict[int, bool] = {}
+        for i, h in enumerate(hashes):
+            stamp = self.births.get(h)
+            if stamp is None:
+                continue
+            if stamp not in queued:
+                queued[stamp] = self.ahead(stamp) > 0
+            if queued[stamp]:
+                return i
+        return len(hashes)
 
 
 @dataclass(eq=False)
@@ -69,6 +98,8 @@ class Ticket:
     # the index then claimed the replica held, as far as they were settled (router/index.py).
     stamp: int = 0
     claim: tuple[int, ...] = ()
+    # The block hashes this request is the first to bring to the replica (`births`).
+    brings: tuple[int, ...] = ()
     started: bool = False
     done: bool = False
 
@@ -80,11 +111,14 @@ class Ticket:
         prefill_tokens: int,
         stamp: int = 0,
         claim: tuple[int, ...] = (),
+        brings: tuple[int, ...] = (),
     ) -> Ticket:
         load.prefill_tokens += prefill_tokens
         load.in_flight += 1
         load.prefilling[stamp] = load.prefilling.get(stamp, 0) + 1
-        return cls(replica, load, prefill_tokens, stamp, claim)
+        for h in brings:
+            load.births.setdefault(h, stamp)
+        return cls(replica, load, prefill_tokens, stamp, claim, brings)
 
     def first_byte(self) -> None:
         """The replica answered: its prefill for this request is done."""
@@ -93,6 +127,9 @@ class Ticket:
             self.load.prefill_tokens -= self.prefill_tokens
             if (left := self.load.prefilling.pop(self.stamp) - 1) > 0:
                 self.load.prefilling[self.stamp] = left
+            for h in self.brings:
+                if self.load.births.get(h) == self.stamp:
+                    del self.load.births[h]
 
     def finish(self) -> None:
         """Finished, failed or cancelled: the request holds nothing any more (idempotent)."""

@@ -14,18 +14,23 @@ a cold one's by more than the tokens its cache would save. On top, SGLang's guar
 cluster is imbalanced (`max - min > abs_threshold` and `max > rel_threshold * min`) only replicas
 within `abs_threshold` of the least loaded may be chosen, and among those the cost still prefers
 the one holding most of the prompt (sglang PR #32195: the fallback need not throw locality away).
-A prompt no replica holds any of (a new prefix group) goes, among the replicas within one prompt's
-tokens of the least loaded, to the one whose index holds the fewest blocks (SGLang's "smallest
-tree", bounded by load; llm-d-router#346: new groups piled onto the replica that happened to be
-idle, and evicted its groups); but first to a replica that held the prompt's prefix until it
-evicted it (`home_tokens`, from the replicas' own cached-token reports): a group whose blocks were
-evicted comes back to re-cache where it lived, instead of scattering over the cluster.
+A prompt no replica holds any of (a new prefix group) goes first to a replica that held the
+prompt's prefix until it evicted it (`home_tokens`, from the replicas' own cached-token reports),
+if that one is within one prompt's tokens of the least loaded: a group whose blocks were evicted
+comes back to re-cache where it lived, instead of scattering over the cluster. Otherwise it goes
+among the replicas within `cold_margin` tokens of the least loaded (a new prompt is least-load's
+business: no cache to weigh), to those owning no more than one prompt's blocks above the fewest
+(SGLang's "smallest tree"; llm-d-router#346: new groups piled onto the replica that happened to be
+idle, and evicted its groups), to the one with the highest rendezvous weight (`affinity`, a stable
+hash of the prompt's first block and the replica's name): routers that share no state then place
+a new group on the same replica whenever they see the same eligible replicas, without talking.
 Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
 third replica.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +54,18 @@ class Candidate:
     held_blocks: int = 0
     # Prompt tokens it holds or held until it reported them evicted: the prompt's former home.
     home_tokens: int = 0
+    # Rendezvous weight of this replica for the prompt (`rendezvous`); 0 for all: no preference.
+    affinity: int = 0
+
+
+def rendezvous(key: int, replica: str) -> int:
+    """Highest-random-weight hashing: a stable 64-bit weight of (`key`, `replica`), the same in
+    every process (BLAKE2b, never Python's salted `hash`). The replica with the largest weight for
+    a key wins; removing another replica never moves a key, adding one moves only the keys it
+    now wins (about 1/N of them)."""
+    digest = hashlib.blake2b(key.to_bytes(8, "little"), digest_size=8)
+    digest.update(replica.encode())
+    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -93,9 +110,17 @@ def _decision(
 class CacheAware:
     name: PolicyName = "cache_aware"
 
-    def __init__(self, abs_threshold: int = 4096, rel_threshold: float = 1.5) -> None:
+    def __init__(
+        self,
+        abs_threshold: int = 4096,
+        rel_threshold: float = 1.5,
+        cold_margin: int = 256,
+        block_size: int = 16,
+    ) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
+        self.cold_margin = cold_margin
+        self.block_size = block_size
         self._ties = _Rotation()
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -116,16 +141,25 @@ class CacheAware:
         low = min(c.load for c in candidates)
         most = max(c.cached_tokens for c in candidates)
         if most == 0:
-            near = [c for c in order if c.load <= low + prompt_tokens]
-            # Stable: cost order breaks ties.
-            chosen = min(near, key=lambda c: (-c.home_tokens, c.held_blocks))
-            return _decision(order, "cold", chosen)
+            return _decision(order, "cold", self._cold(order, low, prompt_tokens))
         pool = order
         if self.imbalanced([c.load for c in candidates]):
             pool = [c for c in order if c.load <= low + self.abs_threshold]
         chosen = pool[0]
         outcome: Outcome = "cache_hit" if chosen.cached_tokens == most else "spill"
         return _decision(order, outcome, chosen)
+
+    def _cold(self, order: Sequence[Candidate], low: int, prompt_tokens: int) -> Candidate:
+        """A prompt nobody holds: its former home if load allows, else the rendezvous winner
+        among the lightly loaded replicas with room. `order` is the cost order, whose rotating
+        ties decide when no affinity does (a prompt shorter than one block has none)."""
+        homes = [c for c in order if c.home_tokens and c.load <= low + prompt_tokens]
+        if homes:
+            return max(homes, key=lambda c: c.home_tokens)  # stable: the first of equals
+        near = [c for c in order if c.load <= low + self.cold_margin]
+        fewest = min(c.held_blocks for c in near)
+        room = [c for c in near if c.held_blocks <= fewest + prompt_tokens // self.block_size]
+        return max(room, key=lambda c: c.affinity)
 
 
 class LeastLoad:
@@ -172,9 +206,11 @@ def make_policy(
     rng: random.Random | None = None,
     abs_threshold: int = 4096,
     rel_threshold: float = 1.5,
+    cold_margin: int = 256,
+    block_size: int = 16,
 ) -> Policy:
     if name == "cache_aware":
-        return CacheAware(abs_threshold, rel_threshold)
+        return CacheAware(abs_threshold, rel_threshold, cold_margin, block_size)
     if name == "least_load":
         return LeastLoad()
     if name == "power_of_two":

@@ -81,3 +81,10 @@ def test_otlp_traces_endpoint_reaches_the_router_config() -> None:
     flag = ["--otlp-traces-endpoint", "http://collector:4317"]
     cfg = router_config(build_parser().parse_args([*base, *flag]))
     assert cfg.otlp_traces_endpoint == "http://collector:4317"
+
+
+def test_cold_margin_tokens_reaches_the_router_config() -> None:
+    base = ["router", "--replica", "http://a:1"]
+    assert router_config(build_parser().parse_args(base)).cold_margin_tokens == 256
+    flag = ["--cold-margin-tokens", "0"]
+    assert router_config(build_parser().parse_args([*base, *flag])).cold_margin_tokens == 0

@@ -16,6 +16,7 @@ from inferd.router.policy import (
     PowerOfTwo,
     RoundRobin,
     make_policy,
+    rendezvous,
 )
 
 
@@ -71,6 +72,41 @@ def test_a_prompt_nobody_holds_goes_back_to_its_former_home_when_load_allows() -
     assert CacheAware().choose(busy, 128).replica == "a"
 
 
+def affine(key: int, loads: dict[str, int], held: int = 0) -> list[Candidate]:
+    """Cold candidates as the cluster builds them: each with its rendezvous weight for `key`."""
+    return [Candidate(n, load, 0, held, affinity=rendezvous(key, n)) for n, load in loads.items()]
+
+
+def test_rendezvous_weights_are_stable_and_a_removed_replica_moves_only_its_own_keys() -> None:
+    # Pinned: the same in every process and release (routers on other hosts must agree).
+    assert rendezvous(1, "http://a") == 18124880669863293595 != rendezvous(2, "http://a")
+    names = [f"http://r{i}" for i in range(4)]
+
+    def winner(key: int, among: list[str]) -> str:
+        return max(among, key=lambda n: rendezvous(key, n))
+
+    before = {k: winner(k, names) for k in range(400)}
+    after = {k: winner(k, names[:3]) for k in range(400)}
+    assert all(after[k] == before[k] for k in before if before[k] != names[3])
+    # Spread: each replica wins about a quarter of the keys.
+    assert all(60 < list(before.values()).count(n) < 140 for n in names)
+
+
+def test_a_new_prompt_goes_to_its_rendezvous_winner_among_the_lightly_loaded() -> None:
+    loads = {"a": 0, "b": 100, "c": 200, "d": 5000}
+    for key in range(50):
+        cands = affine(key, loads)
+        eligible = [c for c in cands if c.load <= 256]  # the default cold margin
+        d = CacheAware().choose(cands, 1000)
+        assert d.outcome == "cold" and d.replica == max(eligible, key=lambda c: c.affinity).name
+        # Two policies (two routers: their own tie rotations) agree on the same view.
+        other = CacheAware()
+        other.choose(affine(key + 1, loads), 1000)
+        assert other.choose(cands, 1000).replica == d.replica
+    # A margin of 0 is least-load's choice.
+    assert CacheAware(cold_margin=0).choose(affine(7, loads), 1000).replica == "a"
+
+
 def test_round_robin_and_least_load() -> None:
     rr = RoundRobin()
     cands = [Candidate("a", 5), Candidate("b", 1), Candidate("c", 3)]
@@ -115,6 +151,9 @@ def test_cache_aware_bounds_the_load_it_adds_to(
     # Never more loaded than the least loaded replica by more than the tokens its cache saves
     # (a prompt nobody holds: by more than the prompt)...
     assert chosen.load <= low + (chosen.cached_tokens if d.outcome != "cold" else prompt)
+    # A new prompt: within the cold margin of the least loaded (least-load's balance).
+    if d.outcome == "cold":
+        assert chosen.load <= low + policy.cold_margin
     # ...and never past the imbalance margin while the cluster is imbalanced.
     if policy.imbalanced([c.load for c in cands]):
         assert chosen.load <= low + abs_t
