@@ -19,7 +19,7 @@ prompt's prefix until it evicted it (`home_tokens`, from the replicas' own cache
 if that one is within one prompt's tokens of the least loaded: a group whose blocks were evicted
 comes back to re-cache where it lived, instead of scattering over the cluster. Otherwise it goes
 among the replicas within `cold_margin` tokens of the least loaded (a new prompt is least-load's
-business: no cache to weigh), to those owning no more than one prompt's blocks above the fewest
+business: no cache to weigh), to those owning less than one prompt's blocks above the fewest
 (SGLang's "smallest tree"; llm-d-router#346: new groups piled onto the replica that happened to be
 idle, and evicted its groups), to the one with the highest rendezvous weight (`affinity`, a stable
 hash of the prompt's first block and the replica's name): routers that share no state then place
@@ -157,8 +157,11 @@ class CacheAware:
         if homes:
             return max(homes, key=lambda c: c.home_tokens)  # stable: the first of equals
         near = [c for c in order if c.load <= low + self.cold_margin]
+        # Less than one more prompt's worth of blocks than the fewest: no replica takes a second
+        # new group while another has room for its first.
+        slack = max(prompt_tokens // self.block_size - 1, 0)
         fewest = min(c.held_blocks for c in near)
-        room = [c for c in near if c.held_blocks <= fewest + prompt_tokens // self.block_size]
+        room = [c for c in near if c.held_blocks <= fewest + slack]
         return max(room, key=lambda c: c.affinity)
 
 
