@@ -149,12 +149,11 @@ class Cluster:
         stamp = self.index.stamp
         claim = self._claim(replica, routed, stamp)
         uncached = max(routed.prompt_tokens - cached, 0)
-        # Blocks the index does not hold there yet: this request brings them (load.py's births).
-        brings = (
-            ()
-            if self.index.is_exact(url)
-            else routed.hashes[self.index.match(url, routed.hashes) :]
-        )
+        # Blocks the index does not hold there yet: this request brings them (load.py's births;
+        # none tracked where the index follows KV events, or where no first byte is seen).
+        brings: tuple[int, ...] = ()
+        if self.config.sees_first_byte and not self.index.is_exact(url):
+            brings = routed.hashes[self.index.match(url, routed.hashes) :]
         ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim, brings)
         replica.routed += 1
         self.index.insert(url, routed.hashes)

@@ -32,8 +32,13 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     # A prompt no replica holds goes among those within this many tokens of the least loaded
     # (router/policy.py): small, so it balances like least_load, but a few decoding sequences
-    # wide, so routers sharing no state see the same eligible replicas and agree.
+    # wide, so new groups still spread by index size (at 32 the least loaded replica takes
+    # them whatever it holds) and routers sharing no state see the same eligible replicas.
     cold_margin_tokens: int = 256
+    # Whether the router sees each answer's first byte (the end of its prefill). Ray Serve's
+    # request router does not: a request counts as prefilling until it ends there, too long to
+    # judge which claimed blocks are still queued (router/load.py's births), so none are.
+    sees_first_byte: bool = True
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     # Seconds a client is told to wait (Retry-After) when no replica is ready.

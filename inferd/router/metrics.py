@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inferd.router.cluster import Cluster
+from inferd.router.cluster import Cluster, Routed
 
 DECISION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
@@ -120,3 +120,11 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_ClusterCollector(cluster))
+
+    def count(self, url: str, routed: Routed) -> None:
+        """One request sent to `url` on this decision (`passthrough`: not routed on a prompt)."""
+        outcome = routed.decision.outcome if routed.prompt_tokens else "passthrough"
+        self.requests.labels(url, outcome).inc()
+        if routed.prompt_tokens:
+            self.prompt_tokens.labels(url).inc(routed.prompt_tokens)
+            self.cached_tokens.labels(url).inc(routed.decision.cached_tokens)

@@ -162,7 +162,7 @@ class Proxy:
         if upstream.status_code in _RETRY_STATUS and not final:
             return await self._refused(upstream, ticket, url)
         ticket.first_byte()
-        self._count(url, routed)
+        self.metrics.count(url, routed)
         headers = _response_headers(upstream, url, ticket, routed)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             stream = self._stream(upstream, ticket, routed, fwd)
@@ -231,13 +231,6 @@ class Proxy:
         dropped = self.cluster.reported(ticket, routed, usage.prompt_tokens, usage.cached_tokens)
         if dropped:
             self.metrics.stale_blocks.labels(ticket.replica).inc(dropped)
-
-    def _count(self, url: str, routed: Routed) -> None:
-        outcome = routed.decision.outcome if routed.prompt_tokens else "passthrough"
-        self.metrics.requests.labels(url, outcome).inc()
-        if routed.prompt_tokens:
-            self.metrics.prompt_tokens.labels(url).inc(routed.prompt_tokens)
-            self.metrics.cached_tokens.labels(url).inc(routed.decision.cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ Two deployments:
   state, as several `inferd router` instances do. Its decision (time, replica, the cached tokens
   the index expected) reaches the ingress through inferd.router.route_notes, which adds the
   `route` stage to the answer's `timings` and `x-inferd-route-cached-tokens`, as `inferd router`
-  does.
+  does. Its metrics (`inferd_router_*`) are the ingress's `GET /router/metrics`
+  (router/ray_metrics.py).
 
 Serve's default `max_ongoing_requests` (5) would starve continuous batching; replicas take the
 engine's `max_num_seqs + max_queued_requests` unless told otherwise.
@@ -246,9 +247,12 @@ class CacheAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """`kwargs`: RouterConfig fields (`policy`, `block_size`, `index_capacity_blocks`,
         `decode_weight`, `balance_abs_threshold`, `balance_rel_threshold`, `seed`)."""
+        from inferd.router.ray_metrics import SLOT  # the process's own (see Ingress.forward)
+
         # RouterConfig insists on a replica; Serve's replica set replaces it below.
         self._cluster = Cluster(RouterConfig(replicas=("ray://pending",), **kwargs))
         self._cluster.set_members(())
+        self._metrics = SLOT.attach(self._cluster)
         # With each decision its time (the `route` stage's share spent here).
         self._pending: OrderedDict[str, tuple[Routed, float]] = OrderedDict()
         self._open: dict[str, deque[Ticket]] = {}
@@ -261,7 +265,8 @@ class CacheAwareRequestRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._cluster.failed(replica_id.to_full_id_str(), "actor_died")
+        if self._cluster.failed(replica_id.to_full_id_str(), "actor_died"):
+            self._metrics.ejections.labels(replica_id.to_full_id_str(), "actor_died").inc()
         self._open.pop(replica_id.to_full_id_str(), None)
 
     async def choose_replicas(
@@ -307,6 +312,8 @@ class CacheAwareRequestRouter(RequestRouter):
                 routed = self._cluster.route(_token_ids(pending_request))
             ticket = self._cluster.dispatch(name, routed)
             self._open.setdefault(name, deque()).append(ticket)
+            self._metrics.count(name, routed)
+            self._metrics.decision.observe(decision_s)
             cached = routed.prompt_tokens - ticket.prefill_tokens
             NOTES.put(request_id, RouteNote(decision_s, name, cached))
         return replica
@@ -346,6 +353,15 @@ class Ingress:
             return tuple(prompt_token_ids(self._tok, validate(path, json.loads(body))))
         except Exception:  # the replica answers a body it cannot read with its own 4xx
             return ()
+
+    # Registered before the catch-all below, so it is matched first.
+    @_api.get("/router/metrics", include_in_schema=False)
+    async def router_metrics(self) -> Response:
+        """The request router's own metrics (router/ray_metrics.py)."""
+        from inferd.router.ray_metrics import SLOT
+
+        body = SLOT.exposition() or b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @_api.api_route("/{path:path}", methods=_METHODS, include_in_schema=False)
     async def forward(self, request: Request) -> Response:
@@ -427,6 +443,7 @@ def build_app(options: RayServeOptions) -> Application:
             "index_capacity_blocks": options.index_capacity_blocks,
             "decode_weight": options.decode_weight,
             "seed": options.seed,
+            "sees_first_byte": False,  # Serve shows the router only a request's end
         },
     )
     replicas = EngineDeployment.options(

@@ -110,6 +110,18 @@ def test_requests_sharing_a_prefix_land_on_one_replica(app: App) -> None:
     assert other.headers[REPLICA] not in homes
 
 
+def test_the_request_routers_metrics_are_served_by_the_ingress(app: App) -> None:
+    # After the tests above: every routed request was counted, per replica and outcome.
+    text = httpx.get(f"{app.url}/router/metrics", timeout=30).text
+    routed = [
+        line for line in text.splitlines() if line.startswith("inferd_router_requests_total{")
+    ]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in routed) >= 6
+    assert 'outcome="cache_hit"' in text and 'outcome="cold"' in text
+    assert "inferd_router_decision_seconds_count" in text
+    assert "inferd_router_load_tokens{" in text
+
+
 def test_bad_input_gets_the_replicas_own_400(app: App) -> None:
     r = httpx.post(f"{app.url}/v1/completions", json={"prompt": 3}, timeout=30)
     assert r.status_code == 400

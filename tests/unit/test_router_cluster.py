@@ -364,3 +364,15 @@ def test_a_burst_on_a_new_prefix_waits_for_its_first_request_only_if_that_one_is
     assert cluster.cached_tokens(a, cluster.route(fresh)) == 64
     bringer.first_byte()
     assert cluster.replicas[a].load.births == {}
+
+
+def test_without_first_bytes_no_claim_is_judged_queued() -> None:
+    # Ray Serve's router sees only a request's end: every request there looks prefilling for
+    # its whole life, so "queued behind another" would say nothing; claims count as before.
+    cfg = RouterConfig(replicas=("http://a", "http://b"), sees_first_byte=False)
+    cluster = ready_cluster(cfg, random.Random(0))
+    cluster.dispatch("http://a", cluster.route(list(range(500, 564))))
+    fresh = list(range(1000, 1064))
+    cluster.dispatch("http://a", cluster.route(fresh))
+    assert cluster.cached_tokens("http://a", cluster.route(fresh)) == 64
+    assert cluster.replicas["http://a"].load.births == {}
