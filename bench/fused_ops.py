@@ -1,16 +1,20 @@
-"""The fused elementwise kernels on and off, in one engine, alternating (offline, no server).
+"""The native CPU kernels on and off, in one engine, alternating (offline, no server).
 
     .venv/bin/python bench/fused_ops.py --shape llama-32m --rounds 3
     .venv/bin/python bench/fused_ops.py --shape qwen2-0.5b-shape --rounds 1
 
-One `LLM` (random float32 weights, prefix caching off so every round computes every prompt) runs
-the same workload with `use_fused_ops(ops)` and `use_fused_ops(None)` in turn: the native
-attention kernel and oneDNN linear layers run in both, only the add + RMSNorm, q/k norm + RoPE +
-KV write and SiLU * up kernels differ. Alternating inside one process makes a slow spell on a
-shared machine hit both variants alike; the best round of each is reported, with the process's
-CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256, outputs
-16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream, 32-token
-prompt, 256 tokens), as bench/peers.py sends them to servers.
+One `LLM` (random weights, prefix caching off so every round computes every prompt) runs the same
+workload in three variants, in turn:
+
+    native    the fused elementwise kernels and the small-batch GEMV (the engine's default)
+    no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM
+    eager     neither: eager PyTorch elementwise ops, oneDNN for every linear layer
+
+The native attention kernel runs in all three. Alternating inside one process makes a slow spell
+on a shared machine hit every variant alike; the best round of each is reported, with the
+process's CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256,
+outputs 16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream,
+32-token prompt, 256 tokens), as bench/peers.py sends them to servers.
 """
 
 from __future__ import annotations
@@ -42,16 +46,22 @@ def workload(shape: ModelShape, kind: str, seed: int) -> WorkloadSpec:
 
 
 def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    import torch
+
     from inferd import LLM, SamplingParams
     from inferd.config import read_environment
     from inferd.engine.llm_engine import TokensPrompt
     from inferd.models import kernels
+    from inferd.models.kernels.fused import FusedOps
+    from inferd.models.kernels.gemv import Gemv
+    from inferd.models.linear import Linear
 
     shape = SHAPE_CHOICES[args.shape]
     folder = ensure_model_folder(shape, DEFAULT_CACHE_DIR)
     llm = LLM(
         model=str(folder),
         dtype=dtype,
+        small_batch_gemv="on",
         load_format="dummy",
         num_threads=args.threads,
         seed=args.seed,
@@ -60,7 +70,15 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     runner = llm.llm_engine.runner
     if runner.attn_kernel is None:
         raise SystemExit("the native kernels are not loaded here: nothing to compare")
-    model, ops = runner.model, kernels.load(read_environment().cache_dir).ops
+    native = kernels.load(read_environment().cache_dir)
+    model = runner.model
+    assert isinstance(model, torch.nn.Module)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    variants: dict[str, tuple[FusedOps | None, Gemv | None]] = {
+        "native": (native.ops, native.gemv),
+        "no_gemv": (native.ops, None),
+        "eager": (None, None),
+    }
     results: dict[str, Any] = {}
     for kind in ("mixed", "single"):
         reqs = make_workload(workload(shape, kind, args.seed))
@@ -71,8 +89,10 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.rounds):
-            for name, variant in (("fused", ops), ("eager", None)):
-                model.use_fused_ops(variant)
+            for name, (ops, gemv) in variants.items():
+                model.use_fused_ops(ops)
+                for m in linears:
+                    m.use_gemv(gemv)
                 c0, t0 = time.process_time(), time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -80,12 +100,15 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 tok_s, cpu_ms = n / wall, cpu / n * 1e3
                 old = best.get(name, (0.0, float("inf")))
                 best[name] = (max(old[0], tok_s), min(old[1], cpu_ms))
-        model.use_fused_ops(ops)
+        model.use_fused_ops(native.ops)
+        for m in linears:
+            m.use_gemv(native.gemv)
         results[kind] = {name: {"tok_s": t, "cpu_ms_per_token": c} for name, (t, c) in best.items()}
-        f, e = best["fused"], best["eager"]
+        a, f, e = best["native"], best["no_gemv"], best["eager"]
         print(
-            f"{args.shape} {dtype} {kind:6s} fused {f[0]:8.1f} tok/s ({f[1]:.2f} CPU ms/tok)"
-            f"   eager {e[0]:8.1f} ({e[1]:.2f})   fused/eager {f[0] / e[0]:.2f}x"
+            f"{args.shape} {dtype} {kind:6s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
+            f"   no_gemv {f[0]:8.1f} ({f[1]:.2f})   eager {e[0]:8.1f} ({e[1]:.2f})"
+            f"   gemv {a[0] / f[0]:.2f}x  fused {f[0] / e[0]:.2f}x"
         )
     return results
 

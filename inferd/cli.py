@@ -28,6 +28,7 @@ from inferd.config import (
     SchedulerConfig,
     ServeConfig,
     ServerConfig,
+    SmallBatchGemv,
     read_environment,
 )
 from inferd.errors import InferdError
@@ -82,6 +83,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=get_args(LinearBackend),
         help="auto: weights prepacked for oneDNN on CPU; dense: F.linear (reference path)",
     )
+    p.add_argument(
+        "--small-batch-gemv",
+        default="auto",
+        choices=get_args(SmallBatchGemv),
+        help="batches of 1-2 rows (single streams) on the native GEMV over a plain copy of the "
+        "weights; auto: when the copy fits in a quarter of RAM",
+    )
     sched = SchedulerConfig.model_fields
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
@@ -112,6 +120,7 @@ _ENGINE_ARGS = (
     "kv_events_endpoint",
     "quantization",
     "linear_backend",
+    "small_batch_gemv",
     "max_num_batched_tokens",
     "max_num_seqs",
     "policy",

@@ -23,6 +23,8 @@ KVCacheDType = Literal["auto", "float32", "bfloat16"]
 AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 # "auto": weights prepacked for oneDNN on CPU, F.linear elsewhere (inferd/models/linear.py).
 LinearBackend = Literal["auto", "onednn", "dense"]
+# Linear layers of 1-2 rows on the plain weight, kept beside the packed one (models/linear.py).
+SmallBatchGemv = Literal["auto", "on", "off"]
 Quantization = Literal["int8"]
 
 
@@ -85,6 +87,9 @@ class DeviceConfig(_Frozen):
     # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
     # dense = F.linear everywhere (the reference path).
     linear_backend: LinearBackend = "auto"
+    # The native GEMV for batches of 1-2 rows (single streams), on a second, plain copy of the
+    # weights: auto = when the native kernels run and the copy takes at most a quarter of RAM.
+    small_batch_gemv: SmallBatchGemv = "auto"
 
 
 class EngineConfig(_Frozen):

@@ -23,11 +23,12 @@ from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
 from inferd.errors import InvalidRequestError, ModelLoadError
 from inferd.executor.device import configure_threads, resolve_device, resolve_dtype
-from inferd.executor.model_runner import ModelRunner
+from inferd.executor.model_runner import ModelRunner, kv_cache_dtype
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
+from inferd.models import kernels
 from inferd.models.config import ArchConfig
-from inferd.models.linear import prepare_linears, resolve_linear_kind
+from inferd.models.linear import prepare_linears, resolve_linear_kind, small_batch_gemv
 from inferd.models.loader import load_model, resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
@@ -67,10 +68,17 @@ class LLMEngine:
         kind = resolve_linear_kind(
             config.device.linear_backend, config.model.quantization, self.device, dtype
         )
-        prepare_linears(self.model, kind)
+        kv_dtype = kv_cache_dtype(config.cache, dtype)
+        native = kernels.select(
+            config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
+        )
+        gemv = small_batch_gemv(
+            config.device.small_batch_gemv, kind, native.gemv if native else None, self.model
+        )
+        prepare_linears(self.model, kind, gemv)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.tokenizer_path = tok_path
-        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache, env)
+        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache, native)
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
         if self.device.type == "cuda" and not config.device.enforce_eager:
             self.runner.enable_decode_graphs(

@@ -16,12 +16,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from inferd.config import CacheConfig, Environment
+from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models import kernels
 from inferd.models.attention import AttentionMetadata, PrefillSpan
 from inferd.models.config import ArchConfig
+from inferd.models.kernels import NativeKernels
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, make_generator
@@ -54,8 +55,9 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cache: CacheConfig,
-        env: Environment,
+        native: NativeKernels | None,
     ) -> None:
+        """`native`: the native CPU kernels (kernels.select), None for the PyTorch path."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -75,9 +77,6 @@ class ModelRunner:
         self.kv_caches = [
             _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
-        native = kernels.select(
-            cache.attention_backend, device, dtype, self.kv_dtype, arch.head_dim, env
-        )
         self.attn_kernel = None if native is None else native.attention
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv

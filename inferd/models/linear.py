@@ -17,12 +17,22 @@ then turns every weight into the form the chosen kernel reads, once:
   quantizes activations, this trades a small, stated logit error for 4x fewer weight bytes.
 
 Only the kernel's own copy of the weight is kept: the dense `weight` parameter is freed (an empty
-tensor of the same dtype) unless another module shares it (tied embeddings).
+tensor of the same dtype) unless another module shares it (tied embeddings), or unless the native
+GEMV serves the few-row batches:
+
+- small-batch GEMV (`onednn` only, `DeviceConfig.small_batch_gemv`): batches of at most
+  `GEMV_MAX_ROWS` rows (a single stream's decode step, two streams) run the native kernel of
+  `kernels/gemv.cpp` on the plain row-major weight, which streams it from memory faster than
+  oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
+  1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
+  docs/benchmarks.md). It needs the plain weight kept beside the packed one: one more copy of every
+  linear weight. `auto` keeps it when that copy is at most a quarter of the machine's memory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -31,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.config import LinearBackend, Quantization
+from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
+from inferd.models.kernels.gemv import Gemv
 
 logger = logging.getLogger("inferd.models")
 
@@ -57,14 +68,19 @@ class Linear(nn.Module):
         self.kind: LinearKind = "dense"
         # Set by prepare(); None: F.linear on the dense weight.
         self._fn: LinearFn | None = None
+        # Set by use_gemv(): batches of at most GEMV_MAX_ROWS rows on the kept dense weight.
+        self._gemv: Gemv | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            return self._gemv(x, self.weight, self.bias)
         if self._fn is None:
             return F.linear(x, self.weight, self.bias)
         return self._fn(x)
 
     def prepare(self, kind: LinearKind, keep_dense: bool) -> None:
         """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`."""
+        self._gemv = None
         if kind == "dense":
             self._fn, self.kind = None, kind
             return
@@ -74,6 +90,12 @@ class Linear(nn.Module):
         self.kind = kind
         if not keep_dense:
             self.weight = nn.Parameter(weight.new_empty((0, self.in_features)), False)
+
+    def use_gemv(self, gemv: Gemv | None) -> None:
+        """Few-row batches on `gemv` (None: on the prepared kernel). Needs the dense weight kept."""
+        if gemv is not None and self.weight.shape[0] != self.out_features:
+            raise ValueError("use_gemv needs the dense weight: prepare(kind, keep_dense=True)")
+        self._gemv = gemv
 
 
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,
@@ -87,6 +109,8 @@ class Linear(nn.Module):
 # One call over all rows instead of 128-row chunks and a concatenation: 26.3 vs 28.6 ms at 2048
 # rows of the tiny model's gate/up projection (2 threads).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
+# The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four).
+GEMV_MAX_ROWS = 2
 _LARGE_STEP = 128
 _ONEDNN_CHUNK = 2048
 
@@ -194,16 +218,56 @@ def has_int8_gemm() -> bool:
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
-def prepare_linears(model: nn.Module, kind: LinearKind) -> None:
-    """Converts every Linear of `model` to `kind`, keeping dense weights other modules share."""
+def prepare_linears(model: nn.Module, kind: LinearKind, gemv: Gemv | None = None) -> None:
+    """Converts every Linear of `model` to `kind`, keeping dense weights other modules share;
+    with `gemv` (for `onednn`), few-row batches run it on every dense weight, all kept."""
     shared = _shared_weights(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    gemv = gemv if kind == "onednn" else None
     for m in linears:
-        m.prepare(kind, keep_dense=id(m.weight) in shared)
+        m.prepare(kind, keep_dense=gemv is not None or id(m.weight) in shared)
+        m.use_gemv(gemv)
     if kind == "onednn":
         _warm_up(linears)
     if kind != "dense":
-        logger.info("linear layers: %d prepared as %s", len(linears), kind)
+        extra = " (+ the small-batch GEMV on the dense weights)" if gemv is not None else ""
+        logger.info("linear layers: %d prepared as %s%s", len(linears), kind, extra)
+
+
+def small_batch_gemv(
+    mode: SmallBatchGemv, kind: LinearKind, gemv: Gemv | None, model: nn.Module
+) -> Gemv | None:
+    """The GEMV the linear layers of `model` should use for few-row batches, or None.
+
+    `gemv` is the loaded native kernel (None when the kernels do not run here). Only the oneDNN
+    kind packs its weights, so only it gains from a plain copy; `auto` keeps that copy when it
+    takes at most a quarter of physical memory, `on` always (an error without the kernels)."""
+    if mode == "off" or kind != "onednn":
+        return None
+    if gemv is None:
+        if mode == "on":
+            raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
+        return None
+    extra = plain_copy_bytes(model)
+    limit = _physical_memory_bytes() // 4
+    if mode == "auto" and extra > limit:
+        logger.info(
+            "small-batch GEMV off: the plain weights (%.0f MiB) exceed a quarter of RAM",
+            extra / 2**20,
+        )
+        return None
+    return gemv
+
+
+def plain_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the dense weights the small-batch GEMV keeps that would otherwise be freed."""
+    shared = _shared_weights(model)
+    linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
+    return sum(w.numel() * w.element_size() for k, w in linears.items() if k not in shared)
+
+
+def _physical_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @torch.inference_mode()

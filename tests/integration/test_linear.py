@@ -5,13 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+from inferd.config import read_environment
+from inferd.errors import ModelLoadError
+from inferd.models import kernels
+from inferd.models.kernels.gemv import Gemv
 from inferd.models.linear import (
+    GEMV_MAX_ROWS,
     ROW_BUCKETS,
     Linear,
     has_int8_gemm,
     padded_rows,
     prepare_linears,
+    small_batch_gemv,
 )
 
 pytestmark = pytest.mark.integration
@@ -104,3 +111,72 @@ def test_padded_rows_bound_the_shapes_onednn_meets() -> None:
     assert padded_rows("dense", 3) == padded_rows("int8", 3) == 3
     shapes = {padded_rows("onednn", r) for r in range(1, 2049)}
     assert len(shapes) == len(ROW_BUCKETS) + 2048 // 128 - 1
+
+
+@pytest.fixture(scope="module")
+def gemv() -> Gemv:
+    try:
+        return kernels.load(read_environment().cache_dir).gemv
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"native kernels unavailable here: {e}")
+
+
+class _Counting(Gemv):
+    """The real kernel, counting its calls."""
+
+    def __init__(self, inner: Gemv) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.calls = 0
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        self.calls += 1
+        return super().__call__(x, weight, bias)
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch.dtype) -> None:
+    m = _linear(True, dtype)
+    weight, bias = m.weight.detach().clone(), m.bias.detach().clone()  # type: ignore[union-attr]
+    counting = _Counting(gemv)
+    prepare_linears(m, "onednn", counting)
+    assert m.kind == "onednn" and torch.equal(m.weight, weight), "the dense weight is kept"
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
+    with torch.inference_mode():
+        for rows in range(0, 6):
+            x = torch.randn(rows, 96).to(dtype)
+            before = counting.calls
+            got = m(x)
+            assert counting.calls - before == (1 if 0 < rows <= GEMV_MAX_ROWS else 0), rows
+            want = F.linear(x.float(), weight.float(), bias.float())
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+@onednn
+def test_gemv_needs_the_dense_weight(gemv: Gemv) -> None:
+    m = _linear(False)
+    prepare_linears(m, "onednn")
+    with pytest.raises(ValueError, match="dense weight"):
+        m.use_gemv(gemv)
+    prepare_linears(m := _linear(False), "int8" if has_int8_gemm() else "dense", gemv)
+    assert m._gemv is None, "only the packed oneDNN kind takes the GEMV"
+
+
+def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inferd.models import linear
+
+    m = torch.nn.ModuleList([_linear(False), _linear(True)])
+    assert linear.plain_copy_bytes(m) == 2 * 64 * 96 * 4
+    assert small_batch_gemv("off", "onednn", gemv, m) is None
+    assert small_batch_gemv("auto", "int8", gemv, m) is None
+    assert small_batch_gemv("auto", "dense", gemv, m) is None
+    assert small_batch_gemv("auto", "onednn", None, m) is None  # no native kernels: quietly off
+    with pytest.raises(ModelLoadError, match="native"):
+        small_batch_gemv("on", "onednn", None, m)
+    assert small_batch_gemv("auto", "onednn", gemv, m) is gemv
+    # auto keeps the copy only while it takes at most a quarter of physical memory; on always.
+    monkeypatch.setattr(
+        linear, "_physical_memory_bytes", lambda: 4 * linear.plain_copy_bytes(m) - 4
+    )
+    assert small_batch_gemv("auto", "onednn", gemv, m) is None
+    assert small_batch_gemv("on", "onednn", gemv, m) is gemv

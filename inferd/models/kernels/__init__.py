@@ -1,7 +1,8 @@
 """Native CPU kernels: build once, cache, load, or say why not (the caller then uses PyTorch).
 
-`paged_attention.cpp` (attention over the paged KV cache) and `fused_ops.cpp` (a decoder layer's
-elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) are
+`paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
+elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
+`gemv.cpp` (linear layers of 1-4 rows on the plain weight, at memory speed; `gemv.py`) are
 compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
@@ -43,11 +44,12 @@ from torch import Tensor
 from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
 from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
+from inferd.models.kernels.gemv import Gemv
 
 logger = logging.getLogger("inferd.executor")
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp")
+SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "gemv.cpp")
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
 HEADERS = (_HERE / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -88,6 +90,7 @@ class NativeKernels:
     path: Path
     attention: PagedAttentionKernel
     ops: FusedOps
+    gemv: Gemv
 
 
 class PagedAttentionKernel:
@@ -238,7 +241,7 @@ def load(cache_dir: Path) -> NativeKernels:
     path = build(cache_dir)
     try:
         lib = ctypes.CDLL(str(path))
-        return NativeKernels(path, PagedAttentionKernel(lib), FusedOps(lib))
+        return NativeKernels(path, PagedAttentionKernel(lib), FusedOps(lib), Gemv(lib))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
 

@@ -1,0 +1,120 @@
+// Few-row linear layers on the plain weight: y = x W^T (+ b) for 1 <= rows <= kMaxRows.
+//
+//   inferd_gemv   x [rows, x_stride], W [n, k] row-major contiguous, b [n] or null,
+//                 y [rows, y_stride]; all in one dtype (float32 or bfloat16), float32 arithmetic
+//
+// Why: a single stream (and any decode step of a few sequences) reads every weight once per token
+// and does almost no arithmetic with it, so its speed is the rate the weights stream from memory.
+// oneDNN's matmul on its prepacked (blocked) weight reaches ~21 GB/s here for one row; this loop
+// over the plain row-major weight reaches ~31 GB/s (2 threads, the whole llama-32m weight set,
+// the machine's copy bandwidth is 31-34 GB/s), see docs/benchmarks.md. The engine keeps the plain
+// weight beside the packed one for it (models/linear.py says when).
+//
+// Layout of the work: 4 weight rows at a time (4 streams the hardware prefetcher follows, plus a
+// software prefetch ~8 KiB ahead), each weight vector loaded once and multiplied into every x row,
+// so rows 2..4 cost no extra memory traffic. Output rows are split over threads in 4-row blocks.
+// Accumulation is float32 in 16 lanes, reduced at the end of the row (a different summation order
+// than oneDNN's; both are float32 sums). bfloat16 values are widened on load and y is rounded once
+// (as oneDNN's bf16 matmul rounds its float32 accumulator).
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int kMaxRows = 4;
+constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kMinParallelElems = 1 << 15;
+
+inline const char* byte_at(const void* base, int64_t elems, int64_t esz) {
+  return static_cast<const char*>(base) + elems * esz;
+}
+
+// y[r, n0 .. n0 + NB) for R rows of x; NB = 4 (a block) or 1 (the last n % 4 rows). The dtype is
+// a template argument so the inner loop has no branch; full 16-lane steps run unmasked.
+template <int R, int NB, int DT>
+inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, const void* bias,
+                  void* y, int64_t y_stride, int64_t n0) {
+  constexpr int64_t esz = DT == kF32 ? 4 : 2;
+  __m512 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  const char* wrow[NB];
+  const char* xrow[R];
+  for (int j = 0; j < NB; ++j) wrow[j] = byte_at(w, (n0 + j) * k, esz);
+  for (int r = 0; r < R; ++r) xrow[r] = byte_at(x, r * x_stride, esz);
+  const int64_t full = k & ~int64_t{15};
+  for (int64_t i = 0; i < full; i += 16) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = load16(xrow[r] + i * esz, DT);
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(wrow[j] + i * esz + kPrefetchBytes, _MM_HINT_T0);
+      const __m512 wv = load16(wrow[j] + i * esz, DT);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
+    }
+  }
+  if (full < k) {
+    const __mmask16 m = tail_mask(k - full);
+    for (int j = 0; j < NB; ++j) {
+      const __m512 wv = load16m(wrow[j] + full * esz, DT, m);
+      for (int r = 0; r < R; ++r)
+        acc[j][r] = _mm512_fmadd_ps(wv, load16m(xrow[r] + full * esz, DT, m), acc[j][r]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    float b = 0.0f;
+    if (bias != nullptr) b = _mm512_cvtss_f32(load16m(byte_at(bias, n0 + j, esz), DT, 1));
+    for (int r = 0; r < R; ++r) {
+      const float v = _mm512_reduce_add_ps(acc[j][r]) + b;
+      char* dst = static_cast<char*>(y) + (r * y_stride + n0 + j) * esz;
+      if (DT == kF32) {
+        std::memcpy(dst, &v, 4);
+      } else {
+        const uint16_t h = f32_to_bf16(v);
+        std::memcpy(dst, &h, 2);
+      }
+    }
+  }
+}
+
+template <int R, int DT>
+void gemv(const void* x, int64_t x_stride, const void* w, int64_t n, int64_t k, const void* bias,
+          void* y, int64_t y_stride) {
+  const int64_t blocks = n / 4;
+#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElems)
+  for (int64_t b = 0; b < blocks; ++b)
+    block<R, 4, DT>(x, x_stride, w, k, bias, y, y_stride, b * 4);
+  for (int64_t j = blocks * 4; j < n; ++j)
+    block<R, 1, DT>(x, x_stride, w, k, bias, y, y_stride, j);
+}
+
+template <int DT>
+int dispatch(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
+             const void* bias, void* y, int64_t y_stride) {
+  switch (rows) {
+    case 1: gemv<1, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
+    case 2: gemv<2, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
+    case 3: gemv<3, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
+    case 4: gemv<4, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
+    default: return -1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
+int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
+                int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
+  if (dtype == kF32) return dispatch<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
+  if (dtype == kBF16) return dispatch<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
+  return -1;
+}
+
+int inferd_gemv_max_rows() { return kMaxRows; }
+
+}  // extern "C"

@@ -1,0 +1,58 @@
+"""`gemv.cpp`'s few-row linear layer as a tensor-in, tensor-out call.
+
+`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-4 rows of `x` from the plain
+row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
+prepacked GEMM does not reach it). Inputs are checked here; the C side trusts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from inferd.models.kernels.fused import DTYPE_CODES
+
+
+class Gemv:
+    """Bound to a loaded kernel library (kernels.load)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+        self._fn = lib.inferd_gemv
+        self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
+        self._fn.restype = ctypes.c_int
+        # The most rows one call takes; linear layers send larger batches to their GEMM.
+        self.max_rows = int(lib.inferd_gemv_max_rows())
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
+        # bias: [out] or None  ->  [rows, out], all in one dtype
+        rows, k = x.shape
+        n = weight.shape[0]
+        dtype = weight.dtype
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
+        if weight.shape[1] != k or x.dtype != dtype or dtype not in DTYPE_CODES:
+            raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
+        if not weight.is_contiguous() or x.stride(1) != 1:
+            raise ValueError("gemv needs a contiguous weight and unit-stride rows of x")
+        if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+            raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
+        y = torch.empty(rows, n, dtype=dtype)
+        rc = self._fn(
+            x.data_ptr(),
+            rows,
+            x.stride(0),
+            weight.data_ptr(),
+            n,
+            k,
+            None if bias is None else bias.contiguous().data_ptr(),
+            y.data_ptr(),
+            n,
+            DTYPE_CODES[dtype],
+        )
+        if rc != 0:
+            raise RuntimeError(f"inferd_gemv failed ({rc})")
+        return y

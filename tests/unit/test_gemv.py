@@ -1,0 +1,72 @@
+"""The native small-batch GEMV (`kernels/gemv.cpp`) against F.linear on the same weights.
+
+float32 must agree to float32 rounding (only the order of each dot product's sum differs);
+bfloat16 to one rounding of the output (both accumulate in float32 and round once).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from inferd.config import read_environment
+from inferd.models import kernels
+from inferd.models.kernels.gemv import Gemv
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def gemv() -> Gemv:
+    try:
+        return kernels.load(read_environment().cache_dir).gemv
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"native kernels unavailable here: {e}")
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int) -> Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(1024, 512), (1027, 500), (5, 17), (3, 1408)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(
+    gemv: Gemv, dtype: torch.dtype, rows: int, n: int, k: int, bias: bool
+) -> None:
+    # Odd n (a last partial block of 4 output rows) and odd k (a masked tail) included.
+    x = _rand(rows, k, dtype=dtype, seed=1)
+    w = _rand(n, k, dtype=dtype, seed=2)
+    b = _rand(n, dtype=dtype, seed=3) if bias else None
+    got = gemv(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    else:  # one bfloat16 rounding of the float32 result: half an ulp, 2^-9 relative
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+
+
+def test_reads_strided_rows(gemv: Gemv) -> None:
+    # Rows of a wider buffer (a slice of a padded activation) are read in place.
+    buf = _rand(4, 80, dtype=torch.float32, seed=4)
+    x = buf[1:3, :64]
+    w = _rand(33, 64, dtype=torch.float32, seed=5)
+    torch.testing.assert_close(gemv(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_what_it_cannot_take(gemv: Gemv) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.randn(gemv.max_rows + 1, 16), w, None)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.randn(0, 16), w, None)
+    with pytest.raises(ValueError):
+        gemv(torch.randn(1, 16).bfloat16(), w, None)  # dtypes differ
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(torch.randn(1, 16), torch.randn(16, 8).t(), None)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.randn(1, 16), w, torch.randn(9))
