@@ -22,7 +22,12 @@ from inferd.config import EngineConfig, Environment, read_environment
 from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
 from inferd.errors import InvalidRequestError, ModelLoadError
-from inferd.executor.device import configure_threads, resolve_device, resolve_dtype
+from inferd.executor.device import (
+    configure_threads,
+    keep_freed_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from inferd.executor.model_runner import ModelRunner, kv_cache_dtype
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
@@ -55,6 +60,7 @@ class LLMEngine:
         env = env or read_environment()
         self.device = resolve_device(config.device)
         configure_threads(self.device, config.device.num_threads)
+        keep_freed_memory(self.device)
         torch.manual_seed(config.model.seed)
         path = resolve_model_path(config.model.model, config.model.revision, env)
         tok_path = path
