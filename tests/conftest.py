@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from inferd.config import read_environment
+from inferd.models import kernels
+from inferd.models.kernels import NativeKernels
+
 _TIERS = ("unit", "integration", "e2e")
 _ROOT = Path(__file__).parent
 
@@ -17,3 +21,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = Path(item.path).relative_to(_ROOT).parts[0]
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> NativeKernels:
+    """The native CPU kernel library (built on first use), or the test is skipped saying why."""
+    try:
+        return kernels.load(read_environment().cache_dir)
+    except kernels.KernelUnavailable as e:
+        pytest.skip(f"native kernels unavailable here: {e}")

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferd.config import read_environment
 from inferd.errors import ModelLoadError
 from inferd.models import kernels
 from inferd.models.kernels.gemv import Gemv
@@ -114,11 +113,8 @@ def test_padded_rows_bound_the_shapes_onednn_meets() -> None:
 
 
 @pytest.fixture(scope="module")
-def gemv() -> Gemv:
-    try:
-        return kernels.load(read_environment().cache_dir).gemv
-    except kernels.KernelUnavailable as e:
-        pytest.skip(f"native kernels unavailable here: {e}")
+def gemv(native_kernels: kernels.NativeKernels) -> Gemv:
+    return native_kernels.gemv
 
 
 class _Counting(Gemv):

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferd.config import read_environment
 from inferd.models import kernels
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.rope import apply_rotary
@@ -25,11 +24,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def ops() -> FusedOps:
-    try:
-        return kernels.load(read_environment().cache_dir).ops
-    except kernels.KernelUnavailable as e:
-        pytest.skip(f"native kernels unavailable here: {e}")
+def ops(native_kernels: kernels.NativeKernels) -> FusedOps:
+    return native_kernels.ops
 
 
 def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> Tensor:

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferd.config import read_environment
 from inferd.models import kernels
 from inferd.models.kernels.gemv import Gemv
 
@@ -19,11 +18,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def gemv() -> Gemv:
-    try:
-        return kernels.load(read_environment().cache_dir).gemv
-    except kernels.KernelUnavailable as e:
-        pytest.skip(f"native kernels unavailable here: {e}")
+def gemv(native_kernels: kernels.NativeKernels) -> Gemv:
+    return native_kernels.gemv
 
 
 def _rand(*shape: int, dtype: torch.dtype, seed: int) -> Tensor:

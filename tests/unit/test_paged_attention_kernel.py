@@ -18,11 +18,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedAttentionKernel:
-    try:
-        return kernels.load(read_environment().cache_dir).attention
-    except kernels.KernelUnavailable as e:
-        pytest.skip(f"kernel unavailable here: {e}")
+def kernel(native_kernels: kernels.NativeKernels) -> PagedAttentionKernel:
+    return native_kernels.attention
 
 
 def _case(
