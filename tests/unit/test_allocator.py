@@ -32,11 +32,12 @@ def test_freed_activations_are_not_faulted_back_in() -> None:
     # Without the change glibc's adaptive trim threshold (twice the largest block freed) is below
     # the two blocks freed together, so each step gives them back and faults them in again:
     # 12,288 faults (4 KiB pages) per step of two 24 MiB blocks, 61,280 over 5 steps, measured.
-    # With it none once the heap holds them (in a busy process that can take one more step).
+    # With it none once the heap has grown to hold them; in a busy process (pytest) that took up
+    # to 2 steps' worth more after the warm-up, so the bound is a quarter of the 10 steps'.
     nbytes = 24 << 20
     per_step = 2 * nbytes // 4096
-    _faults_of_steps(nbytes, 2)
-    assert _faults_of_steps(nbytes, 5) < 2 * per_step
+    _faults_of_steps(nbytes, 3)
+    assert _faults_of_steps(nbytes, 10) < 10 * per_step // 4
 
 
 def test_other_devices_are_left_alone() -> None:
