@@ -22,7 +22,6 @@ from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models import kernels
 from inferd.models.attention import AttentionMetadata, PrefillSpan
 from inferd.models.config import ArchConfig
-from inferd.models.kernels import NativeKernels
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, make_generator
@@ -55,7 +54,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cache: CacheConfig,
-        native: NativeKernels | None,
+        native: kernels.NativeKernels | None,
     ) -> None:
         """`native`: the native CPU kernels (kernels.select), None for the PyTorch path."""
         self.model = model

@@ -197,8 +197,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused: FusedOps | None = None
-        # How the linear layers multiply (set with the fused ops, after the weights are prepared).
-        self.linear_kind: LinearKind = "dense"
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
@@ -210,12 +208,19 @@ class LlamaModel(nn.Module):
             rope = self.rotary_emb.cos_sin(positions)
             step = Step(positions, meta, t, t, None, self.rotary_emb, rope)
         else:
-            rows = padded_rows(self.linear_kind, t)
+            rows = padded_rows(self._linear_kind(), t)
             step = Step(positions, meta, t, rows, fused, self.rotary_emb)
         residual: Tensor | None = None
         for layer in self.layers:
             h, residual = layer(step, h, residual)
         return self.norm.add_norm(step, h, residual, pad=False)[0]
+
+    def _linear_kind(self) -> LinearKind:
+        """How the linear layers multiply: all are prepared alike (linear.prepare_linears), so
+        the first one's kind says how many rows their GEMMs run."""
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        return first.self_attn.qkv_proj.kind
 
 
 class LlamaForCausalLM(nn.Module):
@@ -244,7 +249,6 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager)."""
         self.model.fused = ops
-        self.model.linear_kind = self.lm_head.kind
 
     def checkpoint_layout(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> where it lands, for every tensor the checkpoint must hold."""

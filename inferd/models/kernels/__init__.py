@@ -85,7 +85,7 @@ class PagedBatch:
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library: its attention kernel and its fused elementwise ops."""
+    """The loaded library: its attention kernel, fused elementwise ops and small-batch GEMV."""
 
     path: Path
     attention: PagedAttentionKernel

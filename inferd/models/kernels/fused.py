@@ -64,7 +64,7 @@ class FusedOps:
             dim,
             eps,
         )
-        _ok(rc, "rms_norm")
+        check_rc(rc, "rms_norm")
         return out
 
     def silu_mul(self, gate_up: Tensor, out_rows: int | None = None) -> Tensor:
@@ -75,7 +75,7 @@ class FusedOps:
         rc = self._silu(
             out.data_ptr(), gate_up.data_ptr(), DTYPE_CODES[gate_up.dtype], rows, width // 2
         )
-        _ok(rc, "silu_mul")
+        check_rc(rc, "silu_mul")
         return out
 
     def rope_qkv(
@@ -129,7 +129,7 @@ class FusedOps:
             plane_slots,
             slot_mapping.data_ptr(),
         )
-        _ok(rc, "rope_qkv")
+        check_rc(rc, "rope_qkv")
         return q
 
 
@@ -147,7 +147,8 @@ def padded_empty(rows: int, out_rows: int, shape: tuple[int, ...], dtype: torch.
     return out
 
 
-def _ok(rc: int, name: str) -> None:
+def check_rc(rc: int, name: str) -> None:
+    """Raises for a native kernel's nonzero return code (-2: an index out of range)."""
     if rc == -2:
         raise IndexError(f"{name}: a position or KV slot is out of range")
     if rc != 0:

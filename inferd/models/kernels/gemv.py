@@ -12,7 +12,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from inferd.models.kernels.fused import DTYPE_CODES
+from inferd.models.kernels.fused import DTYPE_CODES, check_rc
 
 
 class Gemv:
@@ -38,7 +38,9 @@ class Gemv:
             raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
         if not weight.is_contiguous() or x.stride(1) != 1:
             raise ValueError("gemv needs a contiguous weight and unit-stride rows of x")
-        if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        if bias is not None and (
+            bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()
+        ):
             raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
         y = torch.empty(rows, n, dtype=dtype)
         rc = self._fn(
@@ -48,11 +50,10 @@ class Gemv:
             weight.data_ptr(),
             n,
             k,
-            None if bias is None else bias.contiguous().data_ptr(),
+            None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             n,
             DTYPE_CODES[dtype],
         )
-        if rc != 0:
-            raise RuntimeError(f"inferd_gemv failed ({rc})")
+        check_rc(rc, "gemv")
         return y
