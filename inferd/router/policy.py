@@ -27,6 +27,9 @@ no-sharing bursts), to those owning less than one prompt's blocks above the fewe
 idle, and evicted its groups), to the one with the highest rendezvous weight (`affinity`, a stable
 hash of the prompt's first block and the replica's name): routers that share no state then place
 a new group on the same replica whenever they see the same eligible replicas, without talking.
+Prompts that share nothing need no agreement: once each of the last `unique_window` (32) prompts
+found no cached prefix anywhere, a new prompt goes exactly where least-load would send it (the
+least loaded, ties in turn) until a prompt hits again (`sharing_seen`).
 Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
 third replica.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -119,12 +123,15 @@ class CacheAware:
         rel_threshold: float = 1.5,
         cold_margin: int = 256,
         block_size: int = 16,
+        unique_window: int = 32,
     ) -> None:
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.cold_margin = cold_margin
         self.block_size = block_size
         self._ties = _Rotation()
+        # Whether each of the last `unique_window` prompts found no cached prefix anywhere.
+        self._recent_cold: deque[bool] = deque(maxlen=max(unique_window, 1))
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
         lo, hi = min(loads), max(loads)
@@ -143,14 +150,27 @@ class CacheAware:
         order = [candidates[i] for i in ranked]
         low = min(c.load for c in candidates)
         most = max(c.cached_tokens for c in candidates)
+        sharing = self.sharing_seen()
+        self._recent_cold.append(most == 0)
         if most == 0:
-            return _decision(order, "cold", self._cold(order, low, prompt_tokens))
+            chosen = self._cold(order, low, prompt_tokens) if sharing else order[0]
+            return _decision(order, "cold", chosen)
         pool = order
         if self.imbalanced([c.load for c in candidates]):
             pool = [c for c in order if c.load <= low + self.abs_threshold]
         chosen = pool[0]
         outcome: Outcome = "cache_hit" if chosen.cached_tokens == most else "spill"
         return _decision(order, outcome, chosen)
+
+    def sharing_seen(self) -> bool:
+        """Whether a prompt nobody holds may be the first of a group that will follow: true
+        unless each of the last `unique_window` prompts found no cached prefix anywhere (and
+        until that many were routed). A router serving prompts that share nothing gains
+        nothing from placing them by hash (routers agreeing on a group's replica), and pays
+        for it in queueing: such prompts go where least-load sends them (`order[0]`: the least
+        loaded, ties in turn), until one prompt finds a cached prefix again."""
+        window = self._recent_cold
+        return len(window) < (window.maxlen or 0) or not all(window)
 
     def cold_window(self, low: int) -> int:
         """How far above the least loaded replica's load (`low`) a new prompt may still go.

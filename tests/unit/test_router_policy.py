@@ -126,6 +126,34 @@ def test_once_every_replica_is_past_the_cold_margin_a_new_prompt_goes_to_the_lea
     assert len({CacheAware().choose(affine(key, light), 1088).replica for key in range(50)}) == 3
 
 
+def test_after_a_run_of_prompts_sharing_nothing_new_prompts_go_where_least_load_sends_them() -> (
+    None
+):
+    # Routed in step with a LeastLoad (the same tie rotation): while the window fills, the
+    # hash places new prompts among the lightly loaded; once the last 8 all found nothing
+    # cached anywhere, each goes exactly where least-load sends it.
+    policy, least = CacheAware(unique_window=8), LeastLoad()
+    light = {"a": 0, "b": 0, "c": 96, "d": 2176}
+
+    def both(key: int) -> tuple[str, str]:
+        cands = affine(key, light)
+        return policy.choose(cands, 1088).replica, least.choose(cands, 1088).replica
+
+    first = [both(key) for key in range(8)]
+    assert any(mine != theirs for mine, theirs in first)  # the hash, not least-load
+    assert all(mine == theirs for mine, theirs in (both(key) for key in range(8, 40)))
+    assert not policy.sharing_seen()
+    # One prompt finds a cached prefix: new prompts may start groups again, the hash decides.
+    hit = [Candidate("a", 0), Candidate("b", 0, 64), Candidate("c", 96), Candidate("d", 2176)]
+    assert policy.choose(hit, 1088).outcome == "cache_hit"
+    least.choose(hit, 1088)
+    assert policy.sharing_seen()
+    again = CacheAware(unique_window=8)
+    assert [policy.choose(affine(k, light), 1088).replica for k in range(7)] == [
+        again.choose(affine(k, light), 1088).replica for k in range(7)
+    ]
+
+
 def test_round_robin_and_least_load() -> None:
     rr = RoundRobin()
     cands = [Candidate("a", 5), Candidate("b", 1), Candidate("c", 3)]
