@@ -65,8 +65,7 @@ def add_router_parser(sub: Any) -> None:
         type=int,
         default=d["cold_margin_tokens"],
         help="a prompt no replica holds goes among the replicas within this many tokens of load "
-        "of the least loaded, by a rendezvous hash of its first block (to the least loaded once "
-        "even its load exceeds this)",
+        "of the least loaded, by a rendezvous hash of its first block",
     )
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"])
     p.add_argument("--max-retries", type=int, default=d["max_retries"])

@@ -34,8 +34,6 @@ class RouterConfig:
     # (router/policy.py): small, so it balances like least_load, but a few decoding sequences
     # wide, so new groups still spread by index size (at 32 the least loaded replica takes
     # them whatever it holds) and routers sharing no state see the same eligible replicas.
-    # Only while the least loaded replica's own load is within it; past that, every replica
-    # is queueing and a new prompt goes to the least loaded (CacheAware.cold_window).
     cold_margin_tokens: int = 256
     # Whether the router sees each answer's first byte (the end of its prefill). Ray Serve's
     # request router does not: a request counts as prefilling until it ends there, too long to

@@ -19,10 +19,7 @@ prompt's prefix until it evicted it (`home_tokens`, from the replicas' own cache
 if that one is within one prompt's tokens of the least loaded: a group whose blocks were evicted
 comes back to re-cache where it lived, instead of scattering over the cluster. Otherwise it goes
 among the replicas within `cold_margin` tokens of the least loaded (a new prompt is least-load's
-business: no cache to weigh) while that one has headroom (its own load within the margin), and
-to the least loaded itself once every replica is past the margin (all are queueing: a prompt
-then waits wherever it goes, and least-load's choice is where it waits least; bench/router.py's
-no-sharing bursts), to those owning less than one prompt's blocks above the fewest
+business: no cache to weigh), to those owning less than one prompt's blocks above the fewest
 (SGLang's "smallest tree"; llm-d-router#346: new groups piled onto the replica that happened to be
 idle, and evicted its groups), to the one with the highest rendezvous weight (`affinity`, a stable
 hash of the prompt's first block and the replica's name): routers that share no state then place
@@ -172,24 +169,14 @@ class CacheAware:
         window = self._recent_cold
         return len(window) < (window.maxlen or 0) or not all(window)
 
-    def cold_window(self, low: int) -> int:
-        """How far above the least loaded replica's load (`low`) a new prompt may still go.
-        `cold_margin` while that replica has headroom (`low <= cold_margin`: it could start
-        the prompt at once, so a few more sequences decoding elsewhere cost little, and the
-        rendezvous hash may choose). 0 once every replica carries more than that (each has a
-        prefill queued, or many sequences): the prompt waits wherever it goes, so it goes where
-        it waits least, least-load's choice; exact ties still go by the hash."""
-        return self.cold_margin if low <= self.cold_margin else 0
-
     def _cold(self, order: Sequence[Candidate], low: int, prompt_tokens: int) -> Candidate:
         """A prompt nobody holds: its former home if load allows, else the rendezvous winner
-        among the replicas within `cold_window` of the least loaded that have room. `order`
-        is the cost order, whose rotating ties decide when no affinity does (a prompt shorter
-        than one block has none)."""
+        among the lightly loaded replicas with room. `order` is the cost order, whose rotating
+        ties decide when no affinity does (a prompt shorter than one block has none)."""
         homes = [c for c in order if c.home_tokens and c.load <= low + prompt_tokens]
         if homes:
             return max(homes, key=lambda c: c.home_tokens)  # stable: the first of equals
-        near = [c for c in order if c.load <= low + self.cold_window(low)]
+        near = [c for c in order if c.load <= low + self.cold_margin]
         # Less than one more prompt's worth of blocks than the fewest: no replica takes a second
         # new group while another has room for its first.
         slack = max(prompt_tokens // self.block_size - 1, 0)
