@@ -25,8 +25,9 @@ idle, and evicted its groups), to the one with the highest rendezvous weight (`a
 hash of the prompt's first block and the replica's name): routers that share no state then place
 a new group on the same replica whenever they see the same eligible replicas, without talking.
 Prompts that share nothing need no agreement: once each of the last `unique_window` (32) prompts
-found no cached prefix anywhere, a new prompt goes exactly where least-load would send it (the
-least loaded, ties in turn) until a prompt hits again (`sharing_seen`).
+found no replica holding or having held any of it (no cached tokens, no home), a new prompt goes
+exactly where least-load would send it (the least loaded, ties in turn) until one is found again
+(`sharing_seen`).
 Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
 third replica.
 """
@@ -127,8 +128,8 @@ class CacheAware:
         self.cold_margin = cold_margin
         self.block_size = block_size
         self._ties = _Rotation()
-        # Whether each of the last `unique_window` prompts found no cached prefix anywhere.
-        self._recent_cold: deque[bool] = deque(maxlen=max(unique_window, 1))
+        # Whether each of the last `unique_window` prompts was unknown to every replica.
+        self._recent_unknown: deque[bool] = deque(maxlen=max(unique_window, 1))
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
         lo, hi = min(loads), max(loads)
@@ -148,10 +149,9 @@ class CacheAware:
         low = min(c.load for c in candidates)
         most = max(c.cached_tokens for c in candidates)
         sharing = self.sharing_seen()
-        self._recent_cold.append(most == 0)
+        self._recent_unknown.append(most == 0 and not any(c.home_tokens for c in candidates))
         if most == 0:
-            chosen = self._cold(order, low, prompt_tokens) if sharing else order[0]
-            return _decision(order, "cold", chosen)
+            return _decision(order, "cold", self._cold(order, low, prompt_tokens, sharing))
         pool = order
         if self.imbalanced([c.load for c in candidates]):
             pool = [c for c in order if c.load <= low + self.abs_threshold]
@@ -161,21 +161,28 @@ class CacheAware:
 
     def sharing_seen(self) -> bool:
         """Whether a prompt nobody holds may be the first of a group that will follow: true
-        unless each of the last `unique_window` prompts found no cached prefix anywhere (and
-        until that many were routed). A router serving prompts that share nothing gains
-        nothing from placing them by hash (routers agreeing on a group's replica), and pays
-        for it in queueing: such prompts go where least-load sends them (`order[0]`: the least
-        loaded, ties in turn), until one prompt finds a cached prefix again."""
-        window = self._recent_cold
+        unless each of the last `unique_window` prompts was unknown to every replica (no cached
+        tokens and no home: none held any of it, or evicted it; and until that many were
+        routed). A router serving prompts that share nothing gains nothing from placing them
+        by hash (routers agreeing on a group's replica), and pays for it in queueing: such
+        prompts go where least-load sends them (`order[0]`: the least loaded, ties in turn),
+        until a prompt is known again. Evicted groups leave homes, so a thrashing cluster
+        (misses, but on prompts seen before) never looks like one serving unique prompts."""
+        window = self._recent_unknown
         return len(window) < (window.maxlen or 0) or not all(window)
 
-    def _cold(self, order: Sequence[Candidate], low: int, prompt_tokens: int) -> Candidate:
-        """A prompt nobody holds: its former home if load allows, else the rendezvous winner
-        among the lightly loaded replicas with room. `order` is the cost order, whose rotating
-        ties decide when no affinity does (a prompt shorter than one block has none)."""
+    def _cold(
+        self, order: Sequence[Candidate], low: int, prompt_tokens: int, sharing: bool = True
+    ) -> Candidate:
+        """A prompt nobody holds: its former home if load allows, else (`sharing`: prompts may
+        start groups) the rendezvous winner among the lightly loaded replicas with room, or
+        (no sharing seen) the least loaded. `order` is the cost order, whose rotating ties
+        decide when no affinity does (a prompt shorter than one block has none)."""
         homes = [c for c in order if c.home_tokens and c.load <= low + prompt_tokens]
         if homes:
             return max(homes, key=lambda c: c.home_tokens)  # stable: the first of equals
+        if not sharing:
+            return order[0]
         near = [c for c in order if c.load <= low + self.cold_margin]
         # Less than one more prompt's worth of blocks than the fewest: no replica takes a second
         # new group while another has room for its first.

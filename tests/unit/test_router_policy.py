@@ -133,6 +133,14 @@ def test_after_a_run_of_prompts_sharing_nothing_new_prompts_go_where_least_load_
     assert [policy.choose(affine(k, light), 1088).replica for k in range(7)] == [
         again.choose(affine(k, light), 1088).replica for k in range(7)
     ]
+    # Misses on prompts the replicas held before (a thrashing cluster: homes, no cached
+    # tokens) are not prompts that share nothing: the hash keeps placing groups.
+    thrash = CacheAware(unique_window=8)
+    for key in range(20):
+        cands = affine(key, light)
+        cands[3] = Candidate("d", 2176, 0, 0, home_tokens=64, affinity=rendezvous(key, "d"))
+        assert thrash.choose(cands, 1088).outcome == "cold"
+    assert thrash.sharing_seen()
 
 
 def test_round_robin_and_least_load() -> None:
