@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/fused_ops.py --shape llama-32m --rounds 3
     .venv/bin/python bench/fused_ops.py --shape qwen2-0.5b-shape --rounds 1
+    .venv/bin/python bench/fused_ops.py --dtypes float32 --quantization int8   # the int8 GEMV
 
 One `LLM` (random weights, prefix caching off so every round computes every prompt) runs the same
 workload in three variants, in turn:
 
     native    the fused elementwise kernels and the small-batch GEMV (the engine's default)
-    no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM
+    no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM (with
+              `--quantization int8`: on fbgemm's int8 GEMM)
     eager     neither: eager PyTorch elementwise ops, oneDNN for every linear layer
 
 The native attention kernel runs in all three. Alternating inside one process makes a slow spell
@@ -62,6 +64,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         model=str(folder),
         dtype=dtype,
         small_batch_gemv="on",
+        quantization=args.quantization,
         load_format="dummy",
         num_threads=args.threads,
         seed=args.seed,
@@ -105,8 +108,9 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             m.use_gemv(native.gemv)
         results[kind] = {name: {"tok_s": t, "cpu_ms_per_token": c} for name, (t, c) in best.items()}
         a, f, e = best["native"], best["no_gemv"], best["eager"]
+        label = f"{dtype}+{args.quantization}" if args.quantization else dtype
         print(
-            f"{args.shape} {dtype} {kind:6s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
+            f"{args.shape} {label} {kind:6s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
             f"   no_gemv {f[0]:8.1f} ({f[1]:.2f})   eager {e[0]:8.1f} ({e[1]:.2f})"
             f"   gemv {a[0] / f[0]:.2f}x  fused {f[0] / e[0]:.2f}x"
         )
@@ -120,6 +124,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["int8"], default=None, help="weight quantization")
     args = p.parse_args()
     out = {dtype: measure(args, dtype) for dtype in args.dtypes.split(",")}
     path = default_result_path("fused_ops", args.shape)

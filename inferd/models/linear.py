@@ -20,13 +20,15 @@ Only the kernel's own copy of the weight is kept: the dense `weight` parameter i
 tensor of the same dtype) unless another module shares it (tied embeddings), or unless the native
 GEMV serves the few-row batches:
 
-- small-batch GEMV (`onednn` only, `DeviceConfig.small_batch_gemv`): batches of at most
+- small-batch GEMV (`onednn` and `int8`, `DeviceConfig.small_batch_gemv`): batches of at most
   `GEMV_MAX_ROWS` rows (a single stream's decode step, two streams) run the native kernel of
-  `kernels/gemv.cpp` on the plain row-major weight, which streams it from memory faster than
+  `kernels/gemv.cpp` on a plain row-major weight, which streams it from memory faster than
   oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
   1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
   docs/benchmarks.md). It needs the plain weight kept beside the packed one: one more copy of every
-  linear weight. `auto` keeps it when that copy is at most a quarter of the machine's memory.
+  linear weight (for `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x
+  from their own range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto`
+  keeps it when that copy is at most a quarter of the machine's memory.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch import Tensor, nn
 
 from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
-from inferd.models.kernels.gemv import Gemv
+from inferd.models.kernels.gemv import Gemv, Int8Weight
 
 logger = logging.getLogger("inferd.models")
 
@@ -68,33 +70,52 @@ class Linear(nn.Module):
         self.kind: LinearKind = "dense"
         # Set by prepare(); None: F.linear on the dense weight.
         self._fn: LinearFn | None = None
-        # Set by use_gemv(): batches of at most GEMV_MAX_ROWS rows on the kept dense weight.
+        # Set by use_gemv(): batches of at most GEMV_MAX_ROWS rows on the kept plain weight.
         self._gemv: Gemv | None = None
+        # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
+        self._w8: Int8Weight | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         if self._gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            if self._w8 is not None:
+                return self._gemv.int8(x, self._w8)
             return self._gemv(x, self.weight, self.bias)
         if self._fn is None:
             return F.linear(x, self.weight, self.bias)
         return self._fn(x)
 
-    def prepare(self, kind: LinearKind, keep_dense: bool) -> None:
-        """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`."""
+    def prepare(self, kind: LinearKind, keep_dense: bool, keep_plain: bool = False) -> None:
+        """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`.
+        `keep_plain`: also keep the plain weight the small-batch GEMV reads (the dense one for
+        `onednn`, an int8 row-major copy for `int8`)."""
         self._gemv = None
+        self._w8 = None
         if kind == "dense":
             self._fn, self.kind = None, kind
             return
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()
-        self._fn = _BUILDERS[kind](weight, bias)
+        if kind == "int8":
+            q, scale = quantize_int8(weight)
+            self._fn = _int8(q, scale, bias)
+            if keep_plain:
+                self._w8 = Int8Weight.of(q, scale, bias)
+        else:
+            self._fn = _onednn(weight, bias)
+            keep_dense = keep_dense or keep_plain
         self.kind = kind
         if not keep_dense:
             self.weight = nn.Parameter(weight.new_empty((0, self.in_features)), False)
 
     def use_gemv(self, gemv: Gemv | None) -> None:
-        """Few-row batches on `gemv` (None: on the prepared kernel). Needs the dense weight kept."""
-        if gemv is not None and self.weight.shape[0] != self.out_features:
-            raise ValueError("use_gemv needs the dense weight: prepare(kind, keep_dense=True)")
+        """Few-row batches on `gemv` (None: on the prepared kernel). Needs the plain weight kept
+        (prepare(kind, ..., keep_plain=True))."""
+        if self.kind == "int8":
+            plain = self._w8 is not None
+        else:
+            plain = self.weight.shape[0] == self.out_features
+        if gemv is not None and not plain:
+            raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
 
 
@@ -111,6 +132,8 @@ class Linear(nn.Module):
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 # The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four).
 GEMV_MAX_ROWS = 2
+# The kinds whose few-row batches the GEMV takes (both pack their weights for their own GEMM).
+GEMV_KINDS = ("onednn", "int8")
 _LARGE_STEP = 128
 _ONEDNN_CHUNK = 2048
 
@@ -152,18 +175,24 @@ def _onednn(weight: Tensor, bias: Tensor | None) -> LinearFn:
     return run
 
 
-def _int8(weight: Tensor, bias: Tensor | None) -> LinearFn:
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(q int8 [out, in], scale float32 [out]): a symmetric scale per output row, W ~ q * scale."""
     w = weight.float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int8(q: Tensor, scale: Tensor, bias: Tensor | None) -> LinearFn:
+    zero = torch.zeros(q.shape[0], dtype=torch.long)
     with warnings.catch_warnings():
         # Quantized tensors are deprecated as a user-facing type; fbgemm's prepacked linear is
         # still the fastest int8 GEMM reachable from PyTorch on CPU, and this is its input.
         warnings.simplefilter("ignore", UserWarning)
-        qweight = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
+        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
     packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
     op = torch.ops.quantized.linear_dynamic.default
-    out_features = weight.shape[0]
+    out_features = q.shape[0]
 
     def run(x: Tensor) -> Tensor:
         if x.shape[0] == 0:
@@ -173,12 +202,6 @@ def _int8(weight: Tensor, bias: Tensor | None) -> LinearFn:
         return op(x.float(), packed, False).to(x.dtype)
 
     return run
-
-
-_BUILDERS: dict[str, Callable[[Tensor, Tensor | None], LinearFn]] = {
-    "onednn": _onednn,
-    "int8": _int8,
-}
 
 
 def resolve_linear_kind(
@@ -223,9 +246,9 @@ def prepare_linears(model: nn.Module, kind: LinearKind, gemv: Gemv | None = None
     with `gemv` (for `onednn`), few-row batches run it on every dense weight, all kept."""
     shared = _shared_weights(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    gemv = gemv if kind == "onednn" else None
+    gemv = gemv if kind in GEMV_KINDS else None
     for m in linears:
-        m.prepare(kind, keep_dense=gemv is not None or id(m.weight) in shared)
+        m.prepare(kind, keep_dense=id(m.weight) in shared, keep_plain=gemv is not None)
         m.use_gemv(gemv)
     if kind == "onednn":
         _warm_up(linears)
@@ -239,16 +262,16 @@ def small_batch_gemv(
 ) -> Gemv | None:
     """The GEMV the linear layers of `model` should use for few-row batches, or None.
 
-    `gemv` is the loaded native kernel (None when the kernels do not run here). Only the oneDNN
-    kind packs its weights, so only it gains from a plain copy; `auto` keeps that copy when it
+    `gemv` is the loaded native kernel (None when the kernels do not run here). Only the kinds
+    that pack their weights (oneDNN, int8) gain from a plain copy; `auto` keeps that copy when it
     takes at most a quarter of physical memory, `on` always (an error without the kernels)."""
-    if mode == "off" or kind != "onednn":
+    if mode == "off" or kind not in GEMV_KINDS:
         return None
     if gemv is None:
         if mode == "on":
             raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
         return None
-    extra = plain_copy_bytes(model)
+    extra = plain_copy_bytes(model, kind)
     limit = _physical_memory_bytes() // 4
     if mode == "auto" and extra > limit:
         logger.info(
@@ -259,10 +282,13 @@ def small_batch_gemv(
     return gemv
 
 
-def plain_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the dense weights the small-batch GEMV keeps that would otherwise be freed."""
-    shared = _shared_weights(model)
+def plain_copy_bytes(model: nn.Module, kind: LinearKind = "onednn") -> int:
+    """Bytes the small-batch GEMV's plain weights add: for `onednn` the dense weights that would
+    otherwise be freed, for `int8` an int8 copy of every weight."""
     linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
+    if kind == "int8":
+        return sum(w.numel() for w in linears.values())
+    shared = _shared_weights(model)
     return sum(w.numel() * w.element_size() for k, w in linears.items() if k not in shared)
 
 

@@ -23,7 +23,7 @@ from inferd.config import EngineConfig  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
-from inferd.models.kernels.gemv import Gemv  # noqa: E402
+from inferd.models.kernels.gemv import Gemv, Int8Weight  # noqa: E402
 from inferd.models.linear import has_int8_gemm  # noqa: E402
 
 BASE = dict(
@@ -122,15 +122,20 @@ def _params(n: int) -> SamplingParams:
 
 
 def _count_gemv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls of the small-batch GEMV kernel (the real one runs)."""
+    """Counts calls of the small-batch GEMV kernel, float and int8 (the real one runs)."""
     calls = [0]
-    real = Gemv.__call__
+    real, real_int8 = Gemv.__call__, Gemv.int8
 
     def counting(self: Gemv, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         calls[0] += 1
         return real(self, x, w, b)
 
+    def counting_int8(self: Gemv, x: torch.Tensor, w: Int8Weight) -> Any:
+        calls[0] += 1
+        return real_int8(self, x, w)
+
     monkeypatch.setattr(Gemv, "__call__", counting)
+    monkeypatch.setattr(Gemv, "int8", counting_int8)
     return calls
 
 
@@ -278,7 +283,7 @@ def _first_logprobs(
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
-def test_int8_weights_run_the_workload(tmp_path: Path) -> None:
+def test_int8_weights_run_the_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # int8 weights and dynamically quantized activations through continuous batching, chunked
     # prefill and preemption. Greedy continuations part ways at the first flipped near-tie (the
     # logit-level agreement is pinned in test_models_vs_hf.py); the first tokens, computed from
@@ -286,9 +291,12 @@ def test_int8_weights_run_the_workload(tmp_path: Path) -> None:
     path = _make_checkpoint("llama", tmp_path)
     work = _workload(seed=5)
     ref = _tokens(_run(_engine(path), work))
+    gemv_calls = _count_gemv_calls(monkeypatch)
     engine = _engine(path, quantization="int8")
     assert engine.model.lm_head.kind == "int8"
     got = _tokens(_run(engine, work))
+    if kernel_available():  # the last requests decode alone, on the int8 GEMV
+        assert gemv_calls[0] > 0, "the int8 small-batch GEMV did not run"
     assert {rid: len(t) for rid, t in got.items()} == {rid: len(t) for rid, t in ref.items()}
     first = sum(got[rid][0] == ref[rid][0] for rid in ref)
     print(f"int8: first tokens agree for {first} of {len(ref)} requests")

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from inferd.errors import ModelLoadError
 from inferd.models import kernels
-from inferd.models.kernels.gemv import Gemv
+from inferd.models.kernels.gemv import Gemv, Int8Weight
 from inferd.models.linear import (
     GEMV_MAX_ROWS,
     ROW_BUCKETS,
@@ -128,6 +128,10 @@ class _Counting(Gemv):
         self.calls += 1
         return super().__call__(x, weight, bias)
 
+    def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
+        self.calls += 1
+        return super().int8(x, w)
+
 
 @onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -148,14 +152,43 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
+def test_int8_few_rows_run_the_gemv_on_an_int8_copy(gemv: Gemv) -> None:
+    m = _linear(True)
+    weight, bias = m.weight.detach().clone(), m.bias.detach().clone()  # type: ignore[union-attr]
+    batched = _linear(True)
+    batched.load_state_dict(m.state_dict())
+    counting = _Counting(gemv)
+    prepare_linears(m, "int8", counting)
+    prepare_linears(batched, "int8")
+    assert m.weight.numel() == 0, "the float weight is freed; the GEMV reads int8"
+    with torch.inference_mode():
+        for rows in range(0, 6):
+            x = torch.randn(rows, 96)
+            before = counting.calls
+            got = m(x)
+            assert counting.calls - before == (1 if 0 < rows <= GEMV_MAX_ROWS else 0), rows
+            if rows == 0:
+                continue
+            # Both quantize the weight alike and x from its own range (the GEMV per row,
+            # fbgemm over the batch): close to each other and to the float layer.
+            ref = F.linear(x, weight, bias)
+            assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.05
+            assert ((got - batched(x)).abs().max() / ref.abs().max()).item() < 0.05
+
+
 @onednn
-def test_gemv_needs_the_dense_weight(gemv: Gemv) -> None:
+def test_gemv_needs_the_plain_weight(gemv: Gemv) -> None:
     m = _linear(False)
     prepare_linears(m, "onednn")
-    with pytest.raises(ValueError, match="dense weight"):
+    with pytest.raises(ValueError, match="plain weight"):
         m.use_gemv(gemv)
-    prepare_linears(m := _linear(False), "int8" if has_int8_gemm() else "dense", gemv)
-    assert m._gemv is None, "only the packed oneDNN kind takes the GEMV"
+    prepare_linears(m := _linear(False), "dense", gemv)
+    assert m._gemv is None, "only the packed kinds (oneDNN, int8) take the GEMV"
+    if has_int8_gemm():
+        prepare_linears(m := _linear(False), "int8")
+        with pytest.raises(ValueError, match="plain weight"):
+            m.use_gemv(gemv)
 
 
 def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,8 +196,9 @@ def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) ->
 
     m = torch.nn.ModuleList([_linear(False), _linear(True)])
     assert linear.plain_copy_bytes(m) == 2 * 64 * 96 * 4
+    assert linear.plain_copy_bytes(m, "int8") == 2 * 64 * 96  # a byte per weight
     assert small_batch_gemv("off", "onednn", gemv, m) is None
-    assert small_batch_gemv("auto", "int8", gemv, m) is None
+    assert small_batch_gemv("auto", "int8", gemv, m) is gemv
     assert small_batch_gemv("auto", "dense", gemv, m) is None
     assert small_batch_gemv("auto", "onednn", None, m) is None  # no native kernels: quietly off
     with pytest.raises(ModelLoadError, match="native"):

@@ -2,6 +2,11 @@
 //
 //   inferd_gemv   x [rows, x_stride], W [n, k] row-major contiguous, b [n] or null,
 //                 y [rows, y_stride]; all in one dtype (float32 or bfloat16), float32 arithmetic
+//   inferd_gemv_int8  the same over an int8 W with one float32 scale per output row (symmetric,
+//                 as `--quantization int8` quantizes), its rows' integer sums, a float32 bias;
+//                 x and y in the model dtype. Each x row is quantized to uint8 from its own range
+//                 (asymmetric, like the batched int8 GEMM's dynamic activations) and the dot
+//                 products run on VNNI (u8 x s8 summed in int32); y = sx * sw * (dot - zx * sum w)
 //
 // Why: a single stream (and any decode step of a few sequences) reads every weight once per token
 // and does almost no arithmetic with it, so its speed is the rate the weights stream from memory.
@@ -22,8 +27,10 @@
 // (as oneDNN's bf16 matmul rounds its float32 accumulator).
 #include <omp.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -107,6 +114,109 @@ int dispatch(const void* x, int64_t rows, int64_t x_stride, const void* w, int64
   }
 }
 
+// ---- int8 weights ----------------------------------------------------------------------------
+
+// x row [k] (model dtype) -> q [kpad] uint8 (zero past k), its scale and zero point: the range
+// [min(x, 0), max(x, 0)] over 0..255, values rounded to nearest even, as a dynamic int8 GEMM
+// quantizes its activations.
+inline void quantize_row(const void* x, int dtype, int64_t k, int64_t kpad, uint8_t* q,
+                         float* scale, int32_t* zero) {
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 v = load16m(byte_at(x, i, esz), dtype, tail_mask(k - i));
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
+  float s = (mx - mn) / 255.0f;
+  if (!(s > 0.0f)) s = 1.0f;  // an all-zero row: every value quantizes to the zero point
+  int32_t z = static_cast<int32_t>(std::nearbyint(-mn / s));
+  z = z < 0 ? 0 : z > 255 ? 255 : z;
+  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  const __m512i vz = _mm512_set1_epi32(z), v0 = _mm512_setzero_si512(),
+                v255 = _mm512_set1_epi32(255);
+  for (int64_t i = 0; i < kpad; i += 16) {
+    const __mmask16 m = i < k ? tail_mask(k - i) : 0;
+    const __m512 v = load16m(byte_at(x, i, esz), dtype, m);
+    __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), vz);
+    r = _mm512_min_epi32(_mm512_max_epi32(r, v0), v255);
+    r = _mm512_maskz_mov_epi32(m, r);  // padding stays 0, so it adds nothing to the dot
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
+  }
+  *scale = s;
+  *zero = z;
+}
+
+struct Int8Rows {
+  const uint8_t* q;  // [R][kpad]
+  int64_t kpad;
+  float scale[kMaxRows];
+  int32_t zero[kMaxRows];
+};
+
+// y[r, n0 .. n0 + NB) from 64 int8 weights a step (one vpdpbusd each per x row).
+template <int R, int NB, int DT>
+inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const float* w_scale,
+                       const int32_t* w_sum, const float* bias, void* y, int64_t y_stride,
+                       int64_t n0) {
+  __m512i acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_si512();
+  const int8_t* wrow[NB];
+  for (int j = 0; j < NB; ++j) wrow[j] = w + (n0 + j) * k;
+  for (int64_t i = 0; i < k; i += 64) {
+    const __mmask64 m = k - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (k - i)) - 1;
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(xr.q + r * xr.kpad + i);
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wrow[j] + i) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i wv = _mm512_maskz_loadu_epi8(m, wrow[j] + i);
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], xv[r], wv);
+    }
+  }
+  const int64_t esz = DT == kF32 ? 4 : 2;
+  for (int j = 0; j < NB; ++j) {
+    const int64_t o = n0 + j;
+    const float b = bias != nullptr ? bias[o] : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      const int32_t dot = _mm512_reduce_add_epi32(acc[j][r]) - xr.zero[r] * w_sum[o];
+      const float v = xr.scale[r] * w_scale[o] * static_cast<float>(dot) + b;
+      char* dst = static_cast<char*>(y) + (r * y_stride + o) * esz;
+      if (DT == kF32) {
+        std::memcpy(dst, &v, 4);
+      } else {
+        const uint16_t h = f32_to_bf16(v);
+        std::memcpy(dst, &h, 2);
+      }
+    }
+  }
+}
+
+template <int R, int DT>
+void gemv_int8(const Int8Rows& xr, const int8_t* w, int64_t n, int64_t k, const float* w_scale,
+               const int32_t* w_sum, const float* bias, void* y, int64_t y_stride) {
+  const int64_t blocks = n / 4;
+#pragma omp parallel for schedule(static) if (n * k >= 4 * kMinParallelElems)
+  for (int64_t b = 0; b < blocks; ++b)
+    block_int8<R, 4, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, b * 4);
+  for (int64_t j = blocks * 4; j < n; ++j)
+    block_int8<R, 1, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, j);
+}
+
+template <int DT>
+int dispatch_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int64_t k,
+                  const float* w_scale, const int32_t* w_sum, const float* bias, void* y,
+                  int64_t y_stride) {
+  switch (rows) {
+    case 1: gemv_int8<1, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
+    case 2: gemv_int8<2, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
+    case 3: gemv_int8<3, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
+    case 4: gemv_int8<4, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
+    default: return -1;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -120,5 +230,24 @@ int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, in
 }
 
 int inferd_gemv_max_rows() { return kMaxRows; }
+
+// Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
+int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,
+                     int64_t k, const float* w_scale, const int32_t* w_sum, const float* bias,
+                     void* y, int64_t y_stride, int dtype) {
+  if ((dtype != kF32 && dtype != kBF16) || rows < 1 || rows > kMaxRows) return -1;
+  const int64_t kpad = (k + 63) / 64 * 64;
+  // The quantized x rows: a few KiB, reused by the calling thread across calls.
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(static_cast<size_t>(rows * kpad));
+  Int8Rows xr{buf.data(), kpad, {}, {}};
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  for (int64_t r = 0; r < rows; ++r)
+    quantize_row(byte_at(x, r * x_stride, esz), dtype, k, kpad, buf.data() + r * kpad,
+                 &xr.scale[r], &xr.zero[r]);
+  if (dtype == kF32)
+    return dispatch_int8<kF32>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
+  return dispatch_int8<kBF16>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
+}
 
 }  // extern "C"

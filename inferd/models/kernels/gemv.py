@@ -2,17 +2,39 @@
 
 `Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-4 rows of `x` from the plain
 row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
-prepacked GEMM does not reach it). Inputs are checked here; the C side trusts them.
+prepacked GEMM does not reach it). `Gemv.int8(x, w8)` does the same over an int8 weight
+(`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does. Inputs are checked here;
+the C side trusts them.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from inferd.models.kernels.fused import DTYPE_CODES, check_rc
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight quantized per output row, row-major, as the int8 GEMV reads it."""
+
+    q: Tensor  # [out, in] int8, contiguous
+    scale: Tensor  # [out] float32: W ~ q * scale[:, None]
+    row_sum: Tensor  # [out] int32: q.sum(1), for the activations' zero point
+    bias: Tensor | None  # [out] float32
+
+    @classmethod
+    def of(cls, q: Tensor, scale: Tensor, bias: Tensor | None) -> Int8Weight:
+        return cls(
+            q.contiguous(),
+            scale.float().contiguous(),
+            q.sum(1, dtype=torch.int32),
+            None if bias is None else bias.float().contiguous(),
+        )
 
 
 class Gemv:
@@ -23,6 +45,9 @@ class Gemv:
         self._fn = lib.inferd_gemv
         self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
         self._fn.restype = ctypes.c_int
+        self._fn8 = lib.inferd_gemv_int8
+        self._fn8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i32]
+        self._fn8.restype = ctypes.c_int
         # The most rows one call takes; linear layers send larger batches to their GEMM.
         self.max_rows = int(lib.inferd_gemv_max_rows())
 
@@ -56,4 +81,30 @@ class Gemv:
             DTYPE_CODES[dtype],
         )
         check_rc(rc, "gemv")
+        return y
+
+    def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
+        """[rows, in] (model dtype, rows <= max_rows) -> [rows, out] in x's dtype."""
+        rows, k = x.shape
+        n = w.q.shape[0]
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
+        if w.q.shape[1] != k or x.dtype not in DTYPE_CODES or x.stride(1) != 1:
+            raise ValueError(f"gemv int8: x {tuple(x.shape)} {x.dtype}, weight {tuple(w.q.shape)}")
+        y = torch.empty(rows, n, dtype=x.dtype)
+        rc = self._fn8(
+            x.data_ptr(),
+            rows,
+            x.stride(0),
+            w.q.data_ptr(),
+            n,
+            k,
+            w.scale.data_ptr(),
+            w.row_sum.data_ptr(),
+            None if w.bias is None else w.bias.data_ptr(),
+            y.data_ptr(),
+            n,
+            DTYPE_CODES[x.dtype],
+        )
+        check_rc(rc, "gemv int8")
         return y
