@@ -17,8 +17,8 @@
 // weight beside the packed one for it (models/linear.py says when).
 //
 // Layout of the work: 4 weight rows at a time (4 streams the hardware prefetcher follows, plus a
-// software prefetch ~8 KiB ahead into L2), each weight vector loaded once and multiplied into every x row,
-// so rows 2..4 cost no extra memory traffic. Each thread takes one contiguous range of 4-row blocks:
+// software prefetch ~8 KiB ahead into L2), each weight vector loaded once and multiplied into
+// every x row, so rows 2..4 cost no extra memory traffic. Each thread takes one contiguous range of 4-row blocks:
 // measured in a C++ loop over the llama-32m / Qwen2-0.5B weight sets, static 41 / 32.4 GB/s,
 // dynamic grabs of 16 blocks 32 / 30.2, guided 35 / 30.8 (one long stream per thread prefetches
 // best; a thread preempted by another process does delay the call, which dynamic would absorb).
