@@ -47,6 +47,17 @@ inline const char* byte_at(const void* base, int64_t elems, int64_t esz) {
   return static_cast<const char*>(base) + elems * esz;
 }
 
+// y[i] = v in the dtype (bfloat16 rounded to nearest even, once).
+template <int DT>
+inline void store1(void* y, int64_t i, float v) {
+  if (DT == kF32) {
+    std::memcpy(static_cast<char*>(y) + i * 4, &v, 4);
+  } else {
+    const uint16_t h = f32_to_bf16(v);
+    std::memcpy(static_cast<char*>(y) + i * 2, &h, 2);
+  }
+}
+
 // y[r, n0 .. n0 + NB) for R rows of x; NB = 4 (a block) or 1 (the last n % 4 rows). The dtype is
 // a template argument so the inner loop has no branch; full 16-lane steps run unmasked.
 template <int R, int NB, int DT>
@@ -82,14 +93,7 @@ inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, con
     float b = 0.0f;
     if (bias != nullptr) b = _mm512_cvtss_f32(load16m(byte_at(bias, n0 + j, esz), DT, 1));
     for (int r = 0; r < R; ++r) {
-      const float v = _mm512_reduce_add_ps(acc[j][r]) + b;
-      char* dst = static_cast<char*>(y) + (r * y_stride + n0 + j) * esz;
-      if (DT == kF32) {
-        std::memcpy(dst, &v, 4);
-      } else {
-        const uint16_t h = f32_to_bf16(v);
-        std::memcpy(dst, &h, 2);
-      }
+      store1<DT>(y, r * y_stride + n0 + j, _mm512_reduce_add_ps(acc[j][r]) + b);
     }
   }
 }
@@ -178,20 +182,12 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
       for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], xv[r], wv);
     }
   }
-  const int64_t esz = DT == kF32 ? 4 : 2;
   for (int j = 0; j < NB; ++j) {
     const int64_t o = n0 + j;
     const float b = bias != nullptr ? bias[o] : 0.0f;
     for (int r = 0; r < R; ++r) {
       const int32_t dot = _mm512_reduce_add_epi32(acc[j][r]) - xr.zero[r] * w_sum[o];
-      const float v = xr.scale[r] * w_scale[o] * static_cast<float>(dot) + b;
-      char* dst = static_cast<char*>(y) + (r * y_stride + o) * esz;
-      if (DT == kF32) {
-        std::memcpy(dst, &v, 4);
-      } else {
-        const uint16_t h = f32_to_bf16(v);
-        std::memcpy(dst, &h, 2);
-      }
+      store1<DT>(y, r * y_stride + o, xr.scale[r] * w_scale[o] * static_cast<float>(dot) + b);
     }
   }
 }
