@@ -18,10 +18,11 @@
 //
 // Layout of the work: 4 weight rows at a time (4 streams the hardware prefetcher follows, plus a
 // software prefetch ~8 KiB ahead into L2), each weight vector loaded once and multiplied into
-// every x row, so rows 2..4 cost no extra memory traffic. Each thread takes one contiguous range of 4-row blocks:
-// measured in a C++ loop over the llama-32m / Qwen2-0.5B weight sets, static 41 / 32.4 GB/s,
-// dynamic grabs of 16 blocks 32 / 30.2, guided 35 / 30.8 (one long stream per thread prefetches
-// best; a thread preempted by another process does delay the call, which dynamic would absorb).
+// every x row, so rows 2..4 cost no extra memory traffic. Each thread takes one contiguous
+// range of 4-row blocks: measured in a C++ loop over the llama-32m / Qwen2-0.5B weight sets,
+// static 41 / 32.4 GB/s, dynamic grabs of 16 blocks 32 / 30.2, guided 35 / 30.8 (one long stream
+// per thread prefetches best; a thread preempted by another process does delay the call, which
+// dynamic would absorb).
 // Accumulation is float32 in 16 lanes, reduced at the end of the row (a different summation order
 // than oneDNN's; both are float32 sums). bfloat16 values are widened on load and y is rounded once
 // (as oneDNN's bf16 matmul rounds its float32 accumulator).
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -95,29 +97,6 @@ inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, con
     for (int r = 0; r < R; ++r) {
       store1<DT>(y, r * y_stride + n0 + j, _mm512_reduce_add_ps(acc[j][r]) + b);
     }
-  }
-}
-
-template <int R, int DT>
-void gemv(const void* x, int64_t x_stride, const void* w, int64_t n, int64_t k, const void* bias,
-          void* y, int64_t y_stride) {
-  const int64_t blocks = n / 4;
-#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElems)
-  for (int64_t b = 0; b < blocks; ++b)
-    block<R, 4, DT>(x, x_stride, w, k, bias, y, y_stride, b * 4);
-  for (int64_t j = blocks * 4; j < n; ++j)
-    block<R, 1, DT>(x, x_stride, w, k, bias, y, y_stride, j);
-}
-
-template <int DT>
-int dispatch(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
-             const void* bias, void* y, int64_t y_stride) {
-  switch (rows) {
-    case 1: gemv<1, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
-    case 2: gemv<2, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
-    case 3: gemv<3, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
-    case 4: gemv<4, DT>(x, x_stride, w, n, k, bias, y, y_stride); return 0;
-    default: return -1;
   }
 }
 
@@ -192,28 +171,54 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
   }
 }
 
-template <int R, int DT>
-void gemv_int8(const Int8Rows& xr, const int8_t* w, int64_t n, int64_t k, const float* w_scale,
-               const int32_t* w_sum, const float* bias, void* y, int64_t y_stride) {
+// ---- the loop over output rows, shared by both weight kinds --------------------------------
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Output rows in blocks of 4 (the last n % 4 one at a time), the blocks split statically over the
+// threads when `parallel`: block(Int<NB>{}, n0) computes y[:, n0 .. n0 + NB).
+template <class Block>
+void over_blocks(int64_t n, bool parallel, const Block& block) {
   const int64_t blocks = n / 4;
-#pragma omp parallel for schedule(static) if (n * k >= 4 * kMinParallelElems)
-  for (int64_t b = 0; b < blocks; ++b)
-    block_int8<R, 4, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, b * 4);
-  for (int64_t j = blocks * 4; j < n; ++j)
-    block_int8<R, 1, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, j);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t b = 0; b < blocks; ++b) block(Int<4>{}, b * 4);
+  for (int64_t j = blocks * 4; j < n; ++j) block(Int<1>{}, j);
+}
+
+// f(Int<R>{}) for R = rows in [1, kMaxRows]: 0; -1 for any other row count.
+template <class F>
+int with_rows(int64_t rows, const F& f) {
+  switch (rows) {
+    case 1: f(Int<1>{}); return 0;
+    case 2: f(Int<2>{}); return 0;
+    case 3: f(Int<3>{}); return 0;
+    case 4: f(Int<4>{}); return 0;
+    default: return -1;
+  }
 }
 
 template <int DT>
-int dispatch_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int64_t k,
-                  const float* w_scale, const int32_t* w_sum, const float* bias, void* y,
-                  int64_t y_stride) {
-  switch (rows) {
-    case 1: gemv_int8<1, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
-    case 2: gemv_int8<2, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
-    case 3: gemv_int8<3, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
-    case 4: gemv_int8<4, DT>(xr, w, n, k, w_scale, w_sum, bias, y, y_stride); return 0;
-    default: return -1;
-  }
+int gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
+         const void* bias, void* y, int64_t y_stride) {
+  return with_rows(rows, [&](auto r) {
+    over_blocks(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
+      block<decltype(r)::value, decltype(nb)::value, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
+    });
+  });
+}
+
+template <int DT>
+int gemv_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int64_t k,
+              const float* w_scale, const int32_t* w_sum, const float* bias, void* y,
+              int64_t y_stride) {
+  // A byte per weight: the same bytes as the float loop's threshold hold 4x the weights.
+  return with_rows(rows, [&](auto r) {
+    over_blocks(n, n * k >= 4 * kMinParallelElems, [&](auto nb, int64_t n0) {
+      block_int8<decltype(r)::value, decltype(nb)::value, DT>(xr, w, k, w_scale, w_sum, bias, y,
+                                                              y_stride, n0);
+    });
+  });
 }
 
 }  // namespace
@@ -223,8 +228,8 @@ extern "C" {
 // Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
 int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
                 int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
-  if (dtype == kF32) return dispatch<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
-  if (dtype == kBF16) return dispatch<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
+  if (dtype == kF32) return gemv<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
+  if (dtype == kBF16) return gemv<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
   return -1;
 }
 
@@ -244,9 +249,8 @@ int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t
   for (int64_t r = 0; r < rows; ++r)
     quantize_row(byte_at(x, r * x_stride, esz), dtype, k, kpad, buf.data() + r * kpad,
                  &xr.scale[r], &xr.zero[r]);
-  if (dtype == kF32)
-    return dispatch_int8<kF32>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
-  return dispatch_int8<kBF16>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
+  if (dtype == kF32) return gemv_int8<kF32>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
+  return gemv_int8<kBF16>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
 }
 
 }  // extern "C"
