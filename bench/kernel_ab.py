@@ -48,14 +48,14 @@ CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
 
 
 def build(sources: dict[str, str], out: Path) -> Path:
-    """Compiles the kernel sources (name -> text) into `out` with the engine's flags."""
+    """Compiles the kernel sources (file name -> text) into `out` as the engine builds them."""
+    cxx = kernels.compiler()
+    assert cxx is not None, "no C++ compiler"
     with tempfile.TemporaryDirectory() as d:
         for name, text in sources.items():
             (Path(d) / name).write_text(text)
-        cpp = [str(Path(d) / n) for n in sources if n.endswith(".cpp")]
-        cxx = kernels.compiler()
-        assert cxx is not None, "no C++ compiler"
-        subprocess.run([cxx, *kernels.FLAGS, *cpp, "-o", str(out)], check=True)
+        cpp = [Path(d) / n for n in sources if n.endswith(".cpp")]
+        kernels.compile_library(cxx, cpp, out)
     return out
 
 

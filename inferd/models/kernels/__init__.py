@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,17 +224,25 @@ def build(cache_dir: Path) -> Path:
     # Compile to a temporary name and rename: concurrent builders never see a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, *(str(s) for s in SOURCES), "-o", tmp]
+    try:
+        compile_library(cxx, SOURCES, Path(tmp))
+    except KernelUnavailable:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return path
+
+
+def compile_library(cxx: str, sources: Sequence[Path], out: Path) -> None:
+    """Compiles `sources` (the .cpp files; their headers beside them) into the shared library
+    `out` with the engine's flags. Raises KernelUnavailable."""
+    cmd = [cxx, *FLAGS, *(str(s) for s in sources), "-o", str(out)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
-        Path(tmp).unlink(missing_ok=True)
         raise KernelUnavailable(f"compiler failed to run: {e}") from e
     if res.returncode != 0:
-        Path(tmp).unlink(missing_ok=True)
         raise KernelUnavailable(f"build failed: {res.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)
-    return path
 
 
 def load(cache_dir: Path) -> NativeKernels:
