@@ -243,7 +243,8 @@ def has_int8_gemm() -> bool:
 
 def prepare_linears(model: nn.Module, kind: LinearKind, gemv: Gemv | None = None) -> None:
     """Converts every Linear of `model` to `kind`, keeping dense weights other modules share;
-    with `gemv` (for `onednn`), few-row batches run it on every dense weight, all kept."""
+    with `gemv` (for the kinds in GEMV_KINDS), few-row batches run it on every layer's plain
+    weight, all kept (Linear.prepare's `keep_plain`)."""
     shared = _shared_weights(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     gemv = gemv if kind in GEMV_KINDS else None
@@ -253,7 +254,8 @@ def prepare_linears(model: nn.Module, kind: LinearKind, gemv: Gemv | None = None
     if kind == "onednn":
         _warm_up(linears)
     if kind != "dense":
-        extra = " (+ the small-batch GEMV on the dense weights)" if gemv is not None else ""
+        plain = "int8 copies" if kind == "int8" else "dense weights"
+        extra = f" (+ the small-batch GEMV on the {plain})" if gemv is not None else ""
         logger.info("linear layers: %d prepared as %s%s", len(linears), kind, extra)
 
 

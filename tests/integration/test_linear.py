@@ -156,8 +156,7 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
 def test_int8_few_rows_run_the_gemv_on_an_int8_copy(gemv: Gemv) -> None:
     m = _linear(True)
     weight, bias = m.weight.detach().clone(), m.bias.detach().clone()  # type: ignore[union-attr]
-    batched = _linear(True)
-    batched.load_state_dict(m.state_dict())
+    batched = _linear(True)  # the same seed: the same weights
     counting = _Counting(gemv)
     prepare_linears(m, "int8", counting)
     prepare_linears(batched, "int8")

@@ -54,11 +54,9 @@ class Gemv:
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
         # bias: [out] or None  ->  [rows, out], all in one dtype
-        rows, k = x.shape
+        rows, k = self._rows(x)
         n = weight.shape[0]
         dtype = weight.dtype
-        if not 1 <= rows <= self.max_rows:
-            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
         if weight.shape[1] != k or x.dtype != dtype or dtype not in DTYPE_CODES:
             raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
         if not weight.is_contiguous() or x.stride(1) != 1:
@@ -85,10 +83,8 @@ class Gemv:
 
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
         """[rows, in] (model dtype, rows <= max_rows) -> [rows, out] in x's dtype."""
-        rows, k = x.shape
+        rows, k = self._rows(x)
         n = w.q.shape[0]
-        if not 1 <= rows <= self.max_rows:
-            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
         if w.q.shape[1] != k or x.dtype not in DTYPE_CODES or x.stride(1) != 1:
             raise ValueError(f"gemv int8: x {tuple(x.shape)} {x.dtype}, weight {tuple(w.q.shape)}")
         y = torch.empty(rows, n, dtype=x.dtype)
@@ -108,3 +104,10 @@ class Gemv:
         )
         check_rc(rc, "gemv int8")
         return y
+
+    def _rows(self, x: Tensor) -> tuple[int, int]:
+        """x's (rows, in), refusing a row count the kernel does not take."""
+        rows, k = x.shape
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
+        return rows, k

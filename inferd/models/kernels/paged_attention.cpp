@@ -145,7 +145,8 @@ struct Kernel {
   // the pool, 16 keys (a few KiB) each, so the hardware prefetchers lose the stream at every
   // block; one burst of prefetches for the whole tile instead stalls the core until the loads
   // drain, and the math and the memory take turns. Spread out, they overlap: decode attention
-  // over 96 sequences went from 17 to 26 GB/s of K/V read (docs/benchmarks.md).
+  // over 96 sequences went from 17 to 22.5 GB/s of K/V read (bench/kernel_ab.py,
+  // docs/benchmarks.md).
   struct TilePrefetch {
     const char* k[kKeyTile];  // the tile's K rows (V rows are plane_off further)
     int64_t plane_off = 0;
