@@ -152,7 +152,11 @@ def test_streaming_passes_through_with_the_openai_client(c: Cluster) -> None:
         stream = client.chat.completions.create(
             model="inferd-tiny",
             messages=[{"role": "user", "content": "Count to five."}],
-            max_tokens=6,
+            # Enough tokens to span several chunks: the engine's stream merges the deltas a slow
+            # reader has not taken yet (engine/streams.py), and the tiny model decodes 6 tokens
+            # in ~7 ms, which a loaded machine's reader can take as one chunk.
+            max_tokens=64,
+            extra_body={"ignore_eos": True},
             stream=True,
         )
         chunks = [ch for ch in stream if ch.choices]
