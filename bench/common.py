@@ -357,20 +357,35 @@ class MatmulTiming:
         return f"[{self.m}x{self.k}]@[{self.k}x{self.n}]"
 
 
-def time_matmul(m: int, k: int, n: int, min_seconds: float = 0.5) -> MatmulTiming:
-    """Times torch.mm in float32 under the current thread count; the best repeat is the peak."""
+def time_matmul(
+    m: int,
+    k: int,
+    n: int,
+    min_seconds: float = 0.5,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> MatmulTiming:
+    """Times torch.mm (on CPU under the current thread count); the best repeat is the peak."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    out = torch.empty(m, n)
+    a = torch.randn(m, k, generator=gen).to(device, dtype)
+    b = torch.randn(k, n, generator=gen).to(device, dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
     torch.mm(a, b, out=out)  # first call pays for allocation and kernel selection
+    synchronize(device)
     best, spent, repeats = float("inf"), 0.0, 0
     while spent < min_seconds or repeats < 3:
         t0 = time.perf_counter()
         torch.mm(a, b, out=out)
+        synchronize(device)
         dt = time.perf_counter() - t0
         best, spent, repeats = min(best, dt), spent + dt, repeats + 1
     return MatmulTiming(m=m, k=k, n=n, best_seconds=best, repeats=repeats)
+
+
+def synchronize(device: str) -> None:
+    """Waits for the device's queued work (CUDA runs asynchronously; the CPU needs no wait)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def linear_shapes(shape: ModelShape, rows: int) -> list[tuple[int, int, int]]:
@@ -379,5 +394,9 @@ def linear_shapes(shape: ModelShape, rows: int) -> list[tuple[int, int, int]]:
     return [(rows, h, i), (rows, i, h), (rows, h, h)]
 
 
-def measure_matmul_peak(shape: ModelShape, rows: int = 256) -> list[MatmulTiming]:
-    return [time_matmul(m, k, n) for m, k, n in linear_shapes(shape, rows)]
+def measure_matmul_peak(
+    shape: ModelShape, rows: int = 256, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> list[MatmulTiming]:
+    return [
+        time_matmul(m, k, n, device=device, dtype=dtype) for m, k, n in linear_shapes(shape, rows)
+    ]

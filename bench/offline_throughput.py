@@ -2,12 +2,14 @@
 
     .venv/bin/python bench/offline_throughput.py --model tiny
     .venv/bin/python bench/offline_throughput.py --model all --num-requests 16 --skip-hf
+    python bench/offline_throughput.py --model qwen2-0.5b-shape --device cuda --dtype bfloat16
 
 Both systems get the same seeded requests (random prompt ids, prompt lengths uniform in [16, 512],
 output lengths uniform in [16, 256], every request generating exactly its output length) on the
-same architecture with random float32 weights and the same CPU thread count. inferd takes them all
-at once (`LLM.generate`); transformers runs them in arrival order in static batches, each batch
-generating until its longest request is done. Only a request's own output length counts as
+same architecture with random weights (float32 unless --dtype), on the same device (the CPU, with
+the same thread count, unless --device cuda). inferd takes them all at once (`LLM.generate`);
+transformers runs them in arrival order in static batches, each batch generating until its
+longest request is done. Only a request's own output length counts as
 useful tokens. See docs/benchmarks.md for what each printed number means.
 """
 
@@ -35,6 +37,7 @@ from common import (
     machine_info,
     make_workload,
     measure_matmul_peak,
+    synchronize,
     tokenizer_info,
     workload_stats,
     write_result,
@@ -60,6 +63,9 @@ class Settings:
     block_size: int
     kv_cache_memory_gib: float | None
     busy_threshold: int
+    # "cpu" or "cuda": both systems run there, in `dtype`.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 @dataclass
@@ -115,7 +121,8 @@ def run_inferd(
 
 def _inferd_kwargs(s: Settings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "dtype": "float32",
+        "dtype": s.dtype,
+        "device": s.device,
         "load_format": "dummy",
         "seed": s.seed,
         "num_threads": s.threads,
@@ -166,7 +173,10 @@ def run_hf(folder: Path, requests: list[BenchRequest], s: Settings) -> SystemRes
     t0 = time.perf_counter()
     torch.manual_seed(s.seed)
     config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    dtype = getattr(torch, s.dtype)
+    # Built on the device: random init of a 0.5B model in bfloat16 on the CPU took minutes.
+    with torch.device(s.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()  # type: ignore[no-untyped-call]
     _hf_generate(model, _warmup_requests(config.vocab_size, s.seed), s)
     setup = time.perf_counter() - t0
     torch.manual_seed(s.seed)
@@ -179,6 +189,7 @@ def run_hf(folder: Path, requests: list[BenchRequest], s: Settings) -> SystemRes
             ok = ok and new_tokens == max(r.output_len for r in batch)
             computed += new_tokens * len(batch)
             bar.update(len(batch))
+    synchronize(s.device)
     wall = time.perf_counter() - t0
     useful = sum(r.output_len for r in requests)
     details = {
@@ -209,8 +220,8 @@ def _hf_generate(model: Any, batch: list[BenchRequest], s: Settings) -> int:
         mask[row, width - n :] = 1
     steps = max(r.output_len for r in batch)
     out = model.generate(
-        input_ids=input_ids,
-        attention_mask=mask,
+        input_ids=input_ids.to(s.device),
+        attention_mask=mask.to(s.device),
         max_new_tokens=steps,
         min_new_tokens=steps,
         pad_token_id=0,
@@ -264,7 +275,7 @@ def run_model(shape: ModelShape, args: argparse.Namespace, s: Settings) -> dict[
     spec = _workload_spec(shape, args)
     requests = make_workload(spec)
     _print_header(shape, spec, requests, tok_vocab)
-    peak = measure_matmul_peak(shape)
+    peak = measure_matmul_peak(shape, device=s.device, dtype=getattr(torch, s.dtype))
     inferd = None if args.skip_inferd else run_inferd(folder, requests, s, shape.vocab_size)
     hf = None if args.skip_hf else run_hf(folder, requests, s)
     result = _model_result(shape, folder, spec, requests, s, peak, inferd, hf)
@@ -393,9 +404,10 @@ def _pct(shares: dict[str, float], name: str) -> str:
 def _print_peak(result: dict[str, Any]) -> None:
     best = max(result["matmul"], key=lambda t: t["gflops"])
     threads = result["settings"]["threads"]
-    line = (
-        f"matmul peak (float32, {threads} threads): {best['gflops']:.1f} GFLOP/s on {best['label']}"
-    )
+    s = result["settings"]
+    where = f"{threads} threads" if s["device"] == "cpu" else s["device"]
+    line = f"matmul peak ({s['dtype']}, {where}): {best['gflops']:.1f} GFLOP/s on {best['label']}"
+
     if "inferd_linear_gflops" in result:
         line += (
             f"; inferd linear layers: {result['inferd_linear_gflops']:.1f} GFLOP/s = "
@@ -416,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) or e.g. 1.0")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both systems run here")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--min-prompt-len", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--min-output-len", type=int, default=16)
@@ -444,6 +458,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory_gib,
         busy_threshold=args.busy_threshold,
+        device=args.device,
+        dtype=args.dtype,
     )
 
 

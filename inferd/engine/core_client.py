@@ -2,7 +2,7 @@
 
     core = EngineCoreClient()
     ready = await core.start(config, env, timeout_s=600)  # CoreReady (info + tokenizer path)
-    core.send(AddRequest(...))                         # never blocks
+    core.send(AddRequest(...))                         # never blocks; False: no core
     async for event in core.events():                  # EngineOutputs, as the core sends them
         ...
     exit_code = await core.wait_exit()                 # returns when the process has exited
@@ -10,8 +10,8 @@
 
 The client binds both ipc:// sockets in a private temporary folder and the spawned core
 connects to them (inferd.engine.core_proc). Sends never block: the high-water marks are
-unbounded and a send is a memcpy into zmq's queue. It knows nothing of requests: admission
-and streams are the caller's (inferd.engine.async_client).
+unbounded, a send is a memcpy into zmq's queue, and one with no core connected fails at once.
+It knows nothing of requests: admission and streams are the caller's (inferd.engine.async_client).
 """
 
 from __future__ import annotations
@@ -97,8 +97,19 @@ class EngineCoreClient:
         """The core process's id once started."""
         return None if self._proc is None else self._proc.pid
 
-    def send(self, message: EngineCoreRequest) -> None:
-        self._input.send(self._encoder.encode(message), copy=False)
+    def send(self, message: EngineCoreRequest) -> bool:
+        """Queues `message` for the core; never blocks. False when no core is connected.
+
+        A PUSH socket with no connected peer blocks in send, so a core that failed to load (or
+        crashed) but whose process had not yet exited froze the front's event loop: seen on a
+        GPU, where a failed core took seconds to tear down CUDA while the front, shutting down,
+        sent it ShutdownCore. Unconnected means exited or exiting; the watcher (`wait_exit`)
+        then fails every request in flight."""
+        try:
+            self._input.send(self._encoder.encode(message), copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def events(self) -> AsyncIterator[EngineOutputs]:
         """The core's step outputs, in order, until cancelled. A frame that does not decode
@@ -122,8 +133,7 @@ class EngineCoreClient:
         proc = self._proc
         if proc is None:
             return
-        if proc.is_alive():
-            self.send(ShutdownCore())
+        if proc.is_alive() and self.send(ShutdownCore()):
             await _wait_exit(proc, _SHUTDOWN_GRACE_S)
         if proc.is_alive():
             proc.terminate()

@@ -9,6 +9,7 @@ readers and engine death. Every test runs its coroutine on the engine's own even
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -20,7 +21,9 @@ import pytest
 from inferd import LLM, SamplingParams
 from inferd.config import AdmissionConfig, EngineConfig
 from inferd.engine.async_client import AsyncLLM
+from inferd.engine.core_client import EngineCoreClient
 from inferd.engine.generate_request import GenerateRequest
+from inferd.engine.messages import ShutdownCore
 from inferd.errors import (
     DrainingError,
     EngineDeadError,
@@ -308,3 +311,21 @@ def test_engine_death_fails_in_flight(narrow: Harness) -> None:
             await _first(llm.generate(GenerateRequest("after", [5, 6], _greedy(2))))
 
     narrow.run(main())
+
+
+def test_stopping_a_core_that_never_connected_does_not_block() -> None:
+    # A core that failed to load and is still tearing down (seconds on a GPU) has closed its
+    # sockets while its process lives. Stopping it must not wait on a send nobody receives.
+    core = EngineCoreClient()
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    proc.start()
+    core._proc = proc
+    try:
+        assert not core.send(ShutdownCore())
+        t0 = time.monotonic()
+        asyncio.run(asyncio.wait_for(core.stop(), timeout=30))
+        assert not proc.is_alive()
+        assert time.monotonic() - t0 < 5.0, "stop waited out the grace period for a reply"
+    finally:
+        proc.kill()
+        core.close()

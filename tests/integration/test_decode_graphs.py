@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from inferd import LLM, SamplingParams
 
 
@@ -24,7 +27,7 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 
 def test_static_decode_path_matches_eager() -> None:
-    llm = LLM(dtype="float32", block_size=8, max_num_seqs=8)
+    llm = LLM(dtype="float32", device="cpu", block_size=8, max_num_seqs=8)
     eager = _generate(llm)
     engine = llm.llm_engine
     engine.runner.enable_decode_graphs(engine.max_model_len, 8, capture=False)
@@ -34,4 +37,22 @@ def test_static_decode_path_matches_eager() -> None:
     assert graphs is not None and graphs.graphs, "no decode step used the static path"
     # Padded rows wrote only to the scratch block, which no request owns.
     bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_captured_graphs_match_eager_on_cuda() -> None:
+    # Each engine gets a small explicit KV budget: the default takes 90 % of the card, which
+    # leaves nothing for a second engine in this process.
+    kwargs = dict(
+        dtype="float32", device="cuda", block_size=8, max_num_seqs=8, kv_cache_memory=64 << 20
+    )
+    eager = _generate(LLM(enforce_eager=True, **kwargs))  # type: ignore[arg-type]
+    llm = LLM(**kwargs)  # type: ignore[arg-type]
+    assert _generate(llm) == eager
+    graphs = llm.llm_engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture
+    # Several batch buckets were captured (5 requests finishing one by one) and replayed.
+    assert len(graphs.graphs) >= 3, graphs.graphs.keys()
+    bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -48,6 +48,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 BLOCK_SIZE = 4
+# CUDA cases run where a GPU is present (the CPU CI has none; a lent GPU machine runs them).
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=ON_CUDA)]
 NUM_BLOCKS = 40  # 160 token slots for ~10 requests of up to ~86 tokens: forces preemption
 
 
@@ -68,7 +71,7 @@ def _workload(seed: int) -> list[tuple[list[int], int]]:
 
 
 def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -85,7 +88,7 @@ def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
 def _engine(path: Path, **overrides: Any) -> LLMEngine:
     arch = ArchConfig.from_json(path / "config.json")
     config = EngineConfig.from_kwargs(
-        **{"dtype": "float32", **overrides},
+        **{"dtype": "float32", "device": "cpu", **overrides},
         model=str(path),
         tokenizer="inferd-tiny",
         block_size=BLOCK_SIZE,
@@ -139,27 +142,32 @@ def _count_gemv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_matches_transformers(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # On CUDA both run on the GPU, and inferd's pure-decode steps replay captured CUDA graphs.
     path = _make_checkpoint(name, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    hf.eval()
+    hf.to(device).eval()
     work = _workload(seed=len(name))
     gemv_calls = _count_gemv_calls(monkeypatch)
-    engine = _engine(path)
+    engine = _engine(path, device=device)
     results = _run(engine, work)
     got = _tokens(results)
 
     for i, (prompt, n) in enumerate(work):
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
-    if kernel_available():
+    if device == "cuda":
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None and graphs.capture and graphs.graphs, "no CUDA graph replayed"
+    elif kernel_available():
         assert engine.runner.attn_kernel is not None, "the native attention kernel did not run"
         assert engine.model.model.fused is not None, "the fused elementwise kernels did not run"
         # The last requests decode alone: their steps' linear layers ran the small-batch GEMV.
         assert gemv_calls[0] > 0, "the small-batch GEMV did not run"
-    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if device == "cpu" and torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         assert engine.model.lm_head.kind == "onednn", "linear weights were not prepacked"
 
     # The scenario really exercised chunking and preemption, and nothing leaked.
@@ -220,12 +228,32 @@ def test_bfloat16_fused_path_stays_close(name: str, tmp_path: Path) -> None:
     assert fused_engine.model.model.fused is not None
     fused = _first_logprobs(fused_engine, work)
     eager = _first_logprobs(_engine(path, dtype="bfloat16", attention_backend="torch"), work)
-    top = {r: max(lps, key=lps.__getitem__) for r, lps in ref.items()}
     for label, got in (("fused", fused), ("eager", eager)):
-        top1 = sum(max(got[r], key=got[r].__getitem__) == top[r] for r in ref)
-        err = max(abs(got[r].get(top[r], -99.0) - ref[r][top[r]]) for r in ref)
-        print(f"{name} bf16 {label}: top-1 {top1}/{len(ref)}, max top logprob error {err:.3f}")
-        assert top1 >= 8 and err <= 0.3, (label, top1, err)
+        _assert_first_tokens_close(ref, got, f"{name} bf16 {label}")
+
+
+@ON_CUDA
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bfloat16_on_cuda_stays_close(name: str, tmp_path: Path) -> None:
+    # bfloat16 weights and KV on the GPU (SDPA, cuBLAS) against the float32 model on the GPU, by
+    # the same first-token measure as the CPU's fused path above.
+    path = _make_checkpoint(name, tmp_path)
+    work = _workload(seed=7)
+    ref = _first_logprobs(_engine(path, device="cuda"), work)
+    got = _first_logprobs(_engine(path, device="cuda", dtype="bfloat16"), work)
+    _assert_first_tokens_close(ref, got, f"{name} bf16 cuda")
+
+
+def _assert_first_tokens_close(
+    ref: dict[str, dict[int, float]], got: dict[str, dict[int, float]], label: str
+) -> None:
+    """Top-1 of the first token agrees for >= 8 of 10 requests, and the reference's top token's
+    log-probability is within 0.3 of the reference's."""
+    top = {r: max(lps, key=lps.__getitem__) for r, lps in ref.items()}
+    top1 = sum(max(got[r], key=got[r].__getitem__) == top[r] for r in ref)
+    err = max(abs(got[r].get(top[r], -99.0) - ref[r][top[r]]) for r in ref)
+    print(f"{label}: top-1 {top1}/{len(ref)}, max top logprob error {err:.3f}")
+    assert top1 >= 8 and err <= 0.3, (label, top1, err)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -318,7 +346,11 @@ def test_preempted_requests_finish_with_the_same_output(tmp_path: Path) -> None:
 def _engine_roomy(path: Path) -> LLMEngine:
     return LLMEngine(
         EngineConfig.from_kwargs(
-            model=str(path), tokenizer="inferd-tiny", dtype="float32", block_size=BLOCK_SIZE
+            model=str(path),
+            tokenizer="inferd-tiny",
+            dtype="float32",
+            device="cpu",
+            block_size=BLOCK_SIZE,
         )
     )
 
