@@ -5,14 +5,16 @@
     .venv/bin/python bench/fused_ops.py --dtypes float32 --quantization int8   # the int8 GEMV
 
 One `LLM` (random weights, prefix caching off so every round computes every prompt) runs the same
-workload in three variants, in turn:
+workload in four variants, in turn:
 
-    native    the fused elementwise kernels and the small-batch GEMV (the engine's default)
+    native    the engine's default: the fused elementwise kernels, the small-batch GEMV, and
+              decode steps of 1-2 rows through every layer in one native call (decode_step.cpp)
+    layers    the same kernels called layer by layer from Python
     no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM (with
               `--quantization int8`: on fbgemm's int8 GEMM)
     eager     neither: eager PyTorch elementwise ops, oneDNN for every linear layer
 
-The native attention kernel runs in all three. Alternating inside one process makes a slow spell
+The native attention kernel runs in all four. Alternating inside one process makes a slow spell
 on a shared machine hit every variant alike; the best round of each is reported, with the
 process's CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256,
 outputs 16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream,
@@ -54,6 +56,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     from inferd.config import read_environment
     from inferd.engine.llm_engine import TokensPrompt
     from inferd.models import kernels
+    from inferd.models.kernels.decode import DecodeLayers
     from inferd.models.kernels.fused import FusedOps
     from inferd.models.kernels.gemv import Gemv
     from inferd.models.linear import Linear
@@ -77,10 +80,11 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     model = runner.model
     assert isinstance(model, torch.nn.Module)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    variants: dict[str, tuple[FusedOps | None, Gemv | None]] = {
-        "native": (native.ops, native.gemv),
-        "no_gemv": (native.ops, None),
-        "eager": (None, None),
+    variants: dict[str, tuple[FusedOps | None, Gemv | None, DecodeLayers | None]] = {
+        "native": (native.ops, native.gemv, native.decode),
+        "layers": (native.ops, native.gemv, None),
+        "no_gemv": (native.ops, None, None),
+        "eager": (None, None, None),
     }
     results: dict[str, Any] = {}
     for kind in ("mixed", "single"):
@@ -92,10 +96,10 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.rounds):
-            for name, (ops, gemv) in variants.items():
-                model.use_fused_ops(ops)
+            for name, (ops, gemv, decode) in variants.items():
                 for m in linears:
                     m.use_gemv(gemv)
+                model.use_fused_ops(ops, decode)  # after use_gemv: the decode step reads it
                 c0, t0 = time.process_time(), time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -103,16 +107,17 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 tok_s, cpu_ms = n / wall, cpu / n * 1e3
                 old = best.get(name, (0.0, float("inf")))
                 best[name] = (max(old[0], tok_s), min(old[1], cpu_ms))
-        model.use_fused_ops(native.ops)
         for m in linears:
             m.use_gemv(native.gemv)
+        model.use_fused_ops(native.ops, native.decode)
         results[kind] = {name: {"tok_s": t, "cpu_ms_per_token": c} for name, (t, c) in best.items()}
-        a, f, e = best["native"], best["no_gemv"], best["eager"]
+        a, y, f, e = best["native"], best["layers"], best["no_gemv"], best["eager"]
         label = f"{dtype}+{args.quantization}" if args.quantization else dtype
         print(
             f"{args.shape} {label} {kind:6s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
-            f"   no_gemv {f[0]:8.1f} ({f[1]:.2f})   eager {e[0]:8.1f} ({e[1]:.2f})"
-            f"   gemv {a[0] / f[0]:.2f}x  fused {f[0] / e[0]:.2f}x"
+            f"   layers {y[0]:8.1f} ({y[1]:.2f})   no_gemv {f[0]:8.1f} ({f[1]:.2f})"
+            f"   eager {e[0]:8.1f} ({e[1]:.2f})   decode step {a[0] / y[0]:.2f}x"
+            f"  gemv {y[0] / f[0]:.2f}x  fused {f[0] / e[0]:.2f}x"
         )
     return results
 

@@ -80,7 +80,10 @@ class ModelRunner:
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv
             attn.kernel = self.attn_kernel
-        model.use_fused_ops(None if native is None else native.ops)
+        if native is None:
+            model.use_fused_ops(None)
+        else:
+            model.use_fused_ops(native.ops, native.decode)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
+from inferd.models.kernels.decode import GemvWeight
 from inferd.models.kernels.gemv import Gemv, Int8Weight
 
 logger = logging.getLogger("inferd.models")
@@ -117,6 +118,14 @@ class Linear(nn.Module):
         if gemv is not None and not plain:
             raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
+
+    def gemv_weight(self) -> GemvWeight | None:
+        """The plain weight few-row batches run the GEMV on; None when they do not."""
+        if self._gemv is None:
+            return None
+        if self._w8 is not None:
+            return GemvWeight(self._w8, None)
+        return GemvWeight(self.weight, self.bias)
 
 
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,

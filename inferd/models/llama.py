@@ -25,6 +25,7 @@ Two paths through a layer, the same math:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,12 @@ from torch import Tensor, nn
 
 from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
+from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
-from inferd.models.linear import Linear, LinearKind, padded_rows
+from inferd.models.linear import GEMV_MAX_ROWS, Linear, LinearKind, padded_rows
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
+
+logger = logging.getLogger("inferd.models")
 
 
 @dataclass(frozen=True)
@@ -197,10 +201,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused: FusedOps | None = None
+        # Decode steps of 1-2 rows in one native call (set with the fused ops; see decode_plan).
+        self.decode: DecodePlan | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         t = h.shape[0]
+        paged, plan = meta.paged, self.decode
+        if plan is not None and paged is not None and t <= plan.max_rows and paged.num_seqs == t:
+            # Every row a decoding sequence (one query each): the whole step natively.
+            return plan(h, positions, meta.slot_mapping, paged)
         # The fused path needs the native attention kernel's batch (it writes K/V for it).
         fused = self.fused if meta.paged is not None else None
         if fused is None:
@@ -214,6 +224,49 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h, residual = layer(step, h, residual)
         return self.norm.add_norm(step, h, residual, pad=False)[0]
+
+    def decode_plan(self, decode: DecodeLayers) -> DecodePlan | None:
+        """The native decode step over this model's weights and KV caches, or None when a
+        linear layer does not run the GEMV (or the layout is one the kernels do not take)."""
+        weights = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            a, m = layer.self_attn, layer.mlp
+            lins = [p.gemv_weight() for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            if any(w is None for w in lins):
+                return None
+            qkv, o, gate_up, down = (w for w in lins if w is not None)
+            weights.append(
+                LayerWeights(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    None if a.q_norm is None else a.q_norm.weight,
+                    None if a.k_norm is None else a.k_norm.weight,
+                    a.attn.kv_cache,
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                )
+            )
+        first = self.layers[0].self_attn
+        assert isinstance(first, Attention)
+        shape = DecodeShape(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            self.norm.eps,
+            0.0 if first.q_norm is None else first.q_norm.eps,
+            first.attn.scale,
+        )
+        rope = self.rotary_emb
+        try:
+            return decode.plan(
+                weights, self.norm.weight, rope.cos_cache, rope.sin_cache, shape, GEMV_MAX_ROWS
+            )
+        except ValueError as e:
+            logger.info("decode steps run layer by layer (native decode step: %s)", e)
+            return None
 
     def _linear_kind(self) -> LinearKind:
         """How the linear layers multiply: all are prepared alike (linear.prepare_linears), so
@@ -246,9 +299,14 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]
 
-    def use_fused_ops(self, ops: FusedOps | None) -> None:
-        """Runs the fused path on batches the native attention kernel serves (None: eager)."""
+    def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
+        """Runs the fused path on batches the native attention kernel serves (None: eager); with
+        `decode`, decode steps of 1-2 rows run through every layer in one native call when every
+        linear layer runs the GEMV. Call after the KV caches are bound."""
         self.model.fused = ops
+        self.model.decode = None
+        if ops is not None and decode is not None:
+            self.model.decode = self.model.decode_plan(decode)
 
     def checkpoint_layout(self) -> dict[str, WeightTarget]:
         """Hugging Face tensor name -> where it lands, for every tensor the checkpoint must hold."""

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
+from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.llama import LlamaForCausalLM
 
@@ -25,8 +26,9 @@ class CausalLM(Protocol):
 
     def attention_layers(self) -> list[PagedAttention]: ...
 
-    def use_fused_ops(self, ops: FusedOps | None) -> None:
-        """Fused elementwise kernels for batches the native attention kernel serves."""
+    def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
+        """Fused elementwise kernels for batches the native attention kernel serves, and the
+        native decode step for 1-2 row decode batches."""
         ...
 
 

@@ -2,7 +2,8 @@
 
 `paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
-`gemv.cpp` (linear layers of 1-4 rows on the plain weight, at memory speed; `gemv.py`) are
+`gemv.cpp` (linear layers of 1-4 rows on the plain weight, at memory speed; `gemv.py`) and
+`decode_step.cpp` (a 1-2 row decode step through every layer in one call; `decode.py`) are
 compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
@@ -44,13 +45,16 @@ from torch import Tensor
 
 from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
+from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
 from inferd.models.kernels.gemv import Gemv
 
 logger = logging.getLogger("inferd.executor")
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "paged_attention.cpp", _HERE / "fused_ops.cpp", _HERE / "gemv.cpp")
+SOURCES = tuple(
+    _HERE / f for f in ("paged_attention.cpp", "fused_ops.cpp", "gemv.cpp", "decode_step.cpp")
+)
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
 HEADERS = (_HERE / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -86,12 +90,14 @@ class PagedBatch:
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library: its attention kernel, fused elementwise ops and small-batch GEMV."""
+    """The loaded library: its attention kernel, fused elementwise ops, small-batch GEMV and the
+    decode step that chains them through every layer."""
 
     path: Path
     attention: PagedAttentionKernel
     ops: FusedOps
     gemv: Gemv
+    decode: DecodeLayers
 
 
 class PagedAttentionKernel:
@@ -250,7 +256,8 @@ def load(cache_dir: Path) -> NativeKernels:
     path = build(cache_dir)
     try:
         lib = ctypes.CDLL(str(path))
-        return NativeKernels(path, PagedAttentionKernel(lib), FusedOps(lib), Gemv(lib))
+        kernels = (PagedAttentionKernel(lib), FusedOps(lib), Gemv(lib), DecodeLayers(lib))
+        return NativeKernels(path, *kernels)
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
 

@@ -1,0 +1,157 @@
+"""The native decode step (`kernels/decode_step.cpp`: every layer of a 1-2 row decode step in one
+call) gives bit-for-bit the layer-by-layer fused path's results.
+
+Both run the same kernels in the same order, so greedy tokens and every log-probability must be
+equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
+float dtypes and int8 weights. Steps of two rows (two requests decoding together) and one row
+(one alone) both occur.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from inferd import LLM, SamplingParams
+from inferd.models.kernels import NativeKernels
+from inferd.models.kernels.decode import DecodePlan, DecodeShape, GemvWeight, LayerWeights
+from inferd.models.linear import has_int8_gemm
+
+transformers = pytest.importorskip("transformers")
+
+BASE: dict[str, Any] = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
+}
+
+
+def _checkpoint(name: str, root: Path) -> Path:
+    cls_name, extra = CASES[name]
+    config = getattr(transformers, cls_name)(**{**BASE, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(root / name, safe_serialization=True)
+    return root / name
+
+
+def _results(llm: LLM) -> list[Any]:
+    # Two requests decode together (2-row steps), then one alone (1-row steps).
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts: list[Any] = [
+        {"prompt_token_ids": list(range(20, 61))},
+        {"prompt_token_ids": list(range(100, 109))},
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs += llm.generate(prompts[:1], params, use_tqdm=False)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []],
+        )
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "quantization"),
+    [
+        ("llama", "float32", None),
+        ("qwen2", "float32", None),
+        ("qwen3", "bfloat16", None),
+        pytest.param(
+            "llama",
+            "float32",
+            "int8",
+            marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
+        ),
+    ],
+)
+def test_equals_the_layer_by_layer_path(
+    name: str,
+    dtype: str,
+    quantization: str | None,
+    tmp_path: Path,
+    native_kernels: NativeKernels,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = LLM(
+        model=str(_checkpoint(name, tmp_path)),
+        tokenizer="inferd-tiny",
+        dtype=dtype,
+        quantization=quantization,
+        small_batch_gemv="on",
+        # int8 prefill quantizes activations over the whole batch, so a prefix-cache hit (a
+        # different batch) would change the prefill's logits between the two runs.
+        enable_prefix_caching=False,
+        block_size=8,
+    )
+    model = llm.llm_engine.model.model
+    plan = model.decode
+    assert plan is not None, "the native decode step was not built"
+    calls: list[int] = []
+    real = DecodePlan.__call__
+
+    def counting(self: DecodePlan, embed: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(embed.shape[0])
+        return real(self, embed, *args)
+
+    monkeypatch.setattr(DecodePlan, "__call__", counting)
+    native = _results(llm)
+    assert {1, 2} <= set(calls), f"step row counts {set(calls)}"
+    model.decode = None
+    calls.clear()
+    assert _results(llm) == native
+    assert not calls
+
+
+def _layer(hidden: int, inter: int, heads: tuple[int, int, int], kv: torch.Tensor) -> LayerWeights:
+    hq, hkv, d = heads
+
+    def lin(n: int, k: int) -> GemvWeight:
+        return GemvWeight(torch.randn(n, k), None)
+
+    return LayerWeights(
+        torch.ones(hidden),
+        torch.ones(hidden),
+        None,
+        None,
+        kv,
+        lin((hq + 2 * hkv) * d, hidden),
+        lin(hidden, hq * d),
+        lin(2 * inter, hidden),
+        lin(hidden, inter),
+    )
+
+
+def test_plan_refuses_a_layout_the_kernels_do_not_take(native_kernels: NativeKernels) -> None:
+    hq, hkv, d, hidden, inter = 4, 2, 16, 64, 96
+    kv = torch.zeros(2, 5, 8, hkv, d)
+    cos, sin = torch.ones(32, d // 2), torch.zeros(32, d // 2)
+    shape = DecodeShape(hq, hkv, d, 1e-6, 0.0, d**-0.5)
+    good = _layer(hidden, inter, (hq, hkv, d), kv)
+    native_kernels.decode.plan([good], torch.ones(hidden), cos, sin, shape, 2)
+    # A q/k/v weight for more heads than the shape says.
+    bad = _layer(hidden, inter, (hq + 1, hkv, d), kv)
+    with pytest.raises(ValueError, match="qkv"):
+        native_kernels.decode.plan([bad], torch.ones(hidden), cos, sin, shape, 2)
+    # A KV cache whose head layout differs.
+    bad = _layer(hidden, inter, (hq, hkv, d), torch.zeros(2, 5, 8, hkv, d * 2))
+    with pytest.raises(ValueError, match="KV cache"):
+        native_kernels.decode.plan([bad], torch.ones(hidden), cos, sin, shape, 2)
+    # bfloat16 norms in a float32 model.
+    with pytest.raises(ValueError):
+        native_kernels.decode.plan([good], torch.ones(hidden).bfloat16(), cos, sin, shape, 2)
