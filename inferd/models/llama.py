@@ -36,7 +36,7 @@ from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
-from inferd.models.linear import GEMV_MAX_ROWS, Linear, LinearKind, padded_rows
+from inferd.models.linear import Linear, LinearKind, padded_rows
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger("inferd.models")
@@ -201,7 +201,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused: FusedOps | None = None
-        # Decode steps of 1-2 rows in one native call (set with the fused ops; see decode_plan).
+        # Decode steps of 1-4 rows in one native call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
@@ -261,9 +261,7 @@ class LlamaModel(nn.Module):
         )
         rope = self.rotary_emb
         try:
-            return decode.plan(
-                weights, self.norm.weight, rope.cos_cache, rope.sin_cache, shape, GEMV_MAX_ROWS
-            )
+            return decode.plan(weights, self.norm.weight, rope.cos_cache, rope.sin_cache, shape)
         except ValueError as e:
             logger.info("decode steps run layer by layer (native decode step: %s)", e)
             return None
@@ -301,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager); with
-        `decode`, decode steps of 1-2 rows run through every layer in one native call when every
+        `decode`, decode steps of 1-4 rows run through every layer in one native call when every
         linear layer runs the GEMV. Call after the KV caches are bound."""
         self.model.fused = ops
         self.model.decode = None

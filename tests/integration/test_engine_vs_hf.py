@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
+from hf_cases import LLAMA3_ROPE_SCALING, save_checkpoint  # noqa: E402
 
 from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
@@ -25,17 +25,6 @@ from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.kernels.gemv import Gemv, Int8Weight  # noqa: E402
 from inferd.models.linear import has_int8_gemm  # noqa: E402
-
-BASE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.3,
-)
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -56,12 +45,7 @@ NUM_BLOCKS = 40  # 160 token slots for ~10 requests of up to ~86 tokens: forces 
 
 def _make_checkpoint(name: str, root: Path) -> Path:
     cls_name, extra = CONFIGS[name]
-    config = getattr(transformers, cls_name)(**{**BASE, **extra})
-    torch.manual_seed(1234)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    path = root / name
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_checkpoint(cls_name, extra, root / name, seed=1234)
 
 
 def _workload(seed: int) -> list[tuple[list[int], int]]:

@@ -1,4 +1,4 @@
-// A decode step of 1-2 rows through every decoder layer of a Llama-family model in one call.
+// A decode step of 1-4 rows through every decoder layer of a Llama-family model in one call.
 //
 //   inferd_decode_layers(model, step)
 //
