@@ -83,6 +83,7 @@ def test_equals_the_layer_by_layer_path(
     llm = LLM(
         model=str(_checkpoint(name, tmp_path)),
         tokenizer="inferd-tiny",
+        device="cpu",
         dtype=dtype,
         quantization=quantization,
         small_batch_gemv="on",
