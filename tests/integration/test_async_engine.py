@@ -75,13 +75,24 @@ def roomy() -> Iterator[Harness]:
 
 @pytest.fixture(scope="module")
 def narrow() -> Iterator[Harness]:
+    # One engine slot and a 3-deep queue. The output backlog bound is out of the way: a hog that
+    # its reader fell 16 tokens behind on (a few ms of the tiny model's decode on a loaded
+    # machine) was aborted, freed the slot, and let a request meant to time out in the queue in.
     limits = AdmissionConfig(
         max_queued_requests=3,
         max_queued_tokens=10_000,
-        max_pending_output_tokens=16,
+        max_pending_output_tokens=1_000_000,
         min_engine_waiting=0,
     )
     h = Harness(_config(max_num_seqs=1), limits)
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def backlog() -> Iterator[Harness]:
+    """An engine whose streams may hold at most 16 unread output tokens."""
+    h = Harness(_config(max_num_seqs=1), AdmissionConfig(max_pending_output_tokens=16))
     yield h
     h.close()
 
@@ -213,7 +224,7 @@ def test_queue_full_rejects_at_once(narrow: Harness) -> None:
     async def main() -> None:
         hog = _long(narrow, "hog")
         await _first(hog)
-        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
         queued = [llm.generate(GenerateRequest(f"q{i}", [5, 6], _greedy(2))) for i in range(3)]
         tasks = [asyncio.ensure_future(_collect(q)) for q in queued]
@@ -236,7 +247,7 @@ def test_queue_timeout(narrow: Harness) -> None:
     async def main() -> None:
         hog = _long(narrow, "hog2")
         await _first(hog)
-        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
         t0 = time.monotonic()
         with pytest.raises(QueueTimeoutError):
@@ -262,7 +273,7 @@ def test_priority_order(narrow: Harness) -> None:
     async def main() -> None:
         hog = _long(narrow, "hog3")
         await _first(hog)
-        # Keep reading the hog, or the backlog bound (16 tokens) aborts it.
+        # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
         tasks = [asyncio.ensure_future(run(r, p)) for r, p in [("lo1", 1), ("lo2", 1), ("hi", 0)]]
         await asyncio.sleep(0.05)
@@ -274,9 +285,9 @@ def test_priority_order(narrow: Harness) -> None:
     assert order == ["hi", "lo1", "lo2"]
 
 
-def test_slow_reader_is_aborted(narrow: Harness) -> None:
+def test_slow_reader_is_aborted(backlog: Harness) -> None:
     async def main() -> None:
-        stream = _long(narrow, "slow")
+        stream = _long(backlog, "slow")
         await _first(stream)
         # The engine runs on; 16 unread tokens is the bound. 2 s leaves room for steps that a
         # busy machine makes 10x slower (threads of other processes on the same cores).
@@ -284,11 +295,11 @@ def test_slow_reader_is_aborted(narrow: Harness) -> None:
         with pytest.raises(OutputBacklogError):
             await _collect(stream)
         deadline = time.monotonic() + 5
-        while narrow.llm.stats().running:
+        while backlog.llm.stats().running:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
 
-    narrow.run(main())
+    backlog.run(main())
 
 
 def test_engine_death_fails_in_flight(narrow: Harness) -> None:
