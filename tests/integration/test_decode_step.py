@@ -1,11 +1,11 @@
-"""The native decode step (`kernels/decode_step.cpp`: every layer of a 1-4 row decode step in one
+"""The native decode step (`kernels/decode_step.cpp`: every layer of a 1-8 row decode step in one
 call) gives bit-for-bit the layer-by-layer fused path's results.
 
 Both run the same kernels in the same order, so greedy tokens and every log-probability must be
 equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
 float dtypes and int8 weights. The layer-by-layer path sends only 1-2 rows to the GEMV
-(`linear.GEMV_MAX_ROWS`; oneDNN sums 3-4 rows in another order), so for the comparison both runs
-let it take up to 4, as the decode step does.
+(`linear.GEMV_MAX_ROWS`; oneDNN sums 3-8 rows in another order), so for the comparison both runs
+let it take as many as the decode step does.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ def _checkpoint(name: str, root: Path) -> Path:
 
 
 def _results(llm: LLM) -> list[Any]:
-    # Four requests decode together and finish one by one (steps of 4, 3, 2 rows), then one
-    # decodes alone (1 row).
+    # Eight requests decode together and finish one by one (steps of 8 down to 2 rows), then
+    # one decodes alone (1 row).
     prompts: list[Any] = [
-        {"prompt_token_ids": list(range(20 + 9 * i, 61 + 3 * i))} for i in range(4)
+        {"prompt_token_ids": list(range(20 + 9 * i, 50 + 12 * i))} for i in range(8)
     ]
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
-        for n in (24, 18, 12, 6)
+        for n in (24, 21, 18, 15, 12, 9, 6, 3)
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     outs += llm.generate(prompts[:1], params[0], use_tqdm=False)
@@ -105,7 +105,7 @@ def test_equals_the_layer_by_layer_path(
     monkeypatch.setattr(DecodePlan, "__call__", counting)
     monkeypatch.setattr(linear, "GEMV_MAX_ROWS", plan.max_rows)
     native = _results(llm)
-    assert {1, 2, 3, 4} <= set(calls), f"step row counts {set(calls)}"
+    assert set(range(1, 9)) <= set(calls), f"step row counts {set(calls)}"
     model.decode = None
     calls.clear()
     assert _results(llm) == native

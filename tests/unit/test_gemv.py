@@ -27,7 +27,7 @@ def _rand(*shape: int, dtype: torch.dtype, seed: int) -> Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(1024, 512), (1027, 500), (5, 17), (3, 1408)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(
@@ -79,7 +79,7 @@ def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
 @pytest.mark.parametrize(("n", "k"), [(1024, 512), (1027, 500), (5, 17), (3, 1408)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_is_its_integer_dot_product(

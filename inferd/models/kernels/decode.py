@@ -1,4 +1,4 @@
-"""`decode_step.cpp`: a decode step of 1-4 rows through every decoder layer in one native call.
+"""`decode_step.cpp`: a decode step of 1-8 rows through every decoder layer in one native call.
 
 `DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
 RoPE tables), checks their shapes and builds the C structures that point at them; the returned
@@ -144,7 +144,7 @@ class DecodeLayers:
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
         # The most rows a step may have: the GEMV kernel's limit. Up to it the step beats the
-        # layer-by-layer path even where a Python-called GEMV would not beat oneDNN (3-4 rows).
+        # layer-by-layer path even where a Python-called GEMV would not beat oneDNN (3-8 rows).
         self.max_rows = int(lib.inferd_gemv_max_rows())
 
     def plan(

@@ -38,7 +38,11 @@
 
 namespace {
 
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 8;
+// Output rows per block: up to 4 x rows, 4 weight rows share each x load (4 * R accumulators);
+// past 4 x rows those would not fit the 32 vector registers beside the x vectors, so 2.
+template <int R>
+constexpr int kBlockRows = R <= 4 ? 4 : 2;
 // Each weight row's stream is prefetched this far ahead into L2 (T1): into L1 (T0) the lines
 // displaced the ones being read; measured over whole weight sets, 2 threads: float32 llama-32m
 // 30 -> 37.5 GB/s, Qwen2-0.5B 29.5 -> 32.6; int8 Qwen2-0.5B 20 -> 31 (fbgemm 31.5).
@@ -60,7 +64,7 @@ inline void store1(void* y, int64_t i, float v) {
   }
 }
 
-// y[r, n0 .. n0 + NB) for R rows of x; NB = 4 (a block) or 1 (the last n % 4 rows). The dtype is
+// y[r, n0 .. n0 + NB) for R rows of x; NB = kBlockRows<R> (a block) or 1 (the last rows). The dtype is
 // a template argument so the inner loop has no branch; full 16-lane steps run unmasked.
 template <int R, int NB, int DT>
 inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, const void* bias,
@@ -176,14 +180,14 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Output rows in blocks of 4 (the last n % 4 one at a time), the blocks split statically over the
+// Output rows in blocks of B (the last n % B one at a time), the blocks split statically over the
 // threads when `parallel`: block(Int<NB>{}, n0) computes y[:, n0 .. n0 + NB).
-template <class Block>
+template <int B, class Block>
 void over_blocks(int64_t n, bool parallel, const Block& block) {
-  const int64_t blocks = n / 4;
+  const int64_t blocks = n / B;
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t b = 0; b < blocks; ++b) block(Int<4>{}, b * 4);
-  for (int64_t j = blocks * 4; j < n; ++j) block(Int<1>{}, j);
+  for (int64_t b = 0; b < blocks; ++b) block(Int<B>{}, b * B);
+  for (int64_t j = blocks * B; j < n; ++j) block(Int<1>{}, j);
 }
 
 // f(Int<R>{}) for R = rows in [1, kMaxRows]: 0; -1 for any other row count.
@@ -194,6 +198,10 @@ int with_rows(int64_t rows, const F& f) {
     case 2: f(Int<2>{}); return 0;
     case 3: f(Int<3>{}); return 0;
     case 4: f(Int<4>{}); return 0;
+    case 5: f(Int<5>{}); return 0;
+    case 6: f(Int<6>{}); return 0;
+    case 7: f(Int<7>{}); return 0;
+    case 8: f(Int<8>{}); return 0;
     default: return -1;
   }
 }
@@ -202,8 +210,9 @@ template <int DT>
 int gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
          const void* bias, void* y, int64_t y_stride) {
   return with_rows(rows, [&](auto r) {
-    over_blocks(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
-      block<decltype(r)::value, decltype(nb)::value, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
+    constexpr int R = decltype(r)::value;
+    over_blocks<kBlockRows<R>>(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
+      block<R, decltype(nb)::value, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
     });
   });
 }
@@ -214,9 +223,9 @@ int gemv_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int6
               int64_t y_stride) {
   // A byte per weight: the same bytes as the float loop's threshold hold 4x the weights.
   return with_rows(rows, [&](auto r) {
-    over_blocks(n, n * k >= 4 * kMinParallelElems, [&](auto nb, int64_t n0) {
-      block_int8<decltype(r)::value, decltype(nb)::value, DT>(xr, w, k, w_scale, w_sum, bias, y,
-                                                              y_stride, n0);
+    constexpr int R = decltype(r)::value;
+    over_blocks<kBlockRows<R>>(n, n * k >= 4 * kMinParallelElems, [&](auto nb, int64_t n0) {
+      block_int8<R, decltype(nb)::value, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, n0);
     });
   });
 }

@@ -1,6 +1,6 @@
 """`gemv.cpp`'s few-row linear layer as a tensor-in, tensor-out call.
 
-`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-4 rows of `x` from the plain
+`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-8 rows of `x` from the plain
 row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
 prepacked GEMM does not reach it). `Gemv.int8(x, w8)` does the same over an int8 weight
 (`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does. Inputs are checked here;
