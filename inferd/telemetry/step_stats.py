@@ -2,6 +2,11 @@
 
 The engine records one StepStat per step into a bounded ring, so a long-running server keeps the
 recent history at a fixed memory cost. Benchmarks and the metrics exporter read from it.
+
+Stage times are host wall time. On a GPU the forward's kernels run asynchronously and the host
+waits for them when sampling reads the token ids back; the runner times the forward with CUDA
+events and moves that device time from `sample` to `forward` (executor/model_runner.py,
+`_charge_device_time`), so the shares say where the step went, not where the host waited.
 """
 
 from __future__ import annotations
