@@ -59,15 +59,17 @@ def _results(llm: LLM) -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype", "quantization"),
+    ("name", "dtype", "quantization", "kv_cache_dtype"),
     [
-        ("llama", "float32", None),
-        ("qwen2", "float32", None),
-        ("qwen3", "bfloat16", None),
+        ("llama", "float32", None, "auto"),
+        ("qwen2", "float32", None, "auto"),
+        ("qwen3", "bfloat16", None, "auto"),
+        ("llama", "float32", None, "bfloat16"),  # a KV cache in another dtype than the model
         pytest.param(
             "llama",
             "float32",
             "int8",
+            "auto",
             marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
         ),
     ],
@@ -76,6 +78,7 @@ def test_equals_the_layer_by_layer_path(
     name: str,
     dtype: str,
     quantization: str | None,
+    kv_cache_dtype: str,
     tmp_path: Path,
     native_kernels: NativeKernels,
     monkeypatch: pytest.MonkeyPatch,
@@ -86,6 +89,7 @@ def test_equals_the_layer_by_layer_path(
         device="cpu",
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         small_batch_gemv="on",
         # int8 prefill quantizes activations over the whole batch, so a prefix-cache hit (a
         # different batch) would change the prefill's logits between the two runs.
