@@ -87,8 +87,9 @@ class DeviceConfig(_Frozen):
     # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
     # dense = F.linear everywhere (the reference path).
     linear_backend: LinearBackend = "auto"
-    # The native GEMV for batches of 1-2 rows (single streams), on a second, plain copy of the
-    # weights: auto = when the native kernels run and the copy takes at most a quarter of RAM.
+    # The native GEMV for batches of 1-2 rows and decode steps of up to 8 sequences (one native
+    # call per step), on a second, plain copy of the weights: auto = when the native kernels run
+    # and the copy takes at most a quarter of RAM.
     small_batch_gemv: SmallBatchGemv = "auto"
 
 

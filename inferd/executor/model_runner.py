@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,28 +114,37 @@ class ModelRunner:
             inp = self.prepare_inputs(sched)
             stat.num_decode_tokens = inp.meta.num_decode_tokens
             stat.num_prefill_tokens = int(inp.input_ids.numel()) - inp.meta.num_decode_tokens
-        with timed(stat, "forward"):
-            start = _device_event(self.device)
+
+        def forward() -> tuple[Tensor, list[ScheduledChunk]]:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
-            logits = self.model.compute_logits(hidden[inp.logits_indices])
-            end = _device_event(self.device)
-        with timed(stat, "sample"):
-            out = self._sample(logits, inp.sampling_chunks)
-        _charge_device_time(stat, start, end)
-        return out
+            return self.model.compute_logits(hidden[inp.logits_indices]), inp.sampling_chunks
+
+        return self._forward_and_sample(stat, forward)
 
     def _execute_graph(
         self, graphs: DecodeGraphs, sched: SchedulerOutput, stat: StepStat
     ) -> ModelRunnerOutput:
         stat.num_decode_tokens = len(sched.chunks)
-        with timed(stat, "forward"):
-            start = _device_event(self.device)
+
+        def forward() -> tuple[Tensor, list[ScheduledChunk]]:
             hidden = graphs.run(sched.chunks)
             rows = [i for i, c in enumerate(sched.chunks) if c.samples]
             logits = self.model.compute_logits(hidden[self._tensor(rows)])
+            return logits, [sched.chunks[i] for i in rows]
+
+        return self._forward_and_sample(stat, forward)
+
+    def _forward_and_sample(
+        self, stat: StepStat, forward: Callable[[], tuple[Tensor, list[ScheduledChunk]]]
+    ) -> ModelRunnerOutput:
+        """`forward()` -> (logits of the sampling rows, their chunks), timed as the forward
+        stage (on a GPU by CUDA events: _charge_device_time), then sampled."""
+        with timed(stat, "forward"):
+            start = _device_event(self.device)
+            logits, chunks = forward()
             end = _device_event(self.device)
         with timed(stat, "sample"):
-            out = self._sample(logits, [sched.chunks[i] for i in rows])
+            out = self._sample(logits, chunks)
         _charge_device_time(stat, start, end)
         return out
 

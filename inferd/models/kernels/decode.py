@@ -11,9 +11,9 @@ at, so they stay alive as long as it does.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -155,7 +155,7 @@ class DecodeLayers:
         sin: Tensor,
         shape: DecodeShape,
     ) -> DecodePlan:
-        return DecodePlan(self, layers, final_norm, cos, sin, shape, self.max_rows)
+        return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, self.max_rows)
 
 
 class DecodePlan:
@@ -164,7 +164,7 @@ class DecodePlan:
 
     def __init__(
         self,
-        owner: DecodeLayers,
+        fn: Callable[[Any, Any], int],
         layers: Sequence[LayerWeights],
         final_norm: Tensor,
         cos: Tensor,
@@ -176,7 +176,7 @@ class DecodePlan:
         kv = layers[0].kv_cache
         hidden, inter = _check_layout(layers, final_norm, cos, sin, shape)
         hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        self._owner = owner
+        self._fn = fn  # inferd_decode_layers
         self._keep = (layers, final_norm, cos, sin)  # everything the structures point at
         self._layers = (_Layer * len(layers))(*(_layer(lw) for lw in layers))
         self._model = _Model(
@@ -241,7 +241,7 @@ class DecodePlan:
         s.q_start = batch.q_start.data_ptr()
         s.q_len = batch.q_len.data_ptr()
         s.ctx_len = batch.ctx_len.data_ptr()
-        check_rc(self._owner._fn(ctypes.byref(self._model), ctypes.byref(s)), "decode step")
+        check_rc(self._fn(ctypes.byref(self._model), ctypes.byref(s)), "decode step")
         return out
 
 
