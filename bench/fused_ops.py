@@ -18,7 +18,8 @@ The native attention kernel runs in all four. Alternating inside one process mak
 on a shared machine hit every variant alike; the best round of each is reported, with the
 process's CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256,
 outputs 16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream,
-32-token prompt, 256 tokens), as bench/peers.py sends them to servers.
+32-token prompt, 256 tokens), as bench/peers.py sends them to servers, and `streamsN` (`--streams`,
+default 4 and 8: N such streams at once, the batches the native decode step takes past one row).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ SHAPE_CHOICES: dict[str, ModelShape] = {k: SHAPES[k] for k in ("llama-32m", "qwe
 
 
 def workload(shape: ModelShape, kind: str, seed: int) -> WorkloadSpec:
-    if kind == "single":
-        return WorkloadSpec(1, shape.vocab_size, seed, 32, 32, 256, 256)
-    return WorkloadSpec(MIXED_REQUESTS[shape.name], shape.vocab_size, seed, 16, 256, 16, 128)
+    """`mixed`, `single`, or `streamsN`: N streams like the single one, at once."""
+    if kind == "mixed":
+        return WorkloadSpec(MIXED_REQUESTS[shape.name], shape.vocab_size, seed, 16, 256, 16, 128)
+    streams = 1 if kind == "single" else int(kind.removeprefix("streams"))
+    return WorkloadSpec(streams, shape.vocab_size, seed, 32, 32, 256, 256)
 
 
 def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
@@ -87,7 +90,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "eager": (None, None, None),
     }
     results: dict[str, Any] = {}
-    for kind in ("mixed", "single"):
+    for kind in ("mixed", "single", *(f"streams{n}" for n in args.streams)):
         reqs = make_workload(workload(shape, kind, args.seed))
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in reqs]
         params = [
@@ -114,7 +117,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         a, y, f, e = best["native"], best["layers"], best["no_gemv"], best["eager"]
         label = f"{dtype}+{args.quantization}" if args.quantization else dtype
         print(
-            f"{args.shape} {label} {kind:6s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
+            f"{args.shape} {label} {kind:9s} native {a[0]:8.1f} tok/s ({a[1]:.2f} CPU ms/tok)"
             f"   layers {y[0]:8.1f} ({y[1]:.2f})   no_gemv {f[0]:8.1f} ({f[1]:.2f})"
             f"   eager {e[0]:8.1f} ({e[1]:.2f})   decode step {a[0] / y[0]:.2f}x"
             f"  gemv {y[0] / f[0]:.2f}x  fused {f[0] / e[0]:.2f}x"
@@ -130,6 +133,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight quantization")
+    p.add_argument(
+        "--streams",
+        type=lambda s: [int(n) for n in s.split(",") if n],
+        default=[4, 8],
+        help="also N streams at once (comma-separated N; the decode step takes 1-8 rows)",
+    )
     args = p.parse_args()
     out = {dtype: measure(args, dtype) for dtype in args.dtypes.split(",")}
     path = default_result_path("fused_ops", args.shape)
