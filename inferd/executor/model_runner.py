@@ -1,8 +1,10 @@
 """Model runner: one SchedulerOutput in, one forward pass, one sampled token per sampling row.
 
 The only stage that touches the device. A step's batch is flat: decode tokens first (one per
-sequence, sorted longest context first and cut into length groups), then each prefill chunk. No
-padding tokens are computed; logits are computed only for rows that sample.
+sequence, sorted longest context first), then each prefill chunk. No padding tokens are computed;
+logits are computed only for rows that sample. Attention metadata takes one of three forms: the
+native CPU kernel's (`PagedBatch`), CUDA's single varlen call (`VarlenBatch`), or PyTorch's
+fallback (decode length groups and per-chunk spans).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models import kernels
-from inferd.models.attention import AttentionMetadata, PrefillSpan
+from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
 from inferd.models.config import ArchConfig
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
@@ -78,6 +80,12 @@ class ModelRunner:
             _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = None if native is None else native.attention
+        # CUDA: eager steps run all their rows' attention in one varlen call per layer.
+        self.varlen = native is None and varlen_supported(
+            device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        )
+        # Half precision (FlashAttention) reads padded spans, so K/V are gathered by whole blocks.
+        self.varlen_blocks = self.varlen and dtype in (torch.float16, torch.bfloat16)
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv
             attn.kernel = self.attn_kernel
@@ -99,6 +107,7 @@ class ModelRunner:
             max_num_seqs,
             scratch_block=self.num_blocks,
             capture=capture,
+            varlen=self.varlen_blocks,
         )
 
     @property
@@ -163,6 +172,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=len(decode))
         if self.attn_kernel is not None:
             meta.paged = self._paged_batch(decode, prefill)
+        elif self.varlen:
+            meta.varlen = self._varlen_batch(decode + prefill)
         else:
             meta.decode_groups = self._decode_groups(decode)
         for c in prefill:
@@ -189,8 +200,8 @@ class ModelRunner:
             sampling_chunks=sampling_chunks,
         )
 
-    def _tensor(self, values: list[int] | np.ndarray) -> Tensor:
-        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+    def _tensor(self, values: list[int] | np.ndarray, dtype: type = np.int64) -> Tensor:
+        t = torch.from_numpy(np.asarray(values, dtype=dtype))
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
     def _decode_groups(self, decode: list[ScheduledChunk]) -> list[tuple[Tensor, Tensor]]:
@@ -237,13 +248,45 @@ class ModelRunner:
             ctx_len=torch.from_numpy(ctx),
         )
 
+    def _varlen_batch(self, chunks: list[ScheduledChunk]) -> VarlenBatch | None:
+        """Varlen metadata for every row of the batch: each chunk's queries against its whole
+        context (cached prefix + this step's tokens), in the flat batch's order."""
+        if not chunks:
+            return None
+        q_len = [c.num_tokens for c in chunks]
+        ctx = [c.start + c.num_tokens for c in chunks]
+        cu_q = self._tensor(np.cumsum([0, *q_len]), np.int32)
+        if self.varlen_blocks:
+            # Whole blocks (a tile copy each); each span ends in its last block's unused slots.
+            bs = self.block_size
+            nbs = [(n + bs - 1) // bs for n in ctx]
+            blocks = [b for c, nb in zip(chunks, nbs, strict=True) for b in c.block_ids[:nb]]
+            return VarlenBatch(
+                cu_q=cu_q,
+                cu_k=self._tensor(np.cumsum([0, *nbs]) * bs, np.int32),
+                max_q=max(q_len),
+                max_k=max(nbs) * bs,
+                kv_slots=cu_q[:0],
+                kv_blocks=self._tensor(blocks),
+                seqused_k=self._tensor(ctx, np.int32),
+            )
+        slots = np.concatenate([self._slots(c, 0, n) for c, n in zip(chunks, ctx, strict=True)])
+        return VarlenBatch(
+            cu_q=cu_q,
+            cu_k=self._tensor(np.cumsum([0, *ctx]), np.int32),
+            max_q=max(q_len),
+            max_k=max(ctx),
+            kv_slots=self._tensor(slots),
+        )
+
     def _prefill_span(
         self, c: ScheduledChunk, query_start: int, slots: list[int]
     ) -> PrefillSpan | None:
-        """The chunk's SDPA span (None when the native kernel serves it); appends its slots."""
+        """The chunk's SDPA span (None when the native kernel or the varlen call serves it);
+        appends its slots."""
         end = c.start + c.num_tokens
         slots.extend(self._slots(c, c.start, end).tolist())
-        if self.attn_kernel is not None:
+        if self.attn_kernel is not None or self.varlen:
             return None
         span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
         if c.start > 0:

@@ -15,8 +15,12 @@ Two ways to read it:
   through the block table after this step's write. Plain prefill goes through it too: it skips
   the masked half of the causal square, and measured faster than SDPA at 64-1024 tokens
   (bench/attention_kernel.py, "prefill plain");
-- PyTorch (CUDA, or no kernel): decode rows in length groups and prefixed chunks gather whole
-  tiles with index_select, then SDPA with a padding / causal mask.
+- CUDA, eager steps (`meta.varlen`): every row of the batch in one varlen flash-attention call
+  per layer (memory-efficient attention in float32), each sequence's context gathered from the
+  cache with one index_select; the causal mask is aligned bottom-right, so a decode row or a
+  chunk after a cached prefix sees its whole context;
+- PyTorch (CUDA-graph decode, or no kernel): decode rows in length groups and prefixed chunks
+  gather whole tiles with index_select, then SDPA with a padding / causal mask.
 """
 
 from __future__ import annotations
@@ -47,6 +51,25 @@ class PrefillSpan:
 
 
 @dataclass
+class VarlenBatch:
+    """Every row of a CUDA batch for one varlen attention call: sequence i's queries are rows
+    cu_q[i]:cu_q[i+1] of the flat batch, its keys the cache slots kv_slots[cu_k[i]:cu_k[i+1]] (its
+    whole context after this step's write), causal from the bottom right."""
+
+    cu_q: Tensor  # [N + 1] int32
+    cu_k: Tensor  # [N + 1] int32
+    max_q: int
+    max_k: int
+    kv_slots: Tensor  # [total_k] int64
+    # [total_k / block_size] int64: the same keys as whole cache blocks (one tile copy per block,
+    # not per key); when set, kv_slots is unused and every span is a whole number of blocks.
+    kv_blocks: Tensor | None = None
+    # [N] int32: how many keys of each cu_k span are real, the rest padding (a CUDA-graph decode
+    # batch has fixed spans); None when every span is all real. Half precision only.
+    seqused_k: Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: Tensor  # [T] int64
     num_decode_tokens: int = 0
@@ -58,6 +81,8 @@ class AttentionMetadata:
     # Native-kernel path: every row of the batch, read in place (decode_groups and prefills are
     # then empty).
     paged: PagedBatch | None = None
+    # CUDA varlen path: every row of the batch in one call (decode_groups and prefills empty).
+    varlen: VarlenBatch | None = None
 
 
 class PagedAttention(nn.Module):
@@ -77,6 +102,8 @@ class PagedAttention(nn.Module):
         # q: [T, Hq, D]  k, v: [T, Hkv, D]  ->  out: [T, Hq, D]
         if self.kv_cache.numel():
             _write_kv(self.kv_cache, k, v, meta.slot_mapping)
+        if meta.varlen is not None:
+            return self._varlen(q, meta.varlen)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.paged is not None:
             assert self.kernel is not None, "a paged batch needs the native kernel"
@@ -115,6 +142,15 @@ class PagedAttention(nn.Module):
         o = _sdpa(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
+    def _varlen(self, q: Tensor, vb: VarlenBatch) -> Tensor:
+        if vb.kv_blocks is not None:
+            k = _as(self.kv_cache[0].index_select(0, vb.kv_blocks).flatten(0, 1), q)
+            v = _as(self.kv_cache[1].index_select(0, vb.kv_blocks).flatten(0, 1), q)
+        else:
+            k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, vb.kv_slots), q)
+            v = _as(self.kv_cache[1].flatten(0, 1).index_select(0, vb.kv_slots), q)
+        return varlen_attention(q.contiguous(), k, v, vb, self.scale)
+
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan) -> Tensor:
         if span.context_slots is not None:
             k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots), q)
@@ -149,6 +185,92 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> Tensor:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
     with sdpa_kernel(CUDA_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, vb: VarlenBatch, scale: float) -> Tensor:
+    """q [total_q, Hq, D], k / v [total_k, Hkv, D] packed by vb's offsets -> [total_q, Hq, D].
+
+    Half precision runs FlashAttention-2's varlen kernel (GQA native); float32, which flash does
+    not serve, the memory-efficient kernel with K/V heads repeated to Hq. Both are PyTorch's own
+    kernels (the ones its nested-tensor SDPA calls), causal from the bottom right."""
+    group = q.shape[1] // k.shape[1]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        if vb.max_q == 1 and group > 1:
+            # Decode rows only: the G query heads that share a KV head become G query rows of
+            # that head (non-causal: one position sees every key), so a tile holds G rows, not 1.
+            n, hq, d = q.shape
+            rows = q.view(n, -1, group, d).transpose(1, 2).reshape(n * group, -1, d)
+            o: Tensor = torch.ops.aten._flash_attention_forward(
+                rows,
+                k,
+                v,
+                vb.cu_q * group,
+                vb.cu_k,
+                group,
+                vb.max_k,
+                0.0,
+                False,
+                False,
+                scale=scale,
+                seqused_k=vb.seqused_k,
+            )[0]
+            return o.view(n, group, -1, d).transpose(1, 2).reshape(n, hq, d)
+        out: Tensor = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            vb.cu_q,
+            vb.cu_k,
+            vb.max_q,
+            vb.max_k,
+            0.0,
+            True,
+            False,
+            scale=scale,
+            seqused_k=vb.seqused_k,
+        )[0]
+        return out
+    assert vb.seqused_k is None, "padded spans need FlashAttention (half precision)"
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.ops.aten._efficient_attention_forward(
+        q[None],
+        k[None],
+        v[None],
+        None,
+        vb.cu_q,
+        vb.cu_k,
+        vb.max_q,
+        vb.max_k,
+        0.0,
+        _CAUSAL_FROM_BOTTOM_RIGHT,
+        False,
+        scale=scale,
+    )[0]
+    return out[0]
+
+
+# The memory-efficient kernel's custom_mask_type: 2 = causal aligned to the bottom-right corner
+# (query i of a q_len-row block sees keys up to k_len - q_len + i).
+_CAUSAL_FROM_BOTTOM_RIGHT = 2
+
+
+def varlen_supported(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether varlen_attention runs here: CUDA only, checked by one tiny call (an old GPU, a
+    head size the kernel lacks, or a PyTorch build without the kernel fall back to SDPA)."""
+    if device.type != "cuda":
+        return False
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    vb = VarlenBatch(cu_q=cu, cu_k=cu, max_q=2, max_k=2, kv_slots=torch.empty(0))
+    q = torch.zeros(3, num_heads, head_dim, dtype=dtype, device=device)
+    kv = torch.zeros(3, num_kv_heads, head_dim, dtype=dtype, device=device)
+    try:
+        varlen_attention(q, kv, kv, vb, 1.0)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

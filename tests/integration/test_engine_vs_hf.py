@@ -17,10 +17,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_cases import LLAMA3_ROPE_SCALING, save_checkpoint  # noqa: E402
+from varlen_reference import reference_varlen  # noqa: E402
 
 from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
+from inferd.models import attention  # noqa: E402
+from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.kernels.gemv import Gemv, Int8Weight  # noqa: E402
@@ -146,6 +149,7 @@ def test_greedy_matches_transformers(
     if device == "cuda":
         graphs = engine.runner.decode_graphs
         assert graphs is not None and graphs.capture and graphs.graphs, "no CUDA graph replayed"
+        assert engine.runner.varlen, "eager steps did not take the varlen attention"
     elif kernel_available():
         assert engine.runner.attn_kernel is not None, "the native attention kernel did not run"
         assert engine.model.model.fused is not None, "the fused elementwise kernels did not run"
@@ -176,6 +180,72 @@ def test_greedy_matches_transformers_on_torch_attention(name: str, tmp_path: Pat
     got = _tokens(_run(engine, work))
     for i, (prompt, n) in enumerate(work):
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
+
+
+@pytest.mark.parametrize("gather", ["slots", "blocks"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_varlen_layout_matches_transformers(
+    name: str, gather: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CUDA varlen path's batch layout (each chunk's queries against its whole context, decode
+    # rows and prefixed chunks alike; gathered key by key as float32 does, or by whole blocks with
+    # seqused_k as half precision does), checked on the CPU with the kernel call replaced by its
+    # per-sequence reference: greedy output still equals transformers'.
+    calls = [0]
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return reference_varlen(*args)
+
+    monkeypatch.setattr(attention, "varlen_attention", counted)
+    path = _make_checkpoint(name, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    work = _workload(seed=len(name))
+    engine = _engine(path, attention_backend="torch")
+    engine.runner.varlen = True
+    engine.runner.varlen_blocks = gather == "blocks"
+    got = _tokens(_run(engine, work))
+    for i, (prompt, n) in enumerate(work):
+        assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
+    stats = engine.step_stats.steps
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in stats), "no mixed step"
+    assert calls[0] == len(stats) * 2, "not every layer of every step took the varlen call"
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ["mixed", "decode"])
+def test_varlen_kernel_matches_reference_on_cuda(dtype: torch.dtype, rows: str) -> None:
+    # Mixed: decode rows, a whole prompt and chunks after a cached prefix in one call. Decode:
+    # one query per sequence (in half precision the query heads of a KV head become rows). GQA.
+    gen = torch.Generator().manual_seed(0)
+    ctx = [90, 3, 37, 70, 1, 130]
+    q_len = [1, 1, 37, 16, 1, 5] if rows == "mixed" else [1] * len(ctx)
+    q, k, v = (
+        torch.randn(n, h, 64, generator=gen).to("cuda", dtype)
+        for n, h in ((sum(q_len), 8), (sum(ctx), 2), (sum(ctx), 2))
+    )
+
+    def cu(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+
+    vb = VarlenBatch(cu(q_len), cu(ctx), max(q_len), max(ctx), torch.empty(0))
+    got = varlen_attention(q, k, v, vb, 0.125)
+    ref = reference_varlen(q.float(), k.float(), v.float(), vb, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        # Spans padded to 160 keys (a CUDA-graph decode batch), only the first seqused_k real.
+        used = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+        padded = VarlenBatch(
+            cu(q_len), cu([160] * len(ctx)), max(q_len), 160, vb.kv_slots, seqused_k=used
+        )
+        k_pad, v_pad = (
+            torch.zeros(160 * len(ctx), 2, 64, dtype=dtype, device="cuda") for _ in "kv"
+        )
+        for i, (a, n) in enumerate(zip(vb.cu_k.tolist(), ctx, strict=False)):
+            k_pad[160 * i : 160 * i + n], v_pad[160 * i : 160 * i + n] = k[a : a + n], v[a : a + n]
+        torch.testing.assert_close(varlen_attention(q, k_pad, v_pad, padded, 0.125), got)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
