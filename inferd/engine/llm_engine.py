@@ -33,7 +33,12 @@ from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
 from inferd.models import kernels
 from inferd.models.config import ArchConfig
-from inferd.models.linear import prepare_linears, resolve_linear_kind, small_batch_gemv
+from inferd.models.linear import (
+    checkpoint_quantization,
+    prepare_linears,
+    resolve_linear_kind,
+    small_batch_gemv,
+)
 from inferd.models.loader import load_model, resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
@@ -71,9 +76,11 @@ class LLMEngine:
         self.model, self.arch = load_model(
             path, dtype, self.device, config.model.load_format, config.model.seed, arch
         )
-        kind = resolve_linear_kind(
-            config.device.linear_backend, config.model.quantization, self.device, dtype
-        )
+        quantization = config.model.quantization
+        if quantization is None and arch.quantization is not None:
+            quantization = checkpoint_quantization(self.device)
+        backend = config.device.linear_backend
+        kind = resolve_linear_kind(backend, quantization, self.device, dtype)
         kv_dtype = kv_cache_dtype(config.cache, dtype)
         native = kernels.select(
             config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
@@ -81,7 +88,8 @@ class LLMEngine:
         gemv = small_batch_gemv(
             config.device.small_batch_gemv, kind, native.gemv if native else None, self.model
         )
-        prepare_linears(self.model, kind, gemv)
+        float_kind = resolve_linear_kind(backend, None, self.device, dtype)
+        prepare_linears(self.model, kind, gemv, float_kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.tokenizer_path = tok_path
         self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache, native)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.errors import ModelLoadError
+from inferd.models.quantized import Int8Checkpoint, parse_quantization_config
 from inferd.models.rope import SUPPORTED_ROPE_TYPES, rope_cache_len, rope_type_of
 
 # `model_type` -> architecture, for configs saved without `architectures` (a bare
@@ -56,6 +57,8 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     source: str = "<dict>"  # the file this came from, for error messages
+    # Linear layers stored as int8 + per-channel scales (models/quantized.py); None: float.
+    quantization: Int8Checkpoint | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -231,4 +234,11 @@ def _parse(f: _Fields) -> ArchConfig:
         bos_token_id=f.opt_int("bos_token_id", minimum=0),
         eos_token_ids=f.token_ids("eos_token_id"),
         source=f.source,
+        quantization=_quantization(f),
     )
+
+
+def _quantization(f: _Fields) -> Int8Checkpoint | None:
+    # Older compressed-tensors checkpoints name it compression_config.
+    qc = f.data.get("quantization_config", f.data.get("compression_config"))
+    return None if qc is None else parse_quantization_config(qc, f.source)

@@ -75,6 +75,13 @@ class Linear(nn.Module):
         self._gemv: Gemv | None = None
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
         self._w8: Int8Weight | None = None
+        # A checkpoint already quantized to int8 (models/quantized.py): its integers [out, in] and
+        # per-channel scales [out, 1], filled by the loader (expect_int8) and taken by the int8
+        # kind as they are; released by prepare(). None for a float checkpoint.
+        self.qweight: nn.Parameter | None = None
+        self.weight_scale: nn.Parameter | None = None
+        # The int8 checkpoint stores this layer in float (its `ignore` list): it stays float.
+        self.keep_float = False
 
     def forward(self, x: Tensor) -> Tensor:
         if self._gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
@@ -85,19 +92,40 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return self._fn(x)
 
+    def expect_int8(self) -> None:
+        """The checkpoint holds this layer as int8 weights and per-channel scales."""
+        device = self.weight.device
+        self.qweight = nn.Parameter(
+            torch.empty(self.out_features, self.in_features, dtype=torch.int8, device=device), False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(self.out_features, 1, dtype=torch.float32, device=device), False
+        )
+
+    def dequantize(self) -> None:
+        """Fills the float weight from the loaded int8 one (W = q * scale), for every kernel
+        but int8, which takes the integers themselves."""
+        assert self.qweight is not None and self.weight_scale is not None
+        with torch.no_grad():
+            self.weight.copy_(self.qweight.float() * self.weight_scale)
+
     def prepare(self, kind: LinearKind, keep_dense: bool, keep_plain: bool = False) -> None:
         """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`.
         `keep_plain`: also keep the plain weight the small-batch GEMV reads (the dense one for
         `onednn`, an int8 row-major copy for `int8`)."""
         self._gemv = None
         self._w8 = None
+        loaded = None
+        if self.qweight is not None and self.weight_scale is not None:
+            loaded = self.qweight.detach(), self.weight_scale.detach()[:, 0].contiguous()
+            self.qweight = self.weight_scale = None
         if kind == "dense":
             self._fn, self.kind = None, kind
             return
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()
         if kind == "int8":
-            q, scale = quantize_int8(weight)
+            q, scale = loaded or quantize_int8(weight)
             self._fn = _int8(q, scale, bias)
             if keep_plain:
                 self._w8 = Int8Weight.of(q, scale, bias)
@@ -238,6 +266,15 @@ def resolve_linear_kind(
     return "onednn"
 
 
+def checkpoint_quantization(device: torch.device) -> Quantization | None:
+    """What an int8 checkpoint (models/quantized.py) runs as when no --quantization is given:
+    int8 where the int8 kernels run (a CPU with VNNI), else its weights dequantized."""
+    if device.type == "cpu" and has_int8_gemm():
+        return "int8"
+    logger.info("int8 checkpoint: no int8 kernels on %s, running it dequantized", device)
+    return None
+
+
 def has_int8_gemm() -> bool:
     """Whether this CPU has VNNI (int8 dot products accumulated in int32)."""
     if "VNNI" in torch.backends.cpu.get_cpu_capability():
@@ -250,18 +287,26 @@ def has_int8_gemm() -> bool:
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
-def prepare_linears(model: nn.Module, kind: LinearKind, gemv: Gemv | None = None) -> None:
+def prepare_linears(
+    model: nn.Module,
+    kind: LinearKind,
+    gemv: Gemv | None = None,
+    float_kind: LinearKind = "dense",
+) -> None:
     """Converts every Linear of `model` to `kind`, keeping dense weights other modules share;
     with `gemv` (for the kinds in GEMV_KINDS), few-row batches run it on every layer's plain
-    weight, all kept (Linear.prepare's `keep_plain`)."""
+    weight, all kept (Linear.prepare's `keep_plain`). Under int8, a layer an int8 checkpoint
+    stores in float (`keep_float`) takes `float_kind`, the kind it would have had unquantized."""
     shared = _shared_weights(model)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     gemv = gemv if kind in GEMV_KINDS else None
     for m in linears:
-        m.prepare(kind, keep_dense=id(m.weight) in shared, keep_plain=gemv is not None)
-        m.use_gemv(gemv)
-    if kind == "onednn":
-        _warm_up(linears)
+        own = float_kind if kind == "int8" and m.keep_float else kind
+        m_gemv = gemv if own in GEMV_KINDS else None
+        m.prepare(own, keep_dense=id(m.weight) in shared, keep_plain=m_gemv is not None)
+        m.use_gemv(m_gemv)
+    if onednn := [m for m in linears if m.kind == "onednn"]:
+        _warm_up(onednn)
     if kind != "dense":
         plain = "int8 copies" if kind == "int8" else "dense weights"
         extra = f" (+ the small-batch GEMV on the {plain})" if gemv is not None else ""

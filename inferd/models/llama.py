@@ -32,11 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.linear import Linear, LinearKind, padded_rows
+from inferd.models.quantized import Int8Checkpoint
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
 logger = logging.getLogger("inferd.models")
@@ -319,15 +321,46 @@ class LlamaForCausalLM(nn.Module):
             del layout["lm_head.weight"]
         return layout
 
+    def expect_int8(self, ckpt: Int8Checkpoint) -> list[Linear]:
+        """Marks the linear layers an int8 checkpoint stores as int8 (models/quantized.py) and
+        returns them; the layers it names in `ignore`, and an lm_head tied to the (float)
+        embeddings, stay float (`keep_float`)."""
+        int8 = []
+        for module_name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            names = [prefix for prefix, _ in _shard_prefixes(module_name, module)]
+            ignored = [ckpt.ignores(name) for name in names]
+            if any(ignored) and not all(ignored):
+                kept = [n for n, i in zip(names, ignored, strict=True) if i]
+                raise ModelLoadError(
+                    f"the int8 checkpoint leaves {kept} in float but not the other layers of "
+                    f"{names}; inferd runs them as one fused layer"
+                )
+            if all(ignored) or (module_name == "lm_head" and self.config.tie_word_embeddings):
+                module.keep_float = True
+            else:
+                module.expect_int8()
+                int8.append(module)
+        return int8
+
+
+def _shard_prefixes(module_name: str, module: Linear) -> list[tuple[str, int]]:
+    """Each checkpoint layer stacked into a (fused) Linear, with its rows: "model.layers.0.
+    self_attn.qkv_proj" with shard "q_proj" -> "model.layers.0.self_attn.q_proj"."""
+    parent = module_name.rpartition(".")[0]
+    return [(f"{parent}.{shard}" if parent else shard, rows) for shard, rows in module.shards]
+
 
 def _linear_layout(module_name: str, module: Linear) -> dict[str, WeightTarget]:
-    # "model.layers.0.self_attn.qkv_proj" with shard "q_proj" -> "model.layers.0.self_attn.q_proj"
-    parent = module_name.rpartition(".")[0]
     out: dict[str, WeightTarget] = {}
     start = 0
-    for shard, rows in module.shards:
-        prefix = f"{parent}.{shard}" if parent else shard
-        out[f"{prefix}.weight"] = WeightTarget(f"{module_name}.weight", start, rows)
+    for prefix, rows in _shard_prefixes(module_name, module):
+        if module.qweight is not None:
+            out[f"{prefix}.weight"] = WeightTarget(f"{module_name}.qweight", start, rows)
+            out[f"{prefix}.weight_scale"] = WeightTarget(f"{module_name}.weight_scale", start, rows)
+        else:
+            out[f"{prefix}.weight"] = WeightTarget(f"{module_name}.weight", start, rows)
         if module.bias is not None:
             out[f"{prefix}.bias"] = WeightTarget(f"{module_name}.bias", start, rows)
         start += rows

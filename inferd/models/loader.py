@@ -103,7 +103,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):
+        int8 = model.expect_int8(arch.quantization) if arch.quantization else []
         load_safetensors(model, weight_files(path))
+        for linear in int8:
+            linear.dequantize()
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}")
     num_params = sum(p.numel() for p in model.parameters())
@@ -180,13 +183,15 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
 def _copy_tensor(f: Any, name: str, file: Path, param: torch.Tensor, target: WeightTarget) -> None:
     expected = (target.rows, *param.shape[1:])
     found = tuple(f.get_slice(name).get_shape())
+    if found == (target.rows,) and expected == (target.rows, 1):
+        found = expected  # an int8 checkpoint's per-channel scales saved as a vector
     if found != expected:
         raise ModelLoadError(
             f"{file.name}: tensor {name!r} has shape {list(found)}, expected {list(expected)}"
         )
     tensor = f.get_tensor(name)
     with torch.no_grad():
-        param[target.row_start : target.row_start + target.rows].copy_(tensor)
+        param[target.row_start : target.row_start + target.rows].copy_(tensor.view(expected))
 
 
 def _open(file: Path) -> Any:
