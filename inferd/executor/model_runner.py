@@ -381,6 +381,8 @@ def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type: `cache.kv_cache_dtype`, or the model dtype for "auto"."""
     if cache.kv_cache_dtype == "auto":
         return dtype
+    if cache.kv_cache_dtype in ("fp8", "fp8_e5m2"):
+        return torch.float8_e5m2
     kv_dtype: torch.dtype = getattr(torch, cache.kv_cache_dtype)
     return kv_dtype
 

@@ -274,8 +274,13 @@ def varlen_supported(
 
 
 def _write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, _as(k, kv_cache))
-    kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, _as(v, kv_cache))
+    _raw(kv_cache[0].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_as(k, kv_cache)))
+    _raw(kv_cache[1].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_as(v, kv_cache)))
+
+
+def _raw(t: Tensor) -> Tensor:
+    """A float8 tensor's bytes (index_copy_ has no float8 kernel on the CPU); others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _as(x: Tensor, like: Tensor) -> Tensor:

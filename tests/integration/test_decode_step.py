@@ -65,6 +65,7 @@ def _results(llm: LLM) -> list[Any]:
         ("qwen2", "float32", None, "auto"),
         ("qwen3", "bfloat16", None, "auto"),
         ("llama", "float32", None, "bfloat16"),  # a KV cache in another dtype than the model
+        ("qwen2", "bfloat16", None, "fp8"),  # float8_e5m2 K/V
         pytest.param(
             "llama",
             "float32",

@@ -127,6 +127,30 @@ def test_rope_qkv_writes_rotated_q_and_the_kv_cache(
     assert not flat[:, untouched].any(), "only the given slots are written"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qkv_rounds_a_float8_cache_as_torch_does(ops: FusedOps, dtype: torch.dtype) -> None:
+    # --kv-cache-dtype fp8: V is stored as float8_e5m2 bit for bit as torch's .to() rounds
+    # (nearest even, ties, subnormals, the largest finite value, overflow to inf, NaN), and K,
+    # rotated in float32 first, within one float8 step of the eager path.
+    t, hq, hkv, d = 6, 2, 2, 32
+    special = [0.0, -0.0, 1.125, 1.375, -2.5, 3e-5, 1e-7, 6e-5, 57344.0, 60000.0, 7e4, 1e9]
+    special += [float("nan"), float("inf"), -float("inf"), 0.1]
+    qkv = _rand(t, (hq + 2 * hkv) * d, dtype=dtype)
+    v = qkv[:, (hq + hkv) * d :]
+    v[0, : len(special)] = torch.tensor(special).to(dtype)
+    positions, slots = torch.arange(t), torch.arange(t) * 3
+    cos, sin = _rope_tables(32, d, dtype)
+    cache = torch.zeros(2, 2, 16, hkv, d, dtype=torch.float8_e5m2)
+    ops.rope_qkv(qkv, hq, hkv, positions, cos, sin, cache, slots, None, None, 1e-6)
+    flat = cache.view(2, 32, hkv, d)
+    want_v = v.reshape(t, hkv, d).to(torch.float8_e5m2)
+    assert torch.equal(flat[1, slots].view(torch.uint8), want_v.view(torch.uint8))
+    wk = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    want_k = apply_rotary(wk, c, s).float()
+    torch.testing.assert_close(flat[0, slots].float(), want_k, rtol=0.25, atol=1e-4)
+
+
 def test_rope_qkv_refuses_out_of_range_positions_and_slots(ops: FusedOps) -> None:
     qkv = _rand(2, 4 * 16, dtype=torch.float32)
     cos, sin = _rope_tables(8, 16, torch.float32)

@@ -129,12 +129,15 @@ def test_other_head_dims(kernel: PagedAttentionKernel, d: int) -> None:
         (torch.bfloat16, torch.float32),
         (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.bfloat16),
+        (torch.float8_e5m2, torch.float32),
+        (torch.float8_e5m2, torch.bfloat16),
     ],
 )
-def test_bfloat16(
+def test_bfloat16_and_float8(
     kernel: PagedAttentionKernel, kv_dtype: torch.dtype, act_dtype: torch.dtype
 ) -> None:
-    # The reference reads the same rounded cache; only the output rounding (bf16) differs.
+    # The reference reads the same rounded cache (float8_e5m2 widened exactly); only the output
+    # rounding (bf16) differs.
     _check(kernel, [(1, 300), (20, 80), (1, 5)], kv_dtype=kv_dtype, act_dtype=act_dtype)
 
 
@@ -147,6 +150,8 @@ def test_only_covered_rows_are_written(kernel: PagedAttentionKernel) -> None:
 
 def test_supports() -> None:
     assert kernels.supports(torch.float32, torch.bfloat16, 64) is None
+    assert kernels.supports(torch.bfloat16, torch.float8_e5m2, 64) is None
+    assert kernels.supports(torch.float8_e5m2, torch.float32, 64) is not None
     assert kernels.supports(torch.float16, torch.float32, 64) is not None
     assert kernels.supports(torch.float32, torch.float32, 72) is not None
 

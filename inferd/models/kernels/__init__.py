@@ -46,7 +46,7 @@ from torch import Tensor
 from inferd.config import Environment, read_environment
 from inferd.errors import ModelLoadError
 from inferd.models.kernels.decode import DecodeLayers
-from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
+from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, FusedOps
 from inferd.models.kernels.gemv import Gemv
 
 logger = logging.getLogger("inferd.executor")
@@ -123,7 +123,7 @@ class PagedAttentionKernel:
             q.data_ptr(),
             DTYPE_CODES[q.dtype],
             kv_cache.data_ptr(),
-            DTYPE_CODES[kv_cache.dtype],
+            KV_DTYPE_CODES[kv_cache.dtype],
             num_blocks,
             block_size,
             q.shape[1],
@@ -196,8 +196,11 @@ def kernel_available(env: Environment | None = None) -> bool:
 
 def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str | None:
     """None if the kernel handles this shape, else why not."""
-    if dtype not in DTYPE_CODES or kv_dtype not in DTYPE_CODES:
-        return f"dtype {dtype} / KV cache dtype {kv_dtype} (float32 and bfloat16 only)"
+    if dtype not in DTYPE_CODES or kv_dtype not in KV_DTYPE_CODES:
+        return (
+            f"dtype {dtype} / KV cache dtype {kv_dtype} (float32 and bfloat16; float8_e5m2 for "
+            "the KV cache)"
+        )
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (supported: {sorted(HEAD_DIMS)})"
     return None

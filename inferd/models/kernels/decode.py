@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from inferd.models.kernels.fused import DTYPE_CODES, check_rc
+from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
 from inferd.models.kernels.gemv import Int8Weight
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class DecodePlan:
             qk_eps=shape.qk_eps,
             scale=shape.scale,
             dtype=DTYPE_CODES[dtype],
-            kv_dtype=DTYPE_CODES[kv.dtype],
+            kv_dtype=KV_DTYPE_CODES[kv.dtype],
         )
         rows = max_rows
         widths = {
@@ -284,7 +284,7 @@ def _check_layout(
     hidden = final_norm.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     inter = layers[0].down.shape[1]
-    if dtype not in DTYPE_CODES or kv.dtype not in DTYPE_CODES:
+    if dtype not in DTYPE_CODES or kv.dtype not in KV_DTYPE_CODES:
         raise ValueError(f"dtype {dtype} / KV cache {kv.dtype}")
     if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[3:]) != (hkv, d):
         raise ValueError(f"KV cache {tuple(kv.shape)}")

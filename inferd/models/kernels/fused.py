@@ -19,6 +19,8 @@ from torch import Tensor
 
 # The element types every native kernel takes, as their C side numbers them (simd.h `DType`).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The KV cache may also be float8_e5m2 (--kv-cache-dtype fp8): simd.h's kFP8E5M2.
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 2}
 
 
 class FusedOps:
@@ -125,7 +127,7 @@ class FusedOps:
             eps,
             q.data_ptr(),
             kv_cache.data_ptr(),
-            DTYPE_CODES[kv_cache.dtype],
+            KV_DTYPE_CODES[kv_cache.dtype],
             plane_slots,
             slot_mapping.data_ptr(),
         )

@@ -29,7 +29,7 @@ namespace {
 constexpr int64_t kMinParallelElems = 1 << 15;
 constexpr int kMaxHeadDim = 256;
 
-inline int64_t esize(int dtype) { return dtype == kF32 ? 4 : 2; }
+inline int64_t esize(int dtype) { return dtype_size(dtype); }
 
 inline const char* at(const void* base, int64_t elems, int dtype) {
   return static_cast<const char*>(base) + elems * esize(dtype);
@@ -164,7 +164,7 @@ int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, i
                     int64_t max_pos, const void* q_norm, const void* k_norm, float eps,
                     void* q_out, void* kv_cache, int kv_dtype, int64_t plane_slots,
                     const int64_t* slots) {
-  if ((dtype != kF32 && dtype != kBF16) || (kv_dtype != kF32 && kv_dtype != kBF16) || d % 2 ||
+  if ((dtype != kF32 && dtype != kBF16) || kv_dtype < kF32 || kv_dtype > kFP8E5M2 || d % 2 ||
       d > kMaxHeadDim || hq <= 0 || hkv <= 0)
     return -1;
   const Rope rope{cos, sin, dtype, d / 2};

@@ -7,7 +7,7 @@
 //
 // Layouts (row-major, contiguous):
 //   q, out     [T, Hq, D]                      float32 or bfloat16 (the model dtype)
-//   kv_cache   [2, NB, block_size, Hkv, D]     float32 or bfloat16 (K then V)
+//   kv_cache   [2, NB, block_size, Hkv, D]     float32, bfloat16 or float8_e5m2 (K then V)
 //   tables     [S, table_stride] int32         block ids of each sequence
 //   q_start, q_len, ctx_len  [S] int32         sequence s owns queries [q_start, q_start + q_len)
 //                                              of the flat batch and ctx_len keys in the cache
@@ -113,7 +113,7 @@ struct Kernel {
   static void gather(const Problem& p, int seq, int head, int nh, int t0, int n, float* kbuf,
                      float* vbuf, const float** krow, const float** vrow) {
     const bool f32 = p.kv_dtype == kF32;
-    const int esz = f32 ? 4 : 2;
+    const int esz = static_cast<int>(dtype_size(p.kv_dtype));
     const int bs = p.block_size;
     const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
     const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
@@ -130,8 +130,8 @@ struct Kernel {
         float* kd = kbuf + i * nh * D;  // [n][nh][D]: heads D apart, as in the cache
         float* vd = vbuf + i * nh * D;
         for (int c = 0; c < NC * nh; ++c) {
-          _mm512_store_ps(kd + c * 16, load16(k + c * 16 * esz, kBF16));
-          _mm512_store_ps(vd + c * 16, load16(v + c * 16 * esz, kBF16));
+          _mm512_store_ps(kd + c * 16, load16(k + c * 16 * esz, p.kv_dtype));
+          _mm512_store_ps(vd + c * 16, load16(v + c * 16 * esz, p.kv_dtype));
         }
         krow[i] = kd;
         vrow[i] = vd;
@@ -154,7 +154,7 @@ struct Kernel {
 
     // Rows of keys [t0, t1) of heads [head, head + nh).
     void plan(const Problem& p, int seq, int head, int nh, int t0, int t1) {
-      const int esz = p.kv_dtype == kF32 ? 4 : 2;
+      const int esz = static_cast<int>(dtype_size(p.kv_dtype));
       const int bs = p.block_size;
       const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
       const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
@@ -416,10 +416,10 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
                            int num_seqs, float scale) {
   ItemFn fn = pick(head_dim);
-  if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > 1 ||
+  if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > kFP8E5M2 ||
       num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxRows)
     return -1;
-  const int64_t esz = kv_dtype == kF32 ? 4 : 2;
+  const int64_t esz = dtype_size(kv_dtype);
   const int64_t half = num_blocks * block_size * num_kv_heads * head_dim * esz;
   const char* kc = static_cast<const char*>(kv_cache);
   Problem p{out,  q,        act_dtype, kc,         kc + half, kv_dtype, block_size, num_heads,

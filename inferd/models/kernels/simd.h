@@ -1,7 +1,10 @@
-// Vector helpers shared by the native kernels: float32 / bfloat16 loads and stores on AVX-512,
-// rounding as torch rounds (to nearest even), and an exp for the softmax and SiLU.
+// Vector helpers shared by the native kernels: float32 / bfloat16 / float8 (e5m2, KV cache only)
+// loads and stores on AVX-512, rounding as torch rounds (to nearest even), and an exp for the
+// softmax and SiLU.
 //
-// Every kernel computes in float32. A bfloat16 tensor is widened on load and rounded on store;
+// Every kernel computes in float32. A bfloat16 or float8 tensor is widened on load and rounded on
+// store. float8_e5m2 is the upper byte of a float16 (same exponent, 2 of its 10 mantissa bits), so
+// it widens exactly through the float16 conversion instructions.
 // `as_dtype` rounds an intermediate where the eager PyTorch model would have rounded it (after
 // each op on a bfloat16 tensor), so the fused kernels stay within bfloat16's usual tolerance of it.
 #pragma once
@@ -17,11 +20,45 @@
 
 namespace {
 
-enum DType : int { kF32 = 0, kBF16 = 1 };
+enum DType : int { kF32 = 0, kBF16 = 1, kFP8E5M2 = 2 };
+
+inline int64_t dtype_size(int dtype) { return dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1; }
 
 // ---- conversions -------------------------------------------------------------------------------
+// 16 float8_e5m2 bytes -> floats: each byte becomes the high byte of a float16.
+inline __m512 e5m2_to_ps(__m128i b) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+}
+
+// Floats -> float8_e5m2 bytes in 32-bit lanes, as torch rounds (c10's fp8e5m2_from_fp32_value):
+// to nearest even; from 65536 on inf, NaN a NaN; below 2^-14 by adding and removing the float
+// 2^7 (134 << 23 as bits), whose last mantissa bits then hold the value on the subnormal grid.
+inline __m512i e5m2_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(u, sign);
+  const __m512i denorm = _mm512_set1_epi32(134 << 23);
+  // Normal: a + ((15 - 127) << 23) + 0xFFFFF + (bit 21 of a), the result in bits 21-28.
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 21), _mm512_set1_epi32(1));
+  __m512i normal = _mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>((15u - 127u) << 23) + 0xFFFFF));
+  normal = _mm512_srli_epi32(_mm512_add_epi32(normal, odd), 21);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))),
+      denorm);
+  // Below 2^-14, the smallest normal float8_e5m2: the subnormal grid.
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(113 << 23));
+  __m512i r = _mm512_mask_mov_epi32(normal, tiny, sub);
+  const __mmask16 big = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(143 << 23));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, big, _mm512_set1_epi32(0x7C));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7F));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(0xFF));
+  return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+}
+
 inline __m512 load16(const void* p, int dtype) {
   if (dtype == kF32) return _mm512_loadu_ps(p);
+  if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
   __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -34,9 +71,18 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return static_cast<uint16_t>(u >> 16);
 }
 
+inline void store16m(void* p, __m512 v, int dtype, __mmask16 m);
+
 inline void store_row(void* dst, const float* src, int d, int dtype) {
   if (dtype == kF32) {
     std::memcpy(dst, src, sizeof(float) * d);
+    return;
+  }
+  if (dtype == kFP8E5M2) {
+    for (int i = 0; i < d; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(d - i >= 16 ? 0xffff : (1u << (d - i)) - 1);
+      store16m(static_cast<char*>(dst) + i, _mm512_maskz_loadu_ps(m, src + i), dtype, m);
+    }
     return;
   }
   auto* o = static_cast<uint16_t*>(dst);
@@ -72,6 +118,7 @@ inline __mmask16 tail_mask(int64_t left) {
 
 inline __m512 load16m(const void* p, int dtype, __mmask16 m) {
   if (dtype == kF32) return _mm512_maskz_loadu_ps(m, p);
+  if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_maskz_loadu_epi8(m, p));
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -90,6 +137,10 @@ inline __m512i bf16_bits(__m512 v) {
 inline void store16m(void* p, __m512 v, int dtype, __mmask16 m) {
   if (dtype == kF32) {
     _mm512_mask_storeu_ps(p, m, v);
+    return;
+  }
+  if (dtype == kFP8E5M2) {
+    _mm_mask_storeu_epi8(p, m, _mm512_cvtepi32_epi8(e5m2_bits(v)));
     return;
   }
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
