@@ -196,6 +196,7 @@ struct Kernel {
     alignas(64) float sc[kMaxRows * kKeyTile];
     int limit[kMaxRows];  // last key index (inclusive) each row may see
     int hoff[kMaxRows];   // the row's kv head, as a float offset from the item's first
+    float tmax[kMaxRows];  // each row's largest score in the current key tile
     const int esz = p.act_dtype == kF32 ? 4 : 2;
     const __m512 vscale = _mm512_set1_ps(p.scale);
     for (int hh = 0; hh < it.nh; ++hh) {
@@ -227,23 +228,27 @@ struct Kernel {
       pf.plan(p, it.seq, it.head, it.nh, next, std::min(it.k1, next + kKeyTile));
       for (int r = 0; r < rows; ++r) {
         pf.issue(r, 2 * rows);
-        scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r], sc + r * kKeyTile);
+        tmax[r] = scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r], sc + r * kKeyTile);
       }
       for (int r = 0; r < rows; ++r) {
         pf.issue(rows + r, 2 * rows);
-        update_row(sc + r * kKeyTile, vrow, hoff[r], n, acc + r * D, m + r, l + r);
+        const int visible = std::min(n, limit[r] - t0 + 1);
+        update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D, m + r,
+                   l + r);
       }
     }
   }
 
   // Scores of one row against keys [t0, t0 + n): 16 keys at a time, their 16 partial-sum
   // vectors folded by one transpose-reduce (hsum16) instead of 16 horizontal sums.
-  static void scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
-                         int lim, float* s) {
+  // Returns the largest of the row's scores (-inf when no key is visible).
+  static float scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
+                          int lim, float* s) {
     __m512 qv[NC];
     for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
     const int valid = std::min(n, lim - t0 + 1);  // keys past the row's limit are masked
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 vmax = _mm512_set1_ps(kNegInf);
     for (int i0 = 0; i0 < n; i0 += 16) {
       __m512 a[16];
       const int cnt = std::min(16, std::max(0, valid - i0));
@@ -261,13 +266,16 @@ struct Kernel {
       const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
       __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), hsum16(a));
       _mm512_mask_storeu_ps(s + i0, in, r);
+      vmax = _mm512_max_ps(vmax, r);  // masked lanes hold -inf
     }
+    return _mm512_reduce_max_ps(vmax);
   }
 
-  static void update_row(float* s, const float* const* vrow, int hoff, int n, float* acc,
-                         float* m, float* l) {
-    float mx = *m;
-    for (int i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  // `tile_max`: the largest of s[0, n) (scores_row's result); keys past `visible` are masked
+  // (their weights are 0), so the P.V loop stops there.
+  static void update_row(float* s, float tile_max, const float* const* vrow, int hoff, int n,
+                         int visible, float* acc, float* m, float* l) {
+    const float mx = std::max(*m, tile_max);
     if (mx == kNegInf) return;  // no visible key in this tile
     const float alpha = *m == kNegInf ? 0.0f : std::exp(*m - mx);
     const __m512 vmx = _mm512_set1_ps(mx);
@@ -284,7 +292,7 @@ struct Kernel {
     __m512 a[NC];
     const __m512 va = _mm512_set1_ps(alpha);
     for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < visible; ++i) {
       const __m512 pi = _mm512_set1_ps(s[i]);
       const float* v = vrow[i] + hoff;
       for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * 16), a[c]);
