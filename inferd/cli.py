@@ -1,5 +1,6 @@
 """`inferd` command line. Subcommands: `generate` (offline, streams to stdout), `serve` (HTTP),
-`router` (over replicas, inferd/router/command.py)."""
+`router` (over replicas, inferd/router/command.py), `quantize` (a float checkpoint as int8,
+inferd/models/quantize.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TypeVar, get_args
 
 from inferd.config import (
@@ -383,7 +385,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--num-replicas", type=int, default=1, help="--ray: engine replicas")
     add_router_parser(sub)
+    quant = sub.add_parser(
+        "quantize",
+        help="write a float checkpoint as an int8 one (compressed-tensors int-quantized)",
+    )
+    quant.add_argument("src", type=Path, help="a Hugging Face model folder (float weights)")
+    quant.add_argument("dst", type=Path, help="the new folder")
+    quant.add_argument(
+        "--ignore",
+        action="append",
+        metavar="MODULE",
+        help="a module kept in float: its name, or re:<pattern> (repeatable; default: lm_head; "
+        "--ignore '' quantizes every linear layer)",
+    )
+    quant.set_defaults(func=_quantize)
     return parser
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from inferd.models.quantize import quantize_checkpoint
+
+    ignore = ["lm_head"] if args.ignore is None else [m for m in args.ignore if m]
+    report = quantize_checkpoint(args.src, args.dst, ignore)
+    print(
+        f"{args.dst}: {report.quantized} linear weights as int8, {report.kept} tensors kept; "
+        f"{report.bytes_in / 2**20:.0f} MiB -> {report.bytes_out / 2**20:.0f} MiB"
+    )
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

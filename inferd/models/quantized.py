@@ -26,11 +26,14 @@ refused at load, with its name.
 
     ckpt = parse_quantization_config(config["quantization_config"], "config.json")
     ckpt.ignores("lm_head")   # True
+
+models/quantize.py (`inferd quantize SRC DST`) writes such a checkpoint from a float one.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,3 +107,38 @@ def _check_group(name: str, group: dict[str, Any], refuse: Any) -> None:
         raise refuse(f"{where}.input_activations must be dynamic or absent")
     if group.get("output_activations") is not None:
         raise refuse(f"{where}.output_activations is not supported")
+
+
+def int8_quantization_config(ignore: Sequence[str]) -> dict[str, Any]:
+    """The quantization_config llm-compressor writes for W8A8 int8: static per-channel weights,
+    dynamic per-token activations."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "channel",
+                    "dynamic": False,
+                    "group_size": None,
+                    "observer": "minmax",
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "token",
+                    "dynamic": True,
+                    "observer": None,
+                },
+                "output_activations": None,
+            }
+        },
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+    }

@@ -42,68 +42,10 @@ def save_checkpoint(config_class: str, extra: dict[str, Any], path: Path, seed: 
 
 
 def save_int8_checkpoint(src: Path, dst: Path, ignore: tuple[str, ...] = ()) -> Path:
-    """`src` rewritten as llm-compressor writes its W8A8 int8 scheme (compressed-tensors
-    `int-quantized`): every linear layer's weight as int8 with a symmetric per-channel float32
-    scale [out, 1] (round to nearest, scale = max |w| / 127, inferd's own rule), layers named
+    """`src` rewritten by `inferd quantize` (models/quantize.py) as llm-compressor writes its W8A8
+    int8 scheme: every linear layer's weight int8 with a per-channel float32 scale, layers named
     in `ignore` left in float."""
-    import json
-    import shutil
+    from inferd.models.quantize import quantize_checkpoint
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(src / "model.safetensors"))
-    out: dict[str, Any] = {}
-    for name, t in tensors.items():
-        module = name.removesuffix(".weight")
-        linear = name.endswith("_proj.weight") or name == "lm_head.weight"
-        if not linear or module in ignore:
-            out[name] = t
-            continue
-        scale = (t.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        out[name] = torch.round(t.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        out[f"{module}.weight_scale"] = scale[:, None].contiguous()
-    dst.mkdir(parents=True)
-    save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = int8_quantization_config(list(ignore))
-    (dst / "config.json").write_text(json.dumps(config))
-    for extra in ("generation_config.json",):
-        if (src / extra).is_file():
-            shutil.copy(src / extra, dst / extra)
+    quantize_checkpoint(src, dst, ignore)
     return dst
-
-
-def int8_quantization_config(ignore: list[str]) -> dict[str, Any]:
-    """The quantization_config llm-compressor writes for W8A8 int8 (dynamic per-token
-    activations, static per-channel weights)."""
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "channel",
-                    "dynamic": False,
-                    "group_size": None,
-                    "observer": "minmax",
-                },
-                "input_activations": {
-                    "num_bits": 8,
-                    "type": "int",
-                    "symmetric": True,
-                    "strategy": "token",
-                    "dynamic": True,
-                    "observer": None,
-                },
-                "output_activations": None,
-            }
-        },
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-    }

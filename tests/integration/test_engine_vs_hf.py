@@ -7,6 +7,7 @@ is small enough that some requests are preempted and recomputed.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_cases import LLAMA3_ROPE_SCALING, save_checkpoint, save_int8_checkpoint  # noqa: E402
+from hf_cases import (  # noqa: E402
+    ENGINE_BASE,
+    LLAMA3_ROPE_SCALING,
+    save_checkpoint,
+    save_int8_checkpoint,
+)
 from varlen_reference import reference_varlen  # noqa: E402
 
-from inferd import LLMEngine, RequestOutput, SamplingParams  # noqa: E402
+from inferd import LLMEngine, RequestOutput, SamplingParams, cli  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
 from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
@@ -492,6 +498,33 @@ def test_int8_checkpoint_layers_left_in_float_and_dequantized(
         scale = f.get_tensor("model.layers.1.mlp.down_proj.weight_scale")
     torch.testing.assert_close(down.weight, q.float() * scale, rtol=0, atol=0)
     _assert_first_tokens_close(ref, _first_logprobs(engine, work), "dequantized int8 checkpoint")
+
+
+@pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
+def test_quantize_command_writes_a_sharded_int8_checkpoint(tmp_path: Path) -> None:
+    # `inferd quantize` over a checkpoint in several shards: the same shard files, an index that
+    # names every scale, lm_head left in float by default; with `--ignore ''` every layer is
+    # int8 and the result runs token for token as `--quantization int8` on the float folder.
+    config = transformers.LlamaConfig(**ENGINE_BASE)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    src = tmp_path / "float"
+    model.save_pretrained(src, max_shard_size="150KB")
+    shards = sorted(f.name for f in src.glob("*.safetensors"))
+    assert len(shards) > 1
+    dst = tmp_path / "w8a8"
+    assert cli.main(["quantize", str(src), str(dst)]) == 0
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(f.name for f in dst.glob("*.safetensors")) == shards
+    assert index["model.layers.1.mlp.down_proj.weight_scale"] in shards
+    assert "lm_head.weight_scale" not in index
+    assert _linear(_engine(dst), "lm_head").kind != "int8"
+    assert cli.main(["quantize", str(src), str(dst)]) == 2, "an existing folder is refused"
+    everything = tmp_path / "all"
+    assert cli.main(["quantize", str(src), str(everything), "--ignore", ""]) == 0
+    work = _workload(seed=3)
+    got = _tokens(_run(_engine(everything), work))
+    assert got == _tokens(_run(_engine(src, quantization="int8"), work))
 
 
 def test_int8_checkpoint_must_quantize_a_fused_layer_whole(tmp_path: Path) -> None:
