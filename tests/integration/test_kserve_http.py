@@ -341,7 +341,13 @@ def test_queue_full_is_429_and_queue_timeout_is_503(server: LiveServer) -> None:
             burst = await asyncio.gather(*(c.post(url, content=one) for _ in range(3)))
             return await first, timed_out, list(burst)
 
-    first, timed_out, burst = asyncio.run(run())
+    # The short request must reach the queue while `first` runs; on a loaded machine it can
+    # arrive after `first` finished and run at once (200). That is the setup missing, not the
+    # behaviour under test, so the scenario is tried again (at most three times).
+    for _ in range(3):
+        first, timed_out, burst = asyncio.run(run())
+        if timed_out.status_code != 200:
+            break
     assert first.status_code == 200 and first.json()["outputs"][0]["data"] == [3.0]
     assert_kserve_error(timed_out, 503)
     statuses = sorted(r.status_code for r in burst)
