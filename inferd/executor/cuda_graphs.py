@@ -117,7 +117,6 @@ class DecodeGraphs:
                 cu_k=offsets * len(keys),
                 max_q=1,
                 max_k=len(keys),
-                kv_slots=keys[:0],
                 seqused_k=self.ctx_lens[:b].to(torch.int32),
                 kv_blocks=self.tables[:b, :nb].flatten(),
             )

@@ -266,7 +266,6 @@ class ModelRunner:
                 cu_k=self._tensor(np.cumsum([0, *nbs]) * bs, np.int32),
                 max_q=max(q_len),
                 max_k=max(nbs) * bs,
-                kv_slots=cu_q[:0],
                 kv_blocks=self._tensor(blocks),
                 seqused_k=self._tensor(ctx, np.int32),
             )

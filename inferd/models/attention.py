@@ -60,9 +60,10 @@ class VarlenBatch:
     cu_k: Tensor  # [N + 1] int32
     max_q: int
     max_k: int
-    kv_slots: Tensor  # [total_k] int64
+    # [total_k] int64; None when kv_blocks names the keys instead.
+    kv_slots: Tensor | None = None
     # [total_k / block_size] int64: the same keys as whole cache blocks (one tile copy per block,
-    # not per key); when set, kv_slots is unused and every span is a whole number of blocks.
+    # not per key); every span is then a whole number of blocks.
     kv_blocks: Tensor | None = None
     # [N] int32: how many keys of each cu_k span are real, the rest padding (a CUDA-graph decode
     # batch has fixed spans); None when every span is all real. Half precision only.
@@ -147,6 +148,7 @@ class PagedAttention(nn.Module):
             k = _as(self.kv_cache[0].index_select(0, vb.kv_blocks).flatten(0, 1), q)
             v = _as(self.kv_cache[1].index_select(0, vb.kv_blocks).flatten(0, 1), q)
         else:
+            assert vb.kv_slots is not None
             k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, vb.kv_slots), q)
             v = _as(self.kv_cache[1].flatten(0, 1).index_select(0, vb.kv_slots), q)
         return varlen_attention(q.contiguous(), k, v, vb, self.scale)

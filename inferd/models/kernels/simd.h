@@ -72,6 +72,7 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
 }
 
 inline void store16m(void* p, __m512 v, int dtype, __mmask16 m);
+inline __mmask16 tail_mask(int64_t left);
 
 inline void store_row(void* dst, const float* src, int d, int dtype) {
   if (dtype == kF32) {
@@ -80,7 +81,7 @@ inline void store_row(void* dst, const float* src, int d, int dtype) {
   }
   if (dtype == kFP8E5M2) {
     for (int i = 0; i < d; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(d - i >= 16 ? 0xffff : (1u << (d - i)) - 1);
+      const __mmask16 m = tail_mask(d - i);
       store16m(static_cast<char*>(dst) + i, _mm512_maskz_loadu_ps(m, src + i), dtype, m);
     }
     return;
