@@ -8,7 +8,9 @@ block tables are shuffled. Rows: decode batches 1/16/64/96 x contexts 128/512/10
 prefill chunk with a 512-token cached prefix (plus the same chunk without a prefix: SDPA over
 the chunk's own K/V against the kernel, which the engine uses for it too), for the tiny shape's
 heads (8 q / 4 kv, head_dim 64) and Qwen2-0.5B's (14 / 2, head_dim 64). Columns: milliseconds
-per layer call, PyTorch fp32 cache, kernel fp32 cache, kernel bf16 cache. The table shows the
+per layer call, PyTorch fp32 cache, kernel fp32 cache, kernel bf16 / fp8 / int8 cache (the write
+in these calls is PyTorch's: for int8 its quantize costs ~55 us a call, which the engine's fused
+RoPE + KV-write kernel does in its own pass instead). The table shows the
 fastest of `--repeat` calls (on a shared machine the median mostly measures the neighbours);
 the JSON has the median too. Prints a table and writes JSON to bench/results/.
 """
@@ -27,7 +29,7 @@ import torch
 from common import command_line, default_result_path, machine_info, torch_threads, write_result
 
 from inferd.config import read_environment
-from inferd.models import kernels
+from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PagedAttention, PrefillSpan
 
 HEADS = {"tiny": (8, 4), "qwen2-0.5b-shape": (14, 2)}
@@ -66,8 +68,8 @@ class Case:
         self.slots = torch.from_numpy(slots.reshape(-1))
 
     def cache(self, dtype: torch.dtype) -> torch.Tensor:
-        shape = (2, self.num_blocks, BLOCK_SIZE, self.hkv, HEAD_DIM)
-        return torch.randn(shape).to(dtype)
+        values = torch.randn(2, self.num_blocks, BLOCK_SIZE, self.hkv, HEAD_DIM)
+        return kv_int8.quantize(values) if dtype == torch.int8 else values.to(dtype)
 
     def torch_meta(self) -> AttentionMetadata:
         """What the runner builds without the kernel (decode: one group, all lengths equal)."""
@@ -107,6 +109,8 @@ def _run_case(
     out: dict[str, float] = {}
     variants = [("torch_fp32", torch.float32, None), ("kernel_fp32", torch.float32, kernel)]
     variants.append(("kernel_bf16kv", torch.bfloat16, kernel))
+    variants.append(("kernel_fp8kv", torch.float8_e5m2, kernel))
+    variants.append(("kernel_int8kv", torch.int8, kernel))
     for name, dtype, kern in variants:
         attn.kv_cache = case.cache(dtype)
         attn.kernel = kern
@@ -138,12 +142,16 @@ def _rows(threads: int, repeat: int) -> list[dict[str, Any]]:
 
 def _print(rows: list[dict[str, Any]]) -> None:
     head = f"{'shape':17s} {'kind':15s} {'B':>3s} {'ctx':>5s}"
-    print(f"{head} {'torch ms':>9s} {'kernel ms':>9s} {'speedup':>7s} {'bf16-KV ms':>10s}")
+    print(
+        f"{head} {'torch ms':>9s} {'kernel ms':>9s} {'speedup':>7s} {'bf16-KV ms':>10s}"
+        f" {'fp8-KV ms':>9s} {'int8-KV ms':>10s}"
+    )
     for r in rows:
         torch_ms, kernel_ms, bf16_ms = r["torch_fp32"], r["kernel_fp32"], r["kernel_bf16kv"]
         print(
             f"{r['shape']:17s} {r['kind']:15s} {r['batch']:3d} {r['context']:5d} "
             f"{torch_ms:9.3f} {kernel_ms:9.3f} {torch_ms / kernel_ms:6.2f}x {bf16_ms:10.3f}"
+            f" {r['kernel_fp8kv']:9.3f} {r['kernel_int8kv']:10.3f}"
         )
 
 

@@ -18,8 +18,9 @@ DEFAULT_MODEL = "inferd-tiny"
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 LoadFormat = Literal["auto", "safetensors", "dummy"]
-# "fp8" is float8_e5m2 (as vLLM's CPU backend), the only float8 format the KV cache takes.
-KVCacheDType = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e5m2"]
+# "fp8" is float8_e5m2 (as vLLM's CPU backend), the only float8 format the KV cache takes;
+# "int8": per-head-row scales (models/kv_int8.py).
+KVCacheDType = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e5m2", "int8"]
 # "auto": the native CPU kernel where it builds (inferd/models/kernels), else PyTorch.
 AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 # "auto": weights prepacked for oneDNN on CPU, F.linear elsewhere (inferd/models/linear.py).

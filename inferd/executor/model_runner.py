@@ -22,7 +22,7 @@ from torch import Tensor
 from inferd.config import CacheConfig
 from inferd.errors import ModelLoadError
 from inferd.executor.cuda_graphs import DecodeGraphs
-from inferd.models import kernels
+from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
 from inferd.models.config import ArchConfig
 from inferd.models.registry import CausalLM
@@ -74,7 +74,7 @@ class ModelRunner:
             self.num_blocks + 1,
             cache.block_size,
             arch.num_key_value_heads,
-            arch.head_dim,
+            kv_int8.row_width(arch.head_dim, self.kv_dtype),
         )
         self.kv_caches = [
             _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
@@ -388,8 +388,8 @@ def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers; dtype is the KV cache dtype."""
-    per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
-    return per_token * block_size * dtype.itemsize
+    row = kv_int8.row_width(arch.head_dim, dtype)
+    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * row * block_size * dtype.itemsize
 
 
 def _num_kv_blocks(

@@ -7,7 +7,8 @@ sequence's cached K/V.
 
 KV cache layout, per layer: [2, num_blocks + 1, block_size, num_kv_heads, head_dim] (K then V; the
 extra block is the CUDA-graph scratch block), so one block of one layer is a contiguous
-[block_size, H_kv, D] tile. The cache's dtype may differ from the model's (`--kv-cache-dtype`).
+[block_size, H_kv, D] tile. The cache's dtype may differ from the model's (`--kv-cache-dtype`);
+an int8 cache's rows are D + 4 bytes, each with its own scale (models/kv_int8.py).
 
 Two ways to read it:
 - the native CPU kernel (`meta.paged`, inferd/models/kernels): every row of the batch in one
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from inferd.models import kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 from inferd.models.kernels.fused import padded_empty
 
@@ -138,25 +140,25 @@ class PagedAttention(nn.Module):
         # [B * nb, bs, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
         flat = block_table.flatten()
         shape = (b, -1, self.num_kv_heads, self.head_dim)
-        k = _as(self.kv_cache[0].index_select(0, flat), q).view(shape).transpose(1, 2)
-        v = _as(self.kv_cache[1].index_select(0, flat), q).view(shape).transpose(1, 2)
+        k = _load(self.kv_cache[0].index_select(0, flat), q).view(shape).transpose(1, 2)
+        v = _load(self.kv_cache[1].index_select(0, flat), q).view(shape).transpose(1, 2)
         o = _sdpa(qg, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _varlen(self, q: Tensor, vb: VarlenBatch) -> Tensor:
         if vb.kv_blocks is not None:
-            k = _as(self.kv_cache[0].index_select(0, vb.kv_blocks).flatten(0, 1), q)
-            v = _as(self.kv_cache[1].index_select(0, vb.kv_blocks).flatten(0, 1), q)
+            k = _load(self.kv_cache[0].index_select(0, vb.kv_blocks).flatten(0, 1), q)
+            v = _load(self.kv_cache[1].index_select(0, vb.kv_blocks).flatten(0, 1), q)
         else:
             assert vb.kv_slots is not None
-            k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, vb.kv_slots), q)
-            v = _as(self.kv_cache[1].flatten(0, 1).index_select(0, vb.kv_slots), q)
+            k = _load(self.kv_cache[0].flatten(0, 1).index_select(0, vb.kv_slots), q)
+            v = _load(self.kv_cache[1].flatten(0, 1).index_select(0, vb.kv_slots), q)
         return varlen_attention(q.contiguous(), k, v, vb, self.scale)
 
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, span: PrefillSpan) -> Tensor:
         if span.context_slots is not None:
-            k = _as(self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots), q)
-            v = _as(self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots), q)
+            k = _load(self.kv_cache[0].flatten(0, 1).index_select(0, span.context_slots), q)
+            v = _load(self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots), q)
         # [S, H, D] -> [1, H, S, D]
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         o = _sdpa(
@@ -276,8 +278,8 @@ def varlen_supported(
 
 
 def _write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    _raw(kv_cache[0].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_as(k, kv_cache)))
-    _raw(kv_cache[1].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_as(v, kv_cache)))
+    _raw(kv_cache[0].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_store(k, kv_cache)))
+    _raw(kv_cache[1].flatten(0, 1)).index_copy_(0, slot_mapping, _raw(_store(v, kv_cache)))
 
 
 def _raw(t: Tensor) -> Tensor:
@@ -285,6 +287,15 @@ def _raw(t: Tensor) -> Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _as(x: Tensor, like: Tensor) -> Tensor:
-    """x in like's dtype (a cache dtype other than the model's); no copy when they agree."""
-    return x if x.dtype == like.dtype else x.to(like.dtype)
+def _store(x: Tensor, cache: Tensor) -> Tensor:
+    """K or V rows [T, Hkv, D] as the cache holds them (no copy when the dtypes agree)."""
+    if cache.dtype == torch.int8:
+        return kv_int8.quantize(x)
+    return x if x.dtype == cache.dtype else x.to(cache.dtype)
+
+
+def _load(rows: Tensor, like: Tensor) -> Tensor:
+    """Cache rows read back in like's dtype (no copy when the dtypes agree)."""
+    if rows.dtype == torch.int8:
+        return kv_int8.dequantize(rows, like.dtype)
+    return rows if rows.dtype == like.dtype else rows.to(like.dtype)

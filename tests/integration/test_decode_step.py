@@ -66,6 +66,7 @@ def _results(llm: LLM) -> list[Any]:
         ("qwen3", "bfloat16", None, "auto"),
         ("llama", "float32", None, "bfloat16"),  # a KV cache in another dtype than the model
         ("qwen2", "bfloat16", None, "fp8"),  # float8_e5m2 K/V
+        ("llama", "float32", None, "int8"),  # int8 K/V rows with their scales
         pytest.param(
             "llama",
             "float32",

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from inferd.models import kernels
+from inferd.models import kernels, kv_int8
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.rope import apply_rotary
 
@@ -149,6 +149,34 @@ def test_rope_qkv_rounds_a_float8_cache_as_torch_does(ops: FusedOps, dtype: torc
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     want_k = apply_rotary(wk, c, s).float()
     torch.testing.assert_close(flat[0, slots].float(), want_k, rtol=0.25, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qkv_quantizes_an_int8_cache_as_the_pytorch_path_does(
+    ops: FusedOps, dtype: torch.dtype
+) -> None:
+    # --kv-cache-dtype int8: each head's V row is kv_int8.quantize's bytes exactly (scale last),
+    # an all-zero row included; K, rotated in float32 and rounded to the model dtype, is within
+    # one quantization step of quantizing the eager rotation.
+    t, hq, hkv, d = 5, 2, 3, 32
+    qkv = _rand(t, (hq + 2 * hkv) * d, dtype=dtype)
+    qkv[1, (hq + hkv) * d : (hq + hkv + 1) * d] = 0
+    positions, slots = torch.arange(t), torch.arange(t) * 5
+    cos, sin = _rope_tables(32, d, dtype)
+    cache = torch.zeros(2, 2, 16, hkv, d + 4, dtype=torch.int8)
+    ops.rope_qkv(qkv, hq, hkv, positions, cos, sin, cache, slots, None, None, 1e-6)
+    flat = cache.view(2, 32, hkv, d + 4)
+    v = qkv[:, (hq + hkv) * d :].reshape(t, hkv, d)
+    assert torch.equal(flat[1, slots], kv_int8.quantize(v))
+    wk = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    want_k = apply_rotary(wk.float(), c.float(), s.float())
+    got_k = kv_int8.dequantize(flat[0, slots], torch.float32)
+    step = want_k.abs().amax(-1, keepdim=True) / 127
+    assert ((got_k - want_k).abs() <= step * 0.5 + 2e-2 * want_k.abs()).all()
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any(), "only the given slots are written"
 
 
 def test_rope_qkv_refuses_out_of_range_positions_and_slots(ops: FusedOps) -> None:

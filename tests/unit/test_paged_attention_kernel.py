@@ -11,7 +11,7 @@ from torch import Tensor
 from inferd.cli import build_parser, engine_config
 from inferd.config import CacheConfig, EngineConfig, read_environment
 from inferd.executor.model_runner import kv_cache_dtype
-from inferd.models import kernels
+from inferd.models import kernels, kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 pytestmark = pytest.mark.unit
@@ -35,7 +35,8 @@ def _case(
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // bs) for _, ctx in seqs]
     num_blocks = sum(blocks_per_seq) + 3
-    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(kv_dtype)
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
+    kv = kv_int8.quantize(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     perm = torch.randperm(num_blocks, generator=g)  # shuffled block tables
     max_nb = max(blocks_per_seq)
     tables = torch.zeros(len(seqs), max_nb, dtype=torch.int32)
@@ -51,6 +52,8 @@ def _case(
 
 
 def _reference(q: Tensor, kv: Tensor, batch: PagedBatch, scale: float) -> Tensor:
+    if kv.dtype == torch.int8:  # the values the rows hold (dequantized as the PyTorch path does)
+        kv = kv_int8.dequantize(kv, torch.float64)
     _, _, bs, hkv, _ = kv.shape
     hq = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -95,7 +98,7 @@ def test_decode_ragged_contexts(kernel: PagedAttentionKernel, group: int, bs: in
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_many_decode_rows_group_kv_heads(
     kernel: PagedAttentionKernel, group: int, kv_dtype: torch.dtype
 ) -> None:
@@ -131,13 +134,15 @@ def test_other_head_dims(kernel: PagedAttentionKernel, d: int) -> None:
         (torch.float32, torch.bfloat16),
         (torch.float8_e5m2, torch.float32),
         (torch.float8_e5m2, torch.bfloat16),
+        (torch.int8, torch.float32),
+        (torch.int8, torch.bfloat16),
     ],
 )
-def test_bfloat16_and_float8(
+def test_bfloat16_float8_and_int8(
     kernel: PagedAttentionKernel, kv_dtype: torch.dtype, act_dtype: torch.dtype
 ) -> None:
-    # The reference reads the same rounded cache (float8_e5m2 widened exactly); only the output
-    # rounding (bf16) differs.
+    # The reference reads the same rounded cache (float8_e5m2 widened exactly, int8 rows times
+    # their scales); only the output rounding (bf16) differs.
     _check(kernel, [(1, 300), (20, 80), (1, 5)], kv_dtype=kv_dtype, act_dtype=act_dtype)
 
 
@@ -151,6 +156,7 @@ def test_only_covered_rows_are_written(kernel: PagedAttentionKernel) -> None:
 def test_supports() -> None:
     assert kernels.supports(torch.float32, torch.bfloat16, 64) is None
     assert kernels.supports(torch.bfloat16, torch.float8_e5m2, 64) is None
+    assert kernels.supports(torch.float32, torch.int8, 64) is None
     assert kernels.supports(torch.float8_e5m2, torch.float32, 64) is not None
     assert kernels.supports(torch.float16, torch.float32, 64) is not None
     assert kernels.supports(torch.float32, torch.float32, 72) is not None

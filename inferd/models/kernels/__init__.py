@@ -114,9 +114,10 @@ class PagedAttentionKernel:
     def __call__(
         self, out: Tensor, q: Tensor, kv_cache: Tensor, batch: PagedBatch, scale: float
     ) -> None:
-        # out, q: [T, Hq, D] contiguous  kv_cache: [2, NB, bs, Hkv, D] contiguous
+        # out, q: [T, Hq, D] contiguous  kv_cache: [2, NB, bs, Hkv, D (+ 4 if int8)] contiguous
         assert out.is_contiguous() and q.is_contiguous() and kv_cache.is_contiguous()
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        head_dim = q.shape[2]
         tables = batch.block_tables
         rc = self._fn(
             out.data_ptr(),
@@ -198,8 +199,8 @@ def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str | 
     """None if the kernel handles this shape, else why not."""
     if dtype not in DTYPE_CODES or kv_dtype not in KV_DTYPE_CODES:
         return (
-            f"dtype {dtype} / KV cache dtype {kv_dtype} (float32 and bfloat16; float8_e5m2 for "
-            "the KV cache)"
+            f"dtype {dtype} / KV cache dtype {kv_dtype} (float32 and bfloat16; float8_e5m2 and "
+            "int8 for the KV cache)"
         )
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (supported: {sorted(HEAD_DIMS)})"

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
 from inferd.models.kernels.gemv import Int8Weight
+from inferd.models.kv_int8 import row_width
 
 if TYPE_CHECKING:
     from inferd.models.kernels import PagedBatch
@@ -119,7 +120,7 @@ class LayerWeights:
     post_norm: Tensor  # [hidden]
     q_norm: Tensor | None  # [head_dim] (Qwen3) or None
     k_norm: Tensor | None
-    kv_cache: Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if int8)]
     qkv: GemvWeight
     o: GemvWeight
     gate_up: GemvWeight
@@ -286,7 +287,7 @@ def _check_layout(
     inter = layers[0].down.shape[1]
     if dtype not in DTYPE_CODES or kv.dtype not in KV_DTYPE_CODES:
         raise ValueError(f"dtype {dtype} / KV cache {kv.dtype}")
-    if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[3:]) != (hkv, d):
+    if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[3:]) != (hkv, row_width(d, kv.dtype)):
         raise ValueError(f"KV cache {tuple(kv.shape)}")
     if tuple(cos.shape) != tuple(sin.shape) or cos.shape[1] * 2 != d or cos.dtype != dtype:
         raise ValueError(f"RoPE tables {tuple(cos.shape)} {cos.dtype} for head_dim {d}")

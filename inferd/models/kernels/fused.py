@@ -17,10 +17,13 @@ import ctypes
 import torch
 from torch import Tensor
 
+from inferd.models import kv_int8
+
 # The element types every native kernel takes, as their C side numbers them (simd.h `DType`).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# The KV cache may also be float8_e5m2 (--kv-cache-dtype fp8): simd.h's kFP8E5M2.
-KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 2}
+# The KV cache may also be float8_e5m2 (--kv-cache-dtype fp8): simd.h's kFP8E5M2, or int8 rows
+# with their scale (--kv-cache-dtype int8, models/kv_int8.py): kI8.
+KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 2, torch.int8: 3}
 
 
 class FusedOps:
@@ -108,7 +111,7 @@ class FusedOps:
         assert cos_cache.dtype == sin_cache.dtype == qkv.dtype and kv_cache.is_contiguous()
         for w in (q_norm, k_norm):
             assert w is None or (w.shape == (d,) and w.dtype == qkv.dtype and w.is_contiguous())
-        plane_slots = kv_cache[0].numel() // (num_kv_heads * d)
+        plane_slots = kv_cache[0].numel() // (num_kv_heads * kv_int8.row_width(d, kv_cache.dtype))
         q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
         rc = self._rope(
             qkv.data_ptr(),

@@ -156,7 +156,8 @@ int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows, int
 
 // qkv [T, qkv_stride]: per row Hq query heads, then Hkv key heads, then Hkv value heads, d each.
 // positions [T] index cos, sin [max_pos, d / 2]; q_norm, k_norm [d] or null; q_out [T, Hq, d]
-// contiguous (model dtype); kv_cache [2, plane_slots, Hkv, d] (K plane then V plane) in kv_dtype;
+// contiguous (model dtype); kv_cache [2, plane_slots, Hkv, d] (K plane then V plane) in kv_dtype
+// (int8: rows of d + 4 bytes, simd.h);
 // slots [T] its rows. Returns 0; -1 bad shape or dtype; -2 a position or slot out of range
 // (nothing is guaranteed written then).
 int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, int hq, int hkv,
@@ -164,12 +165,15 @@ int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, i
                     int64_t max_pos, const void* q_norm, const void* k_norm, float eps,
                     void* q_out, void* kv_cache, int kv_dtype, int64_t plane_slots,
                     const int64_t* slots) {
-  if ((dtype != kF32 && dtype != kBF16) || kv_dtype < kF32 || kv_dtype > kFP8E5M2 || d % 2 ||
+  if ((dtype != kF32 && dtype != kBF16) || kv_dtype < kF32 || kv_dtype > kI8 || d % 2 ||
       d > kMaxHeadDim || hq <= 0 || hkv <= 0)
     return -1;
   const Rope rope{cos, sin, dtype, d / 2};
-  const int64_t kv_row = static_cast<int64_t>(hkv) * d;
-  void* v_plane = at(kv_cache, plane_slots * kv_row, kv_dtype);
+  const int64_t row_bytes = kv_row_bytes(kv_dtype, d);
+  const int64_t tok_bytes = hkv * row_bytes;
+  char* k_plane = static_cast<char*>(kv_cache);
+  char* v_plane = k_plane + plane_slots * tok_bytes;
+  const bool int8 = kv_dtype == kI8;
   std::atomic<bool> bad{false};
 #pragma omp parallel for schedule(static) if (T * (hq + 2 * hkv) * d >= kMinParallelElems)
   for (int64_t t = 0; t < T; ++t) {
@@ -179,15 +183,26 @@ int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, i
       continue;
     }
     alignas(64) float buf[kMaxHeadDim];
+    alignas(64) float head[kMaxHeadDim];  // an int8 row before quantizing
     const void* row = at(qkv, t * qkv_stride, dtype);
     for (int h = 0; h < hq; ++h)
       rope_head(at(q_out, (t * hq + h) * d, dtype), dtype, at(row, h * d, dtype), dtype, d,
                 q_norm, eps, rope, pos, buf);
-    for (int h = 0; h < hkv; ++h)
-      rope_head(at(kv_cache, slot * kv_row + h * d, kv_dtype), kv_dtype,
-                at(row, (hq + h) * d, dtype), dtype, d, k_norm, eps, rope, pos, buf);
-    convert_row(at(v_plane, slot * kv_row, kv_dtype), kv_dtype, at(row, (hq + hkv) * d, dtype),
-                dtype, kv_row);
+    char* k_row = k_plane + slot * tok_bytes;
+    char* v_row = v_plane + slot * tok_bytes;
+    if (!int8) {
+      for (int h = 0; h < hkv; ++h)
+        rope_head(k_row + h * row_bytes, kv_dtype, at(row, (hq + h) * d, dtype), dtype, d, k_norm,
+                  eps, rope, pos, buf);
+      convert_row(v_row, kv_dtype, at(row, (hq + hkv) * d, dtype), dtype, hkv * d);
+      continue;
+    }
+    for (int h = 0; h < hkv; ++h) {
+      rope_head(head, kF32, at(row, (hq + h) * d, dtype), dtype, d, k_norm, eps, rope, pos, buf);
+      quantize_row(k_row + h * row_bytes, head, d, dtype);
+      convert_row(head, kF32, at(row, (hq + hkv + h) * d, dtype), dtype, d);
+      quantize_row(v_row + h * row_bytes, head, d, kF32);
+    }
   }
   return bad.load() ? -2 : 0;
 }

@@ -7,7 +7,8 @@
 //
 // Layouts (row-major, contiguous):
 //   q, out     [T, Hq, D]                      float32 or bfloat16 (the model dtype)
-//   kv_cache   [2, NB, block_size, Hkv, D]     float32, bfloat16 or float8_e5m2 (K then V)
+//   kv_cache   [2, NB, block_size, Hkv, D]     float32, bfloat16, float8_e5m2 or int8 (K then V;
+//                                              int8 rows are D + 4 bytes, their scale last)
 //   tables     [S, table_stride] int32         block ids of each sequence
 //   q_start, q_len, ctx_len  [S] int32         sequence s owns queries [q_start, q_start + q_len)
 //                                              of the flat batch and ctx_len keys in the cache
@@ -108,16 +109,17 @@ struct Kernel {
   static constexpr int D = NC * 16;
 
   // Row pointers to K and V [t0, t0 + n) of one head: fp32 rows point into the cache (read in
-  // place), bf16 rows are widened into scratch once and shared by the G rows. Block and offset
-  // advance incrementally (no division per key).
+  // place), others are widened into scratch once (int8 ones times their scale) and shared by the
+  // G rows. Block and offset advance incrementally (no division per key).
   static void gather(const Problem& p, int seq, int head, int nh, int t0, int n, float* kbuf,
                      float* vbuf, const float** krow, const float** vrow) {
     const bool f32 = p.kv_dtype == kF32;
     const int esz = static_cast<int>(dtype_size(p.kv_dtype));
+    const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
     const int bs = p.block_size;
     const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
-    const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
-    const int64_t head_off = static_cast<int64_t>(head) * D * esz;
+    const int64_t tok_stride = p.num_kv_heads * row_bytes;
+    const int64_t head_off = head * row_bytes;
     int b = t0 / bs, off = t0 % bs;
     for (int i = 0; i < n; ++i) {
       const int64_t slot = static_cast<int64_t>(table[b]) * bs + off;
@@ -126,6 +128,20 @@ struct Kernel {
       if (f32) {
         krow[i] = reinterpret_cast<const float*>(k);
         vrow[i] = reinterpret_cast<const float*>(v);
+      } else if (p.kv_dtype == kI8) {
+        float* kd = kbuf + i * nh * D;  // [n][nh][D]
+        float* vd = vbuf + i * nh * D;
+        for (int hh = 0; hh < nh; ++hh) {
+          const char* kh = k + hh * row_bytes;
+          const char* vh = v + hh * row_bytes;
+          const __m512 ks = _mm512_set1_ps(row_scale(kh, D)), vs = _mm512_set1_ps(row_scale(vh, D));
+          for (int c = 0; c < NC; ++c) {
+            _mm512_store_ps(kd + hh * D + c * 16, _mm512_mul_ps(load16(kh + c * 16, kI8), ks));
+            _mm512_store_ps(vd + hh * D + c * 16, _mm512_mul_ps(load16(vh + c * 16, kI8), vs));
+          }
+        }
+        krow[i] = kd;
+        vrow[i] = vd;
       } else {
         float* kd = kbuf + i * nh * D;  // [n][nh][D]: heads D apart, as in the cache
         float* vd = vbuf + i * nh * D;
@@ -154,18 +170,18 @@ struct Kernel {
 
     // Rows of keys [t0, t1) of heads [head, head + nh).
     void plan(const Problem& p, int seq, int head, int nh, int t0, int t1) {
-      const int esz = static_cast<int>(dtype_size(p.kv_dtype));
+      const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
       const int bs = p.block_size;
       const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
-      const int64_t tok_stride = static_cast<int64_t>(p.num_kv_heads) * D * esz;
-      const char* base = p.k_cache + static_cast<int64_t>(head) * D * esz;
+      const int64_t tok_stride = p.num_kv_heads * row_bytes;
+      const char* base = p.k_cache + head * row_bytes;
       int b = t0 / bs, off = t0 % bs;
       for (int t = t0; t < t1; ++t) {
         k[t - t0] = base + (static_cast<int64_t>(table[b]) * bs + off) * tok_stride;
         if (++off == bs) off = 0, ++b;
       }
       plane_off = p.v_cache - p.k_cache;
-      lines_per_key = nh * D * esz / 64;
+      lines_per_key = static_cast<int>((nh * row_bytes + 63) / 64);
       lines = (t1 - t0) * lines_per_key;
       issued = 0;
     }
@@ -424,11 +440,10 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
                            int num_seqs, float scale) {
   ItemFn fn = pick(head_dim);
-  if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > kFP8E5M2 ||
+  if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > kI8 ||
       num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxRows)
     return -1;
-  const int64_t esz = dtype_size(kv_dtype);
-  const int64_t half = num_blocks * block_size * num_kv_heads * head_dim * esz;
+  const int64_t half = num_blocks * block_size * num_kv_heads * kv_row_bytes(kv_dtype, head_dim);
   const char* kc = static_cast<const char*>(kv_cache);
   Problem p{out,  q,        act_dtype, kc,         kc + half, kv_dtype, block_size, num_heads,
             num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale};

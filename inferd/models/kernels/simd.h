@@ -1,10 +1,14 @@
 // Vector helpers shared by the native kernels: float32 / bfloat16 / float8 (e5m2, KV cache only)
-// loads and stores on AVX-512, rounding as torch rounds (to nearest even), and an exp for the
-// softmax and SiLU.
+// loads and stores on AVX-512, rounding as torch rounds (to nearest even), int8 KV rows with their
+// own scale, and an exp for the softmax and SiLU.
 //
 // Every kernel computes in float32. A bfloat16 or float8 tensor is widened on load and rounded on
 // store. float8_e5m2 is the upper byte of a float16 (same exponent, 2 of its 10 mantissa bits), so
 // it widens exactly through the float16 conversion instructions.
+// An int8 KV cache row (`kI8`, --kv-cache-dtype int8) is one head's d values quantized
+// symmetrically with that row's own float32 scale stored after them: d + 4 bytes, value i =
+// q[i] * scale, scale = max|x| / 127 (llama.cpp's q8_0 cache, one scale per head row instead of
+// per 32 values). `quantize_row` computes it exactly as attention.py's PyTorch path does.
 // `as_dtype` rounds an intermediate where the eager PyTorch model would have rounded it (after
 // each op on a bfloat16 tensor), so the fused kernels stay within bfloat16's usual tolerance of it.
 #pragma once
@@ -20,9 +24,12 @@
 
 namespace {
 
-enum DType : int { kF32 = 0, kBF16 = 1, kFP8E5M2 = 2 };
+enum DType : int { kF32 = 0, kBF16 = 1, kFP8E5M2 = 2, kI8 = 3 };
 
 inline int64_t dtype_size(int dtype) { return dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1; }
+
+// Bytes of one head's K or V row of d values in the cache (int8 rows end with their scale).
+inline int64_t kv_row_bytes(int dtype, int64_t d) { return d * dtype_size(dtype) + (dtype == kI8 ? 4 : 0); }
 
 // ---- conversions -------------------------------------------------------------------------------
 // 16 float8_e5m2 bytes -> floats: each byte becomes the high byte of a float16.
@@ -56,9 +63,12 @@ inline __m512i e5m2_bits(__m512 v) {
   return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
 }
 
+// 16 values widened to float; int8 ones unscaled (the caller multiplies by the row's scale).
 inline __m512 load16(const void* p, int dtype) {
   if (dtype == kF32) return _mm512_loadu_ps(p);
   if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  if (dtype == kI8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
   __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -120,6 +130,7 @@ inline __mmask16 tail_mask(int64_t left) {
 inline __m512 load16m(const void* p, int dtype, __mmask16 m) {
   if (dtype == kF32) return _mm512_maskz_loadu_ps(m, p);
   if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_maskz_loadu_epi8(m, p));
+  if (dtype == kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
   __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -151,6 +162,36 @@ inline void store16m(void* p, __m512 v, int dtype, __mmask16 m) {
 inline __m512 as_dtype(__m512 v, int dtype) {
   if (dtype == kF32) return v;
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+
+// d floats of src (rounded to `round_dtype` first, as the model dtype holds them) -> one int8 KV
+// row at dst: q = round_half_even(x / scale) in [-127, 127], then the float32 scale
+// (max|x| / 127; an all-zero row stores scale 0 and zeros).
+inline void quantize_row(void* dst, const float* src, int d, int round_dtype) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += 16) {
+    const __mmask16 m = tail_mask(d - i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(as_dtype(_mm512_maskz_loadu_ps(m, src + i), round_dtype)));
+  }
+  const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+  const __m512 div = _mm512_set1_ps(scale > 0.0f ? scale : 1.0f);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  auto* q = static_cast<int8_t*>(dst);
+  for (int i = 0; i < d; i += 16) {
+    const __mmask16 m = tail_mask(d - i);
+    __m512 v = _mm512_div_ps(as_dtype(_mm512_maskz_loadu_ps(m, src + i), round_dtype), div);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+  std::memcpy(q + d, &scale, sizeof(float));
+}
+
+// The scale stored after an int8 row of d values.
+inline float row_scale(const void* row, int d) {
+  float s;
+  std::memcpy(&s, static_cast<const char*>(row) + d, sizeof(float));
+  return s;
 }
 
 }  // namespace
