@@ -13,6 +13,7 @@ after a server has run a while). Cases (the tiny shape's heads, 8 q / 4 kv, and 
 
     decode-96     96 sequences, one query each      decode-32-qwen   32 sequences, Qwen heads
     decode-96-bf16  the first with a bfloat16 cache  decode-1        one sequence (a single stream)
+    decode-96-int8  ... with an int8 cache
     prefill-16    16 prompts of 16-256 tokens, causal, no cached prefix
 
 Prints the median and fastest call of each build, K/V GB/s (bytes of K and V read / median), the
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from common import REPO_ROOT, command_line, default_result_path, machine_info, write_result
 
-from inferd.models import kernels
+from inferd.models import kernels, kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 BLOCK = 16
@@ -41,6 +42,7 @@ BLOCK = 16
 CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "decode-96": (96, 8, 4, 1, torch.float32),
     "decode-96-bf16": (96, 8, 4, 1, torch.bfloat16),
+    "decode-96-int8": (96, 8, 4, 1, torch.int8),
     "decode-32-qwen": (32, 14, 2, 1, torch.float32),
     "decode-1": (1, 8, 4, 1, torch.float32),
     "prefill-16": (16, 8, 4, 256, torch.float32),
@@ -92,10 +94,11 @@ def batch(case: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, PagedBatch,
     for i, nb in enumerate(blocks):
         tables[i, :nb] = perm[start : start + nb]
         start += nb
-    kv = torch.randn(2, num_blocks, BLOCK, hkv, 64, generator=g).to(kv_dtype)
+    kv = torch.randn(2, num_blocks, BLOCK, hkv, 64, generator=g)
+    kv = kv_int8.quantize(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     q = torch.randn(int(q_len.sum()), hq, 64, generator=g)
     q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
-    kv_bytes = int(ctx.sum()) * hkv * 64 * kv.element_size() * 2
+    kv_bytes = int(ctx.sum()) * hkv * kv.shape[-1] * kv.element_size() * 2
     return q, kv, PagedBatch(tables, q_start, q_len, ctx), kv_bytes
 
 
