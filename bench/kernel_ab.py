@@ -15,6 +15,7 @@ after a server has run a while). Cases (the tiny shape's heads, 8 q / 4 kv, and 
     decode-96-bf16  the first with a bfloat16 cache  decode-1        one sequence (a single stream)
     decode-96-int8  ... with an int8 cache
     prefill-16    16 prompts of 16-256 tokens, causal, no cached prefix
+    prefill-16-bf16, decode-32-qwen-bf16   the same with a bfloat16 cache
 
 Prints the median and fastest call of each build, K/V GB/s (bytes of K and V read / median), the
 median ratio, and the largest difference between the two outputs; writes JSON to bench/results/.
@@ -46,6 +47,8 @@ CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "decode-32-qwen": (32, 14, 2, 1, torch.float32),
     "decode-1": (1, 8, 4, 1, torch.float32),
     "prefill-16": (16, 8, 4, 256, torch.float32),
+    "prefill-16-bf16": (16, 8, 4, 256, torch.bfloat16),
+    "decode-32-qwen-bf16": (32, 14, 2, 1, torch.bfloat16),
 }
 
 
