@@ -20,8 +20,8 @@
 // query tile holds at most kMaxRows rows. When there are few items (one long stream), keys are
 // split too and the splits' partial softmax states are merged afterwards.
 //
-// Per item: keys go in tiles of kKeyTile (16 when a widened tile of the item's heads would not
-// fit in a quarter of L1); a tile's K rows are found through the block table (fp32: read in
+// Per item: keys go in tiles of kKeyTile (16 when a tile of the item's heads would not fit in a
+// quarter of L1); a tile's K rows are found through the block table (fp32: read in
 // place; bf16 / fp8 / int8: widened into fp32 scratch), scores for every row are computed, then
 // its V rows the same way (into the same scratch), and the online-softmax update (running max m,
 // running sum l, unnormalised accumulator acc) in fp32.
@@ -41,8 +41,9 @@
 namespace {
 
 constexpr int kKeyTile = 32;
-// Bytes of one widened (bfloat16, float8, int8 -> float32) K or V tile: a quarter of L1.
-constexpr int kWidenedTileBytes = 16 << 10;
+// Bytes of one key tile's K (or V) rows of an item's heads, as float32 (read in place, or widened
+// into scratch): at most a quarter of L1.
+constexpr int kTileBytes = 16 << 10;
 constexpr int kMaxRows = 64;
 constexpr int kMinSplitKeys = 128;
 constexpr int kMaxSplits = 64;
@@ -224,10 +225,11 @@ struct Kernel {
     }
     std::memset(acc, 0, sizeof(float) * rows * D);
 
-    // A widened tile (one plane at a time) stays within kWidenedTileBytes: for an item of 4
-    // heads of 64, 16 keys (16 KiB) instead of 32, which measured 1.14-1.27x on decode with
-    // bfloat16 and int8 caches; with fewer heads the 32-key tile fits and is kept.
-    const bool narrow = p.kv_dtype != kF32 && kKeyTile * it.nh * D * 4 > kWidenedTileBytes;
+    // A tile stays within kTileBytes: for an item of 4 heads of 64, 16 keys (16 KiB) instead of
+    // 32, whose K and V (64 KiB) the row passes read back from L2. Measured on decode with 96
+    // sequences: 1.09x (float32 cache), 1.29x (bfloat16), 1.12-1.17x (int8); with fewer heads
+    // the 32-key tile fits and is kept (16 keys measured 0.86-0.94x there).
+    const bool narrow = kKeyTile * it.nh * D * 4 > kTileBytes;
     const int tile = narrow ? kKeyTile / 2 : kKeyTile;
     TilePrefetch pf;
     pf.plan(p, it.seq, it.head, it.nh, it.k0, std::min(it.k1, it.k0 + tile));
