@@ -16,6 +16,7 @@ after a server has run a while). Cases (the tiny shape's heads, 8 q / 4 kv, and 
     decode-96-int8  ... with an int8 cache
     prefill-16    16 prompts of 16-256 tokens, causal, no cached prefix
     prefill-16-bf16, decode-32-qwen-bf16   the same with a bfloat16 cache
+    decode-96-bf16model, decode-32-qwen-bf16model, prefill-16-bf16model   bfloat16 queries too
 
 Prints the median and fastest call of each build, K/V GB/s (bytes of K and V read / median), the
 median ratio, and the largest difference between the two outputs; writes JSON to bench/results/.
@@ -39,7 +40,8 @@ from inferd.models import kernels, kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 BLOCK = 16
-# name: (sequences, q heads, kv heads, query length (1: decode; else up to), KV dtype)
+# name: (sequences, q heads, kv heads, query length (1: decode; else up to), KV dtype); the
+# queries are float32 (a float32 model) unless the name ends in "-bf16model" (all bfloat16).
 CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "decode-96": (96, 8, 4, 1, torch.float32),
     "decode-96-bf16": (96, 8, 4, 1, torch.bfloat16),
@@ -49,6 +51,9 @@ CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "prefill-16": (16, 8, 4, 256, torch.float32),
     "prefill-16-bf16": (16, 8, 4, 256, torch.bfloat16),
     "decode-32-qwen-bf16": (32, 14, 2, 1, torch.bfloat16),
+    "decode-96-bf16model": (96, 8, 4, 1, torch.bfloat16),
+    "decode-32-qwen-bf16model": (32, 14, 2, 1, torch.bfloat16),
+    "prefill-16-bf16model": (16, 8, 4, 256, torch.bfloat16),
 }
 
 
@@ -100,6 +105,8 @@ def batch(case: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, PagedBatch,
     kv = torch.randn(2, num_blocks, BLOCK, hkv, 64, generator=g)
     kv = kv_int8.quantize(kv) if kv_dtype == torch.int8 else kv.to(kv_dtype)
     q = torch.randn(int(q_len.sum()), hq, 64, generator=g)
+    if case.endswith("-bf16model"):
+        q = q.to(torch.bfloat16)
     q_start = torch.cumsum(q_len, 0, dtype=torch.int32) - q_len
     kv_bytes = int(ctx.sum()) * hkv * kv.shape[-1] * kv.element_size() * 2
     return q, kv, PagedBatch(tables, q_start, q_len, ctx), kv_bytes

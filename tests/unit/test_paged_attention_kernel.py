@@ -98,13 +98,17 @@ def test_decode_ragged_contexts(kernel: PagedAttentionKernel, group: int, bs: in
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, "bf16 model"])
 def test_many_decode_rows_group_kv_heads(
-    kernel: PagedAttentionKernel, group: int, kv_dtype: torch.dtype
+    kernel: PagedAttentionKernel, group: int, kv_dtype: torch.dtype | str
 ) -> None:
     # Enough sequences that an item takes several kv heads (rows of 4 heads x G).
     seqs = [(1, 1 + (37 * i) % 300) for i in range(48)]
-    _check(kernel, seqs, hq=4 * group, hkv=4, bs=16, kv_dtype=kv_dtype)
+    if kv_dtype == "bf16 model":
+        _check(kernel, seqs, 4 * group, 4, 64, 16, torch.bfloat16, torch.bfloat16)
+    else:
+        assert isinstance(kv_dtype, torch.dtype)
+        _check(kernel, seqs, hq=4 * group, hkv=4, bs=16, kv_dtype=kv_dtype)
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])
@@ -122,8 +126,11 @@ def test_single_long_stream_splits_keys(kernel: PagedAttentionKernel, ctx: int) 
 
 
 @pytest.mark.parametrize("d", [16, 32, 128])
-def test_other_head_dims(kernel: PagedAttentionKernel, d: int) -> None:
-    _check(kernel, [(1, 77), (9, 40)], d=d)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_head_dims(kernel: PagedAttentionKernel, d: int, dtype: torch.dtype) -> None:
+    # bfloat16 queries on a bfloat16 cache take the AVX512_BF16 dot-product scores where the head
+    # is a whole number of 32-value pairs (32, 128 here; 16 widens as float32 does).
+    _check(kernel, [(1, 77), (9, 40)], d=d, kv_dtype=dtype, act_dtype=dtype)
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,11 @@
 // split too and the splits' partial softmax states are merged afterwards.
 //
 // Per item: keys go in tiles of kKeyTile (16 when a tile of the item's heads would not fit in a
-// quarter of L1); a tile's K rows are found through the block table (fp32: read in
-// place; bf16 / fp8 / int8: widened into fp32 scratch), scores for every row are computed, then
-// its V rows the same way (into the same scratch), and the online-softmax update (running max m,
-// running sum l, unnormalised accumulator acc) in fp32.
+// quarter of L1); a tile's K rows are found through the block table (fp32: read in place;
+// bf16 / fp8 / int8: widened into fp32 scratch, except bf16 K under bf16 queries, whose scores
+// are AVX512_BF16 dot products on the cache's own bytes), scores for every row are computed,
+// then its V rows the same way (into the same scratch), and the online-softmax update (running
+// max m, running sum l, unnormalised accumulator acc) in fp32.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -41,6 +42,11 @@
 namespace {
 
 constexpr int kKeyTile = 32;
+#ifdef __AVX512BF16__
+constexpr bool kDotBF16 = true;
+#else
+constexpr bool kDotBF16 = false;
+#endif
 // Bytes of one key tile's K (or V) rows of an item's heads, as float32 (read in place, or widened
 // into scratch): at most a quarter of L1.
 constexpr int kTileBytes = 16 << 10;
@@ -112,6 +118,21 @@ inline int item_rows(const Problem& p, int nh, int j0, int j1) {
 template <int NC>
 struct Kernel {
   static constexpr int D = NC * 16;
+
+  // Where the rows of keys [t0, t0 + n) of heads [head, ...) start in `plane`, read in place.
+  static void locate(const Problem& p, const char* plane, int seq, int head, int t0, int n,
+                     const char** row) {
+    const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
+    const int bs = p.block_size;
+    const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
+    const int64_t tok_stride = p.num_kv_heads * row_bytes;
+    const char* base = plane + head * row_bytes;
+    int b = t0 / bs, off = t0 % bs;
+    for (int i = 0; i < n; ++i) {
+      row[i] = base + (static_cast<int64_t>(table[b]) * bs + off) * tok_stride;
+      if (++off == bs) off = 0, ++b;
+    }
+  }
 
   // Row pointers to the K or V rows (`plane`: p.k_cache or p.v_cache) of keys [t0, t0 + n),
   // heads [head, head + nh): fp32 rows point into the cache (read in place); others are widened
@@ -206,6 +227,11 @@ struct Kernel {
     float tmax[kMaxRows];  // each row's largest score in the current key tile
     const int esz = p.act_dtype == kF32 ? 4 : 2;
     const __m512 vscale = _mm512_set1_ps(p.scale);
+    // bfloat16 queries against a bfloat16 cache: scores by AVX512_BF16 dot products on K as it
+    // is in the cache (no widened copy), scaled after the sum.
+    const bool dot_bf16 = kDotBF16 && D % 32 == 0 && p.kv_dtype == kBF16 && p.act_dtype == kBF16;
+    alignas(64) uint16_t qraw[kMaxRows * D];
+    const char* kraw[kKeyTile];
     for (int hh = 0; hh < it.nh; ++hh) {
       for (int j = 0; j < nq; ++j) {
         const int64_t tok = p.q_start[it.seq] + it.j0 + j;
@@ -213,6 +239,7 @@ struct Kernel {
           const int r = (hh * nq + j) * g + h;
           const int64_t qh = static_cast<int64_t>(it.head + hh) * g + h;
           const char* src = static_cast<const char*>(p.q) + (tok * p.num_heads + qh) * D * esz;
+          if (dot_bf16) std::memcpy(qraw + r * D, src, sizeof(uint16_t) * D);
           for (int c = 0; c < NC; ++c)
             _mm512_store_ps(qbuf + r * D + c * 16,
                             _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
@@ -236,12 +263,18 @@ struct Kernel {
     pf.issue(0, 1);  // the first tile has nothing to hide behind
     for (int t0 = it.k0; t0 < it.k1; t0 += tile) {
       const int n = std::min(tile, it.k1 - t0);
-      gather(p, p.k_cache, it.seq, it.head, it.nh, t0, n, buf, krow);
+      if (dot_bf16)
+        locate(p, p.k_cache, it.seq, it.head, t0, n, kraw);
+      else
+        gather(p, p.k_cache, it.seq, it.head, it.nh, t0, n, buf, krow);
       const int next = t0 + tile;
       pf.plan(p, it.seq, it.head, it.nh, next, std::min(it.k1, next + tile));
       for (int r = 0; r < rows; ++r) {
         pf.issue(r, 2 * rows);
-        tmax[r] = scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r], sc + r * kKeyTile);
+        tmax[r] = dot_bf16 ? scores_bf16(qraw + r * D, kraw, hoff[r] * 2, n, t0, limit[r],
+                                         sc + r * kKeyTile, p.scale)
+                           : scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r],
+                                        sc + r * kKeyTile);
       }
       // V after every row's scores: a widened tile then reuses K's scratch, which stays in L1.
       gather(p, p.v_cache, it.seq, it.head, it.nh, t0, n, buf, vrow);
@@ -284,6 +317,47 @@ struct Kernel {
       vmax = _mm512_max_ps(vmax, r);  // masked lanes hold -inf
     }
     return _mm512_reduce_max_ps(vmax);
+  }
+
+  // scores_row for bfloat16 q (`qr`, unscaled) and K rows in place (`krow` + `hoff` bytes): each
+  // key's partial sums by VDPBF16PS (pairs of bf16 products, exact in fp32, summed in fp32),
+  // folded by hsum16, times `scale`.
+  static float scores_bf16(const uint16_t* qr, const char* const* krow, int hoff, int n, int t0,
+                           int lim, float* s, float scale) {
+#ifdef __AVX512BF16__
+    if constexpr (D % 32 == 0) {
+      constexpr int NP = D / 32;
+      __m512bh qv[NP];
+      for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_load_si512(qr + c * 32);
+      const int valid = std::min(n, lim - t0 + 1);
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 vs = _mm512_set1_ps(scale);
+      __m512 vmax = _mm512_set1_ps(kNegInf);
+      for (int i0 = 0; i0 < n; i0 += 16) {
+        __m512 a[16];
+        const int cnt = std::min(16, std::max(0, valid - i0));
+        for (int j = 0; j < 16; ++j) {
+          if (j >= cnt) {
+            a[j] = _mm512_setzero_ps();
+            continue;
+          }
+          const char* k = krow[i0 + j] + hoff;
+          __m512 x = _mm512_setzero_ps();
+          for (int c = 0; c < NP; ++c)
+            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(k + c * 64), qv[c]);
+          a[j] = x;
+        }
+        const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(cnt));
+        const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
+        __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), _mm512_mul_ps(hsum16(a), vs));
+        _mm512_mask_storeu_ps(s + i0, in, r);
+        vmax = _mm512_max_ps(vmax, r);
+      }
+      return _mm512_reduce_max_ps(vmax);
+    }
+#endif
+    (void)qr, (void)krow, (void)hoff, (void)n, (void)t0, (void)lim, (void)s, (void)scale;
+    std::abort();  // unreachable: run_item takes this path only where it is compiled in
   }
 
   // `tile_max`: the largest of s[0, n) (scores_row's result); keys past `visible` are masked
