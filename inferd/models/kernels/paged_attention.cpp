@@ -22,10 +22,11 @@
 //
 // Per item: keys go in tiles of kKeyTile (16 when a tile of the item's heads would not fit in a
 // quarter of L1); a tile's K rows are found through the block table (fp32: read in place;
-// bf16 / fp8 / int8: widened into fp32 scratch, except bf16 K under bf16 queries, whose scores
-// are AVX512_BF16 dot products on the cache's own bytes), scores for every row are computed,
-// then its V rows the same way (into the same scratch), and the online-softmax update (running
-// max m, running sum l, unnormalised accumulator acc) in fp32.
+// bf16 / fp8 / int8: widened into fp32 scratch), scores for every row are computed, then its V
+// rows the same way (into the same scratch), and the online-softmax update (running max m,
+// running sum l, unnormalised accumulator acc) in fp32. bfloat16 queries on a bfloat16 cache
+// (a bfloat16 model) read K and V in place instead: scores and P.V are AVX512_BF16 dot products
+// (VDPBF16PS, fp32 sums), P rounded to bf16 for P.V as FlashAttention rounds it.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -232,6 +233,7 @@ struct Kernel {
     const bool dot_bf16 = kDotBF16 && D % 32 == 0 && p.kv_dtype == kBF16 && p.act_dtype == kBF16;
     alignas(64) uint16_t qraw[kMaxRows * D];
     const char* kraw[kKeyTile];
+    const char* vraw[kKeyTile];
     for (int hh = 0; hh < it.nh; ++hh) {
       for (int j = 0; j < nq; ++j) {
         const int64_t tok = p.q_start[it.seq] + it.j0 + j;
@@ -277,12 +279,19 @@ struct Kernel {
                                         sc + r * kKeyTile);
       }
       // V after every row's scores: a widened tile then reuses K's scratch, which stays in L1.
-      gather(p, p.v_cache, it.seq, it.head, it.nh, t0, n, buf, vrow);
+      if (dot_bf16)
+        locate(p, p.v_cache, it.seq, it.head, t0, n, vraw);
+      else
+        gather(p, p.v_cache, it.seq, it.head, it.nh, t0, n, buf, vrow);
       for (int r = 0; r < rows; ++r) {
         pf.issue(rows + r, 2 * rows);
         const int visible = std::min(n, limit[r] - t0 + 1);
-        update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D, m + r,
-                   l + r);
+        if (dot_bf16)
+          update_bf16(sc + r * kKeyTile, tmax[r], vraw, hoff[r] * 2, n, visible, acc + r * D,
+                      m + r, l + r);
+        else
+          update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D, m + r,
+                     l + r);
       }
     }
   }
@@ -360,12 +369,12 @@ struct Kernel {
     std::abort();  // unreachable: run_item takes this path only where it is compiled in
   }
 
-  // `tile_max`: the largest of s[0, n) (scores_row's result); keys past `visible` are masked
-  // (their weights are 0), so the P.V loop stops there.
-  static void update_row(float* s, float tile_max, const float* const* vrow, int hoff, int n,
-                         int visible, float* acc, float* m, float* l) {
+  // The online-softmax step of one row over a tile: s[0, n) becomes exp(s - new max), m and l
+  // move to the new max; returns the factor the row's accumulator is rescaled by, or a negative
+  // number when no key of the tile is visible to the row (nothing to add).
+  static float softmax_tile(float* s, float tile_max, int n, float* m, float* l) {
     const float mx = std::max(*m, tile_max);
-    if (mx == kNegInf) return;  // no visible key in this tile
+    if (mx == kNegInf) return -1.0f;  // no visible key in this tile
     const float alpha = *m == kNegInf ? 0.0f : std::exp(*m - mx);
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
@@ -378,6 +387,15 @@ struct Kernel {
     }
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = mx;
+    return alpha;
+  }
+
+  // `tile_max`: the largest of s[0, n) (scores_row's result); keys past `visible` are masked
+  // (their weights are 0), so the P.V loop stops there.
+  static void update_row(float* s, float tile_max, const float* const* vrow, int hoff, int n,
+                         int visible, float* acc, float* m, float* l) {
+    const float alpha = softmax_tile(s, tile_max, n, m, l);
+    if (alpha < 0.0f) return;
     __m512 a[NC];
     const __m512 va = _mm512_set1_ps(alpha);
     for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
@@ -387,6 +405,53 @@ struct Kernel {
       for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * 16), a[c]);
     }
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+  }
+
+  // update_row for bfloat16 V rows in place (`vrow` + `hoff` bytes): the weights rounded to
+  // bfloat16 (as FlashAttention's P), two keys at a time through VDPBF16PS on their rows
+  // interleaved value by value.
+  static void update_bf16(float* s, float tile_max, const char* const* vrow, int hoff, int n,
+                          int visible, float* acc, float* m, float* l) {
+#ifdef __AVX512BF16__
+    if constexpr (D % 32 == 0) {
+      const float alpha = softmax_tile(s, tile_max, n, m, l);
+      // visible <= 0: a query row of a prefill chunk none of whose keys here it may see.
+      if (alpha < 0.0f || visible <= 0) return;
+      alignas(64) uint16_t pw[kKeyTile + 2];
+      for (int i = 0; i < n; i += 32) {  // n <= kKeyTile = 32: one or two conversions
+        const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(n - i), s + i);
+        const __m512 hi = _mm512_maskz_loadu_ps(tail_mask(std::max(0, n - i - 16)), s + i + 16);
+        _mm512_store_si512(pw + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      pw[visible] = 0;  // an odd last key pairs with a zero weight
+      const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                           32, 0);
+      const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+      __m512 a[NC];
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
+      for (int i = 0; i < visible; i += 2) {
+        uint32_t pair;
+        std::memcpy(&pair, pw + i, sizeof(pair));
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        const char* v0 = vrow[i] + hoff;
+        const char* v1 = i + 1 < visible ? vrow[i + 1] + hoff : nullptr;
+        for (int c = 0; c < NC / 2; ++c) {
+          const __m512i x = _mm512_loadu_si512(v0 + c * 64);
+          const __m512i y = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 64) : _mm512_setzero_si512();
+          a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_permutex2var_epi16(x, ilo, y), w);
+          a[2 * c + 1] =
+              _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_permutex2var_epi16(x, ihi, y), w);
+        }
+      }
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+      return;
+    }
+#endif
+    (void)s, (void)tile_max, (void)vrow, (void)hoff, (void)n, (void)visible, (void)acc, (void)m,
+        (void)l;
+    std::abort();  // unreachable: run_item takes this path only where it is compiled in
   }
 };
 
