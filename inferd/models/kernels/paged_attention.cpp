@@ -120,7 +120,8 @@ template <int NC>
 struct Kernel {
   static constexpr int D = NC * 16;
 
-  // Where the rows of keys [t0, t0 + n) of heads [head, ...) start in `plane`, read in place.
+  // Where the rows of keys [t0, t0 + n) of heads [head, ...) start in `plane` (n <= kKeyTile).
+  // Block and offset advance incrementally (no division per key).
   static void locate(const Problem& p, const char* plane, int seq, int head, int t0, int n,
                      const char** row) {
     const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
@@ -137,20 +138,15 @@ struct Kernel {
 
   // Row pointers to the K or V rows (`plane`: p.k_cache or p.v_cache) of keys [t0, t0 + n),
   // heads [head, head + nh): fp32 rows point into the cache (read in place); others are widened
-  // into `buf` ([n][nh][D], int8 rows times their scale) once and shared by the G rows. Block and
-  // offset advance incrementally (no division per key).
+  // into `buf` ([n][nh][D], int8 rows times their scale) once and shared by the G rows.
   static void gather(const Problem& p, const char* plane, int seq, int head, int nh, int t0, int n,
                      float* buf, const float** row) {
+    const char* at[kKeyTile];
+    locate(p, plane, seq, head, t0, n, at);
     const int esz = static_cast<int>(dtype_size(p.kv_dtype));
     const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
-    const int bs = p.block_size;
-    const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
-    const int64_t tok_stride = p.num_kv_heads * row_bytes;
-    const char* base = plane + head * row_bytes;
-    int b = t0 / bs, off = t0 % bs;
     for (int i = 0; i < n; ++i) {
-      const char* src = base + (static_cast<int64_t>(table[b]) * bs + off) * tok_stride;
-      if (++off == bs) off = 0, ++b;
+      const char* src = at[i];
       if (p.kv_dtype == kF32) {
         row[i] = reinterpret_cast<const float*>(src);
         continue;
@@ -185,15 +181,7 @@ struct Kernel {
     // Rows of keys [t0, t1) of heads [head, head + nh).
     void plan(const Problem& p, int seq, int head, int nh, int t0, int t1) {
       const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
-      const int bs = p.block_size;
-      const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
-      const int64_t tok_stride = p.num_kv_heads * row_bytes;
-      const char* base = p.k_cache + head * row_bytes;
-      int b = t0 / bs, off = t0 % bs;
-      for (int t = t0; t < t1; ++t) {
-        k[t - t0] = base + (static_cast<int64_t>(table[b]) * bs + off) * tok_stride;
-        if (++off == bs) off = 0, ++b;
-      }
+      locate(p, p.k_cache, seq, head, t0, t1 - t0, k);
       plane_off = p.v_cache - p.k_cache;
       lines_per_key = static_cast<int>((nh * row_bytes + 63) / 64);
       lines = (t1 - t0) * lines_per_key;
@@ -296,15 +284,16 @@ struct Kernel {
     }
   }
 
-  // Scores of one row against keys [t0, t0 + n): 16 keys at a time, their 16 partial-sum
-  // vectors folded by one transpose-reduce (hsum16) instead of 16 horizontal sums.
-  // Returns the largest of the row's scores (-inf when no key is visible).
-  static float scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
-                          int lim, float* s) {
-    __m512 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
-    const int valid = std::min(n, lim - t0 + 1);  // keys past the row's limit are masked
+  // Scores of one row against keys [t0, t0 + n): 16 keys at a time, `dot(i)` giving key i's
+  // vector of partial sums, the 16 vectors folded by one transpose-reduce (hsum16) instead of 16
+  // horizontal sums, times `scale` (if kScaled). Keys past the row's limit `lim` are masked (-inf). Returns
+  // the largest of the row's scores (-inf when no key is visible).
+  template <bool kScaled, typename Dot>
+  static inline __attribute__((always_inline)) float fold_scores(int n, int t0, int lim, float* s,
+                                                                float scale, Dot dot) {
+    const int valid = std::min(n, lim - t0 + 1);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 vs = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(kNegInf);
     for (int i0 = 0; i0 < n; i0 += 16) {
       __m512 a[16];
@@ -314,23 +303,34 @@ struct Kernel {
           a[j] = _mm512_setzero_ps();
           continue;
         }
-        const float* k = krow[i0 + j] + hoff;
-        __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), x);
-        a[j] = x;
+        a[j] = dot(i0 + j);
       }
       const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(cnt));
       const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
-      __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), hsum16(a));
+      __m512 h = hsum16(a);
+      if constexpr (kScaled) h = _mm512_mul_ps(h, vs);
+      __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), h);
       _mm512_mask_storeu_ps(s + i0, in, r);
       vmax = _mm512_max_ps(vmax, r);  // masked lanes hold -inf
     }
     return _mm512_reduce_max_ps(vmax);
   }
 
-  // scores_row for bfloat16 q (`qr`, unscaled) and K rows in place (`krow` + `hoff` bytes): each
-  // key's partial sums by VDPBF16PS (pairs of bf16 products, exact in fp32, summed in fp32),
-  // folded by hsum16, times `scale`.
+  // Float32 rows (q already scaled; K rows widened or in place, `hoff` floats into each).
+  static float scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
+                          int lim, float* s) {
+    __m512 qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
+    return fold_scores<false>(n, t0, lim, s, 1.0f, [=](int i) {
+      const float* k = krow[i] + hoff;
+      __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), x);
+      return x;
+    });
+  }
+
+  // bfloat16 q (`qr`, unscaled) against bfloat16 K rows in place (`krow` + `hoff` bytes): each
+  // key's partial sums by VDPBF16PS (pairs of bf16 products, exact in fp32, summed in fp32).
   static float scores_bf16(const uint16_t* qr, const char* const* krow, int hoff, int n, int t0,
                            int lim, float* s, float scale) {
 #ifdef __AVX512BF16__
@@ -338,31 +338,13 @@ struct Kernel {
       constexpr int NP = D / 32;
       __m512bh qv[NP];
       for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_load_si512(qr + c * 32);
-      const int valid = std::min(n, lim - t0 + 1);
-      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512 vs = _mm512_set1_ps(scale);
-      __m512 vmax = _mm512_set1_ps(kNegInf);
-      for (int i0 = 0; i0 < n; i0 += 16) {
-        __m512 a[16];
-        const int cnt = std::min(16, std::max(0, valid - i0));
-        for (int j = 0; j < 16; ++j) {
-          if (j >= cnt) {
-            a[j] = _mm512_setzero_ps();
-            continue;
-          }
-          const char* k = krow[i0 + j] + hoff;
-          __m512 x = _mm512_setzero_ps();
-          for (int c = 0; c < NP; ++c)
-            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(k + c * 64), qv[c]);
-          a[j] = x;
-        }
-        const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(cnt));
-        const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
-        __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), _mm512_mul_ps(hsum16(a), vs));
-        _mm512_mask_storeu_ps(s + i0, in, r);
-        vmax = _mm512_max_ps(vmax, r);
-      }
-      return _mm512_reduce_max_ps(vmax);
+      return fold_scores<true>(n, t0, lim, s, scale, [=](int i) {
+        const char* k = krow[i] + hoff;
+        __m512 x = _mm512_setzero_ps();
+        for (int c = 0; c < NP; ++c)
+          x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(k + c * 64), qv[c]);
+        return x;
+      });
     }
 #endif
     (void)qr, (void)krow, (void)hoff, (void)n, (void)t0, (void)lim, (void)s, (void)scale;
