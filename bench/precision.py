@@ -3,10 +3,11 @@
     .venv/bin/python bench/precision.py --shape llama-32m --rounds 2
     .venv/bin/python bench/precision.py --variants "float32=" "kv-int8=kv_cache_dtype=int8"
 
-Each variant is one `LLM` (NAME=KEY=VALUE,... of `LLM` keyword arguments; the first is the
-reference). The default set: float32; bfloat16 weights (`dtype=bfloat16`, its cache bfloat16 too);
-int8 weights (`quantization=int8`, on a CPU with VNNI); and float32 weights with a bfloat16, fp8
-or int8 KV cache. The variants run the same workloads in turn, round after round, so a slow spell
+Each variant is one `LLM` (NAME=KEY=VALUE,... of `LLM` keyword arguments, `model=PATH` for
+another folder of the same model, e.g. an int8 checkpoint; the first is the reference). The
+default set: float32; bfloat16 weights (`dtype=bfloat16`, its cache bfloat16 too); int8 weights
+(`quantization=int8`, on a CPU with VNNI); and float32 weights with a bfloat16, fp8 or int8 KV
+cache. The variants run the same workloads in turn, round after round, so a slow spell
 on a shared machine hits every variant alike; the best round of each is reported, with the
 process's CPU seconds per output token. The model is bench/peers.py's checkpoint (weights drawn
 as transformers initializes them, normal at 0.02: attention is not flat, as it is with
@@ -108,8 +109,7 @@ def main() -> None:
     variants = dict(parse_variant(v) for v in args.variants)
     engines = {
         name: LLM(
-            model=str(folder),
-            **({"dtype": "float32"} | kwargs),
+            **({"model": str(folder), "dtype": "float32"} | kwargs),
             num_threads=args.threads,
             seed=args.seed,
             enable_prefix_caching=False,
