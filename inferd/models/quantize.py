@@ -53,22 +53,8 @@ def quantize_checkpoint(
     quantized = kept = bytes_in = bytes_out = 0
     weight_map: dict[str, str] = {}
     for file in files:
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                t = f.get_tensor(name)
-                bytes_in += t.numel() * t.element_size()
-                module = name.removesuffix(".weight")
-                leaf = module.rpartition(".")[2]
-                linear = name.endswith(".weight") and t.dim() == 2
-                linear = linear and (leaf.endswith("_proj") or leaf == "lm_head")
-                if linear and not rules.ignores(module):
-                    q, scale = quantize_int8(t)
-                    out[name], out[f"{module}.weight_scale"] = q, scale[:, None].contiguous()
-                    quantized += 1
-                else:
-                    out[name] = t
-                    kept += 1
+        out, n, size = _convert_shard(file, rules)
+        quantized, kept, bytes_in = quantized + n, kept + len(out) - 2 * n, bytes_in + size
         save_file(out, str(dst / file.name), metadata={"format": "pt"})
         bytes_out += sum(t.numel() * t.element_size() for t in out.values())
         weight_map.update(dict.fromkeys(out, file.name))
@@ -82,15 +68,30 @@ def quantize_checkpoint(
         meta = json.loads(index.read_text()).get("metadata", {})
         body = {"metadata": {**meta, "total_size": bytes_out}, "weight_map": weight_map}
         (dst / index.name).write_text(json.dumps(body, indent=2) + "\n")
+    written = {"config.json", index.name}
     for other in sorted(src.iterdir()):
-        if (
-            other.is_file()
-            and other.suffix != ".safetensors"
-            and other.name
-            not in (
-                "config.json",
-                index.name,
-            )
-        ):
+        if other.is_file() and other.suffix != ".safetensors" and other.name not in written:
             shutil.copy2(other, dst / other.name)
     return QuantizeReport(quantized, kept, bytes_in, bytes_out)
+
+
+def _convert_shard(file: Path, rules: Int8Checkpoint) -> tuple[dict[str, torch.Tensor], int, int]:
+    """One shard's tensors with its linear weights as int8 and their `weight_scale` beside them
+    (the rest as they are); also how many weights were quantized and the shard's bytes read."""
+    out: dict[str, torch.Tensor] = {}
+    quantized = size = 0
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            t = f.get_tensor(name)
+            size += t.numel() * t.element_size()
+            module = name.removesuffix(".weight")
+            leaf = module.rpartition(".")[2]
+            linear = name.endswith(".weight") and t.dim() == 2
+            linear = linear and (leaf.endswith("_proj") or leaf == "lm_head")
+            if linear and not rules.ignores(module):
+                q, scale = quantize_int8(t)
+                out[name], out[f"{module}.weight_scale"] = q, scale[:, None].contiguous()
+                quantized += 1
+            else:
+                out[name] = t
+    return out, quantized, size

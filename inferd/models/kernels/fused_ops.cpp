@@ -183,7 +183,7 @@ int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, i
       continue;
     }
     alignas(64) float buf[kMaxHeadDim];
-    alignas(64) float head[kMaxHeadDim];  // an int8 row before quantizing
+    alignas(64) float head[kMaxHeadDim];  // a rotated K row, in the model dtype, to quantize
     const void* row = at(qkv, t * qkv_stride, dtype);
     for (int h = 0; h < hq; ++h)
       rope_head(at(q_out, (t * hq + h) * d, dtype), dtype, at(row, h * d, dtype), dtype, d,
@@ -198,10 +198,9 @@ int inferd_rope_qkv(const void* qkv, int64_t qkv_stride, int dtype, int64_t T, i
       continue;
     }
     for (int h = 0; h < hkv; ++h) {
-      rope_head(head, kF32, at(row, (hq + h) * d, dtype), dtype, d, k_norm, eps, rope, pos, buf);
-      quantize_row(k_row + h * row_bytes, head, d, dtype);
-      convert_row(head, kF32, at(row, (hq + hkv + h) * d, dtype), dtype, d);
-      quantize_row(v_row + h * row_bytes, head, d, kF32);
+      rope_head(head, dtype, at(row, (hq + h) * d, dtype), dtype, d, k_norm, eps, rope, pos, buf);
+      quantize_row(k_row + h * row_bytes, head, dtype, d);
+      quantize_row(v_row + h * row_bytes, at(row, (hq + hkv + h) * d, dtype), dtype, d);
     }
   }
   return bad.load() ? -2 : 0;

@@ -229,10 +229,12 @@ struct Kernel {
           const int r = (hh * nq + j) * g + h;
           const int64_t qh = static_cast<int64_t>(it.head + hh) * g + h;
           const char* src = static_cast<const char*>(p.q) + (tok * p.num_heads + qh) * D * esz;
-          if (dot_bf16) std::memcpy(qraw + r * D, src, sizeof(uint16_t) * D);
-          for (int c = 0; c < NC; ++c)
-            _mm512_store_ps(qbuf + r * D + c * 16,
-                            _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
+          if (dot_bf16)
+            std::memcpy(qraw + r * D, src, sizeof(uint16_t) * D);
+          else
+            for (int c = 0; c < NC; ++c)
+              _mm512_store_ps(qbuf + r * D + c * 16,
+                              _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
           limit[r] = ctx - qlen + it.j0 + j;
           hoff[r] = hh * D;
           m[r] = kNegInf;
@@ -286,8 +288,8 @@ struct Kernel {
 
   // Scores of one row against keys [t0, t0 + n): 16 keys at a time, `dot(i)` giving key i's
   // vector of partial sums, the 16 vectors folded by one transpose-reduce (hsum16) instead of 16
-  // horizontal sums, times `scale` (if kScaled). Keys past the row's limit `lim` are masked (-inf). Returns
-  // the largest of the row's scores (-inf when no key is visible).
+  // horizontal sums, times `scale` if kScaled. Keys past the row's limit `lim` are masked
+  // (-inf). Returns the largest of the row's scores (-inf when no key is visible).
   template <bool kScaled, typename Dot>
   static inline __attribute__((always_inline)) float fold_scores(int n, int t0, int lim, float* s,
                                                                 float scale, Dot dot) {

@@ -29,7 +29,9 @@ enum DType : int { kF32 = 0, kBF16 = 1, kFP8E5M2 = 2, kI8 = 3 };
 inline int64_t dtype_size(int dtype) { return dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1; }
 
 // Bytes of one head's K or V row of d values in the cache (int8 rows end with their scale).
-inline int64_t kv_row_bytes(int dtype, int64_t d) { return d * dtype_size(dtype) + (dtype == kI8 ? 4 : 0); }
+inline int64_t kv_row_bytes(int dtype, int64_t d) {
+  return d * dtype_size(dtype) + (dtype == kI8 ? 4 : 0);
+}
 
 // ---- conversions -------------------------------------------------------------------------------
 // 16 float8_e5m2 bytes -> floats: each byte becomes the high byte of a float16.
@@ -164,22 +166,21 @@ inline __m512 as_dtype(__m512 v, int dtype) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
 }
 
-// d floats of src (rounded to `round_dtype` first, as the model dtype holds them) -> one int8 KV
-// row at dst: q = round_half_even(x / scale) in [-127, 127], then the float32 scale
-// (max|x| / 127; an all-zero row stores scale 0 and zeros).
-inline void quantize_row(void* dst, const float* src, int d, int round_dtype) {
+// d values of src (in src_dtype) -> one int8 KV row at dst: q = round_half_even(x / scale) in
+// [-127, 127], then the float32 scale (max|x| / 127; an all-zero row stores scale 0 and zeros).
+inline void quantize_row(void* dst, const void* src, int src_dtype, int d) {
+  const auto* x = static_cast<const char*>(src);
+  const int64_t esz = dtype_size(src_dtype);
   __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < d; i += 16) {
-    const __mmask16 m = tail_mask(d - i);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(as_dtype(_mm512_maskz_loadu_ps(m, src + i), round_dtype)));
-  }
+  for (int i = 0; i < d; i += 16)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16m(x + i * esz, src_dtype, tail_mask(d - i))));
   const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
   const __m512 div = _mm512_set1_ps(scale > 0.0f ? scale : 1.0f);
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   auto* q = static_cast<int8_t*>(dst);
   for (int i = 0; i < d; i += 16) {
     const __mmask16 m = tail_mask(d - i);
-    __m512 v = _mm512_div_ps(as_dtype(_mm512_maskz_loadu_ps(m, src + i), round_dtype), div);
+    __m512 v = _mm512_div_ps(load16m(x + i * esz, src_dtype, m), div);
     v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
     _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
