@@ -44,6 +44,8 @@ def quantize_checkpoint(
     if dst.exists():
         raise ModelLoadError(f"{dst} exists; quantize writes a new folder")
     config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{src}: not a Hugging Face model folder (no config.json)")
     config = json.loads(config_path.read_text())
     if "quantization_config" in config or "compression_config" in config:
         raise ModelLoadError(f"{config_path}: the checkpoint is already quantized")

@@ -547,6 +547,9 @@ def test_quantize_command_writes_a_sharded_int8_checkpoint(tmp_path: Path) -> No
     assert "lm_head.weight_scale" not in index
     assert _linear(_engine(dst), "lm_head").kind != "int8"
     assert cli.main(["quantize", str(src), str(dst)]) == 2, "an existing folder is refused"
+    missing = ["quantize", str(tmp_path / "nowhere"), str(tmp_path / "out")]
+    assert cli.main(missing) == 2, "a folder without config.json is refused"
+    assert not (tmp_path / "out").exists()
     everything = tmp_path / "all"
     assert cli.main(["quantize", str(src), str(everything), "--ignore", ""]) == 0
     work = _workload(seed=3)
