@@ -9,8 +9,10 @@ every routing setup on the same workload in one run (issue 9's benchmark; not a 
 Scenarios:
     policies     every --policies entry behind one router (the default)
     two-routers  cache_aware behind one router, behind two routers that share no state (the
-                 client splits its arrivals between them), and behind two routers that follow
-                 the replicas' KV events (exact index)
+                 client splits its arrivals between them) with indexes from their own routing
+                 only ("x2 own", --no-replica-digest), from that and the replicas' block
+                 digests read with each health check ("x2", the default), and from the
+                 replicas' KV events ("x2 +kv", exact)
     kill         one --policies entry (default cache_aware) on the first workload; replica N
                  is SIGKILLed `--kill-after` seconds in; failures split into not-yet-streaming
                  and already-streaming, and the hit rate per `--window` seconds
@@ -66,12 +68,15 @@ from router_workloads import (
 
 POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
 SCENARIOS = ("policies", "two-routers", "kill")
+# Each router's approximate index from its own routing only (before the replicas' digests).
+NO_DIGEST = "--no-replica-digest"
 
 
 def setups_for(args: argparse.Namespace) -> list[Setup]:
     if args.scenario == "two-routers":
         return [
             Setup("cache_aware", "cache_aware"),
+            Setup("cache_aware x2 own", "cache_aware", routers=2, flags=(NO_DIGEST,)),
             Setup("cache_aware x2", "cache_aware", routers=2),
             Setup("cache_aware x2 +kv", "cache_aware", routers=2, exact=True),
         ]

@@ -111,11 +111,13 @@ def launched_replicas(
         yield replicas
 
 
-def router_command(replicas: Sequence[Replica], policy: str, port: int, exact: bool) -> list[str]:
-    """`inferd router` over `replicas`; `exact` follows their KV events instead of indexing
-    its own decisions."""
+def router_command(
+    replicas: Sequence[Replica], policy: str, port: int, exact: bool, flags: Sequence[str] = ()
+) -> list[str]:
+    """`inferd router` over `replicas` with `flags` added; `exact` follows their KV events
+    instead of indexing its own decisions."""
     exe = Path(sys.executable).parent / "inferd"
-    cmd = [str(exe), "router", "--port", str(port), "--policy", policy, "--seed", "0"]
+    cmd = [str(exe), "router", "--port", str(port), "--policy", policy, "--seed", "0", *flags]
     cmd += ["--block-size", str(BLOCK_SIZE)]
     for r in replicas:
         cmd += ["--replica", r.url]
@@ -149,12 +151,13 @@ def launched_router(
     log_path: Path,
     exact: bool,
     peer: str | None = None,
+    flags: Sequence[str] = (),
 ) -> Iterator[str]:
-    """A fresh router (an empty index) over `replicas` until the block ends: `inferd router`,
-    or the `peer` command line (ready when its /health answers 200)."""
+    """A fresh router (an empty index) over `replicas` until the block ends: `inferd router`
+    (with `flags` added), or the `peer` command line (ready when its /health answers 200)."""
     port = free_port()
     if peer is None:
-        cmd = router_command(replicas, policy, port, exact)
+        cmd = router_command(replicas, policy, port, exact, flags)
     else:
         cmd = peer_command(peer, replicas, port)
     with log_path.open("w") as log:

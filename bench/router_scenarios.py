@@ -49,6 +49,8 @@ class Setup:
     exact: bool = False
     # A peer router's command line instead of `inferd router` ({port} and {workers} filled in).
     command: str | None = None
+    # More `inferd router` flags (e.g. --no-replica-digest).
+    flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def run_cell(
                     args.log_dir / f"router_{setup.label}_{i}.log",
                     setup.exact,
                     setup.command,
+                    setup.flags,
                 )
             )
             for i in range(setup.routers)

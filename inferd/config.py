@@ -133,6 +133,8 @@ class Environment(_Frozen):
     disable_kernels: bool = False
     # INFERD_API_KEY: one more admin key (like vLLM's VLLM_API_KEY); None when unset or empty.
     api_key: str | None = None
+    # INFERD_ROUTER_REPLICA_API_KEY: the key `inferd router` reads replicas' block digests with.
+    router_replica_api_key: str | None = None
 
     @field_validator("cache_dir")
     @classmethod
@@ -151,6 +153,7 @@ def read_environment() -> Environment:
         hf_offline=_flag("HF_HUB_OFFLINE"),
         disable_kernels=_flag("INFERD_DISABLE_KERNELS"),
         api_key=os.environ.get("INFERD_API_KEY") or None,
+        router_replica_api_key=os.environ.get("INFERD_ROUTER_REPLICA_API_KEY") or None,
     )
 
 

@@ -13,7 +13,8 @@ It composes three parts, each with one job:
 
 Three tasks run beside the callers' generators:
   - the reader takes EngineOutputs from the core and dispatches them to the streams (aborting a
-    request whose reader fell too far behind, see StreamTable.dispatch);
+    request whose reader fell too far behind, see StreamTable.dispatch), and hands each KVBlocks
+    to the oldest `kv_blocks` call waiting (the core answers requests in the order sent);
   - the pump fails queued requests whose deadline passed and releases queued requests to the
     core as the front door allows;
   - the watcher notices the core process exiting: `dead` turns True and every accepted request
@@ -29,6 +30,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -37,7 +39,14 @@ from inferd.config import AdmissionConfig, EngineConfig, Environment, read_envir
 from inferd.engine.core_client import EngineCoreClient
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineInfo, EngineStats
-from inferd.engine.messages import AbortRequests, AddRequest, CoreStats, EngineOutputs
+from inferd.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreStats,
+    EngineOutputs,
+    KVBlocks,
+    KVBlocksRequest,
+)
 from inferd.engine.streams import QUEUE_TIMEOUT_MESSAGE, RequestStream, StreamTable
 from inferd.errors import DrainingError, EngineDeadError, QueueTimeoutError
 from inferd.preprocess.tokenizer import Tokenizer
@@ -62,6 +71,8 @@ class AsyncLLM:
         self._streams = StreamTable(limits.max_pending_output_tokens)
         self._core_stats = CoreStats()
         self._pump_wake = asyncio.Event()
+        # `kv_blocks` calls waiting for the core's answer, oldest first.
+        self._kv_blocks_waiters: deque[asyncio.Future[KVBlocks]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._draining = False
@@ -173,6 +184,19 @@ class AsyncLLM:
         if entry is not None:
             stream.deliver(_aborted_output(entry.item))
 
+    async def kv_blocks(
+        self, limit: int, recent_s: float = 0.0, timeout_s: float = 5.0
+    ) -> KVBlocks:
+        """The prefix cache's block digest (messages.KVBlocks), read by the core between two
+        steps. Raises EngineDeadError when the core is gone, TimeoutError past `timeout_s`."""
+        if self._dead or not self._started:
+            raise EngineDeadError(self._death_reason if self._dead else "the engine is loading")
+        waiter: asyncio.Future[KVBlocks] = asyncio.get_running_loop().create_future()
+        if not self._core.send(KVBlocksRequest(limit, recent_s)):
+            raise EngineDeadError(self._death_reason)
+        self._kv_blocks_waiters.append(waiter)
+        return await asyncio.wait_for(waiter, timeout_s)
+
     def stats(self) -> EngineStats:
         s = self._core_stats
         return EngineStats(
@@ -241,7 +265,10 @@ class AsyncLLM:
     async def _read_outputs(self) -> None:
         try:
             async for event in self._core.events():
-                self._on_outputs(event)
+                if isinstance(event, KVBlocks):
+                    self._on_kv_blocks(event)
+                else:
+                    self._on_outputs(event)
         except asyncio.CancelledError:
             raise
         except Exception:  # a broken message stream is as fatal as a dead core
@@ -256,6 +283,12 @@ class AsyncLLM:
         for rejected in event.rejected:
             self._streams.reject(rejected)
         self._pump_wake.set()
+
+    def _on_kv_blocks(self, event: KVBlocks) -> None:
+        if self._kv_blocks_waiters:
+            waiter = self._kv_blocks_waiters.popleft()
+            if not waiter.done():  # a caller that timed out has gone
+                waiter.set_result(event)
 
     async def _pump(self) -> None:
         while True:
@@ -291,6 +324,10 @@ class AsyncLLM:
     def _fail_all(self, error: Exception) -> None:
         self._door.clear()
         self._streams.fail_all(error)
+        while self._kv_blocks_waiters:
+            waiter = self._kv_blocks_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
 
 
 def _aborted_output(message: AddRequest) -> RequestOutput:

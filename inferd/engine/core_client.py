@@ -38,6 +38,7 @@ from inferd.engine.messages import (
     EngineCoreEvent,
     EngineCoreRequest,
     EngineOutputs,
+    KVBlocks,
     ShutdownCore,
 )
 from inferd.errors import EngineDeadError, ModelLoadError
@@ -111,13 +112,13 @@ class EngineCoreClient:
             return False
         return True
 
-    async def events(self) -> AsyncIterator[EngineOutputs]:
-        """The core's step outputs, in order, until cancelled. A frame that does not decode
-        raises: a broken message stream is as fatal as a dead core."""
+    async def events(self) -> AsyncIterator[EngineOutputs | KVBlocks]:
+        """The core's step outputs and block digests, in order, until cancelled. A frame that
+        does not decode raises: a broken message stream is as fatal as a dead core."""
         while True:
             frame = await self._output.recv(copy=False)
             event = self._decoder.decode(frame.buffer)
-            if isinstance(event, EngineOutputs):
+            if isinstance(event, EngineOutputs | KVBlocks):
                 yield event
 
     async def wait_exit(self) -> int | None:

@@ -1,7 +1,8 @@
 """The engine core process: LLMEngine in a busy loop, fed and drained over ZeroMQ.
 
     while running:
-        receive every queued message (block only when no request is unfinished)
+        receive every queued message (block only when no request is unfinished; a
+            KVBlocksRequest is answered at once, between two steps)
         if work: outputs = engine.step(); send one EngineOutputs (DELTA outputs + stats)
 
 Deadlines travel in AddRequest and are the engine's scheduler's from then on: each step first
@@ -34,6 +35,8 @@ from inferd.engine.messages import (
     EngineCoreEvent,
     EngineCoreRequest,
     EngineOutputs,
+    KVBlocks,
+    KVBlocksRequest,
     RejectedRequest,
     ShutdownCore,
 )
@@ -121,8 +124,23 @@ class EngineCore:
             self.add(message)
         elif isinstance(message, AbortRequests):
             self.engine.abort_request(message.request_ids)
+        elif isinstance(message, KVBlocksRequest):
+            digest = self.kv_blocks(message.limit, message.recent_s)
+            self.outputs.send(self.encoder.encode(digest), copy=False)
         elif isinstance(message, ShutdownCore):
             self.running = False
+
+    def kv_blocks(self, limit: int, recent_s: float) -> KVBlocks:
+        blocks = self.engine.scheduler.block_manager
+        digest = blocks.held_hashes(limit, recent_s)
+        return KVBlocks(
+            block_size=blocks.block_size,
+            num_blocks=blocks.num_blocks,
+            block_hashes=digest.hashes,
+            num_cached=blocks.num_cached_blocks,
+            prefix_caching=blocks.enable_prefix_caching,
+            num_recent=digest.num_recent,
+        )
 
     def add(self, message: AddRequest) -> None:
         self.num_added_total += 1

@@ -104,6 +104,8 @@ class LLMEngine:
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             kv_events=events_endpoint is not None,
+            # For the block digest a router reads (GET /v1/kv_cache/blocks): ~1 us a block.
+            block_hashes=True,
         )
         # Binds at start-up, so a taken address fails the load instead of the first step.
         self.kv_events = None if events_endpoint is None else KVEventPublisher(events_endpoint)

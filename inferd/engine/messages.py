@@ -1,8 +1,10 @@
 """Typed messages between the front (AsyncLLM) and the engine core process, msgpack-encoded.
 
-front --EngineCoreRequest--> core   (one per frame: AddRequest | AbortRequests | ShutdownCore)
+front --EngineCoreRequest--> core   (one per frame: AddRequest | AbortRequests | KVBlocksRequest
+                                     | ShutdownCore)
 core  --EngineCoreEvent-->  front   (CoreReady once loaded, or CoreFailed; then EngineOutputs
-                                     after every step, and for requests the core rejected)
+                                     after every step, and for requests the core rejected; KVBlocks
+                                     for each KVBlocksRequest, between two steps)
 
 Times are time.monotonic() seconds; CLOCK_MONOTONIC is system-wide, so the two processes agree.
 """
@@ -32,11 +34,19 @@ class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
     request_ids: list[str]
 
 
+class KVBlocksRequest(msgspec.Struct, tag="kv_blocks", frozen=True):
+    """Asks for the prefix cache's block digest (KVBlocks): at most `limit` hashes, and how
+    many of the last were in use within `recent_s` seconds."""
+
+    limit: int
+    recent_s: float = 0.0
+
+
 class ShutdownCore(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-EngineCoreRequest = AddRequest | AbortRequests | ShutdownCore
+EngineCoreRequest = AddRequest | AbortRequests | KVBlocksRequest | ShutdownCore
 
 
 class CoreReady(msgspec.Struct, tag="ready", frozen=True):
@@ -89,4 +99,19 @@ class EngineOutputs(msgspec.Struct, tag="outputs", frozen=True):
     rejected: list[RejectedRequest] = []
 
 
-EngineCoreEvent = CoreReady | CoreFailed | EngineOutputs
+class KVBlocks(msgspec.Struct, tag="kv_blocks", frozen=True):
+    """The prefix cache's block digest when the core read it: the stable hashes of its cached
+    blocks (kv_cache/block_hash.py), least recently used first, the most recent `limit` of them."""
+
+    block_size: int
+    num_blocks: int
+    block_hashes: list[int]
+    # Cached blocks in all; more than len(block_hashes) when the limit cut the digest.
+    num_cached: int
+    prefix_caching: bool
+    # The last num_recent hashes were in use within the window asked for (held by a running
+    # request, or released within it); the others are evictable and older.
+    num_recent: int = 0
+
+
+EngineCoreEvent = CoreReady | CoreFailed | EngineOutputs | KVBlocks

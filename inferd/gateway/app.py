@@ -7,9 +7,9 @@
 Routes: openai/routes.py (/v1/models, completions, chat), openai/embeddings.py (/v1/embeddings,
 served by the model repository), openai/websocket.py (/v1/*/ws), kserve/http.py (the Open
 Inference Protocol: /v2, /v2/models/..., /v2/repository/...), health.py (/health/*,
-/v2/health/*, /metrics). Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2
-(errors.py). Responses that release a request's resources after sending: responses.py.
-OpenAPI at /openapi.json.
+/v2/health/*, /metrics), kv_cache.py (/v1/kv_cache/blocks, the block digest a router reads).
+Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). Responses
+that release a request's resources after sending: responses.py. OpenAPI at /openapi.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from inferd.config import ServerConfig
-from inferd.gateway import dashboard, health
+from inferd.gateway import dashboard, health, kv_cache
 from inferd.gateway.auth import Guard
 from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
@@ -58,6 +58,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(embeddings.router)
     app.include_router(kserve_http.router)
+    app.include_router(kv_cache.router)
     if server.dashboard:
         dashboard.install(app, state)
     install_error_handlers(app, on_reject=state.metrics.reject)

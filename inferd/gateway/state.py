@@ -18,6 +18,7 @@ from starlette.requests import HTTPConnection
 from inferd.config import ServerConfig
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
+from inferd.engine.messages import KVBlocks
 from inferd.errors import DrainingError
 from inferd.gateway.errors import unavailable
 from inferd.preprocess.tokenizer import Tokenizer
@@ -55,6 +56,8 @@ class EngineClient(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks: ...
 
 
 @dataclass

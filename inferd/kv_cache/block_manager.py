@@ -12,21 +12,31 @@ When cached blocks are registered: only after the step that computed them
 allocated. Registering at allocation would let a request in the same step hit a block whose
 writer is preempted later in that same schedule() call, so its K/V would never be written.
 
-KV events (`kv_events=True`, off by default): the prefix cache logs every block it indexes and
-evicts, by stable chained hash (kv_cache/events.py); `take_kv_events()` drains the log once a
-step. Off, no hash is computed and nothing is logged.
+Stable block hashes (`block_hashes=True`, the engine's setting; off by default here): each cached
+block also gets its chained hash (kv_cache/block_hash.py, about 1 us a block), and
+`held_hashes()` lists them for a router (the replica's block digest). KV events
+(`kv_events=True`, which implies hashes): the prefix cache also logs every block it indexes and
+evicts, by that hash (kv_cache/events.py); `take_kv_events()` drains the log once a step. With
+neither, no hash is computed and nothing is logged.
 
 Pure Python, no torch, single-threaded: the engine loop is the only caller.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from inferd.kv_cache.block_hash import next_block_hash
 from inferd.kv_cache.events import KVEvent, KVEventLog
-from inferd.kv_cache.prefix_cache import NO_HIT, ROOT_SERIAL, PrefixCache, PrefixHit
+from inferd.kv_cache.prefix_cache import (
+    NO_HIT,
+    ROOT_SERIAL,
+    BlockDigest,
+    PrefixCache,
+    PrefixHit,
+)
 
 
 class BlockManager:
@@ -46,6 +56,8 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         kv_events: bool = False,
+        block_hashes: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -57,11 +69,12 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))
         # Only with prefix caching on: without it no block is ever stored, so nothing to tell.
         self._events = KVEventLog(block_size) if kv_events and enable_prefix_caching else None
-        self._prefix = PrefixCache(num_blocks, block_size, self._events)
+        hashing = enable_prefix_caching and (kv_events or block_hashes)
+        self._prefix = PrefixCache(num_blocks, block_size, self._events, hashing, clock)
         self._tables: dict[str, list[int]] = {}
         # Per request: the cache serial of each leading full block already registered (or found).
         self._serials: dict[str, list[int]] = {}
-        # Per request, with KV events only: the stable hash of each block in `_serials`.
+        # Per request, with hashing only: the stable hash of each block in `_serials`.
         self._hashes: dict[str, list[int]] = {}
 
     @property
@@ -125,7 +138,7 @@ class BlockManager:
         if table is None:
             table = self._tables[request_id] = []
             self._serials[request_id] = list(prefix.serials)
-            if self._events is not None:
+            if self._prefix.hashing:
                 self._hashes[request_id] = [self._prefix.block_hash(b) for b in prefix.block_ids]
         for block_id in prefix.block_ids:
             self._take_cached(block_id)
@@ -158,6 +171,12 @@ class BlockManager:
         """The cache's stored/removed events since the last call; [] when KV events are off."""
         return [] if self._events is None else self._events.drain()
 
+    def held_hashes(self, limit: int, recent_s: float = 0.0) -> BlockDigest:
+        """The cached blocks' stable hashes, least recently used first, at most `limit` (the
+        most recent), and how many of the last were in use within `recent_s` seconds; none
+        without hashing (prefix_cache.py)."""
+        return self._prefix.held_hashes(limit, recent_s)
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, tail first (so its prefix is evicted last). Idempotent."""
         table = self._tables.pop(request_id, None)
@@ -183,7 +202,7 @@ class BlockManager:
         idle = {b for b in range(self._num_blocks) if self._ref[b] == 0}
         assert idle == free | {b for b in idle if self._prefix.is_cached(b)}
         assert self.num_free_blocks == len(idle)
-        if self._events is not None:
+        if self._prefix.hashing:
             assert all(len(self._hashes[r]) == len(s) for r, s in self._serials.items())
         self._prefix.check_invariants(self._ref)
 

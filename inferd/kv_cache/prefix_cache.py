@@ -14,21 +14,23 @@ blocks first and evicts from the LRU front (least recently freed) only when none
 Requests free their blocks tail first, so a sequence's last blocks are evicted before its prefix,
 which later requests are more likely to share.
 
-KV events (only when the block manager is given a KVEventLog, see kv_cache/events.py). Each
-cached block then also carries its stable chained hash (kv_cache/block_hash.py), computed by the
-caller from its parent's when it registers the block. Events follow hashes, not blocks: the first
-indexed block with a hash logs BlockStored, the eviction of the last one BlockRemoved. (Two blocks
-can share a hash: a block whose parent was evicted stays indexed, unreachable, until it is evicted
-itself, and the same content may meanwhile be computed again under the parent's new serial.)
-Without a log no hash is computed or kept.
+Stable hashes (`hashing=True`, which KV events need). Each cached block then also carries its
+stable chained hash (kv_cache/block_hash.py), computed by the caller from its parent's when it
+registers the block; `held_hashes()` lists them for a router's prefix index (the replica's block
+digest, gateway `GET /v1/kv_cache/blocks`). With a KVEventLog, events follow hashes, not blocks:
+the first indexed block with a hash logs BlockStored, the eviction of the last one BlockRemoved.
+(Two blocks can share a hash: a block whose parent was evicted stays indexed, unreachable, until
+it is evicted itself, and the same content may meanwhile be computed again under the parent's new
+serial.) Without hashing no hash is computed or kept.
 
 Pure Python, single-threaded: the engine loop is the only caller.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inferd.kv_cache.events import KVEventLog
@@ -52,23 +54,44 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
+@dataclass(frozen=True)
+class BlockDigest:
+    """The cached blocks' stable hashes, least recently used first, each once; the last
+    `num_recent` were in use within the window asked for (held by a running request, or
+    released within it): traffic, where the others may be a past workload's leftovers."""
+
+    hashes: list[int]
+    num_recent: int = 0
+
+
 class PrefixCache:
     """Content-addressed index of full, computed blocks plus the LRU of evictable ones."""
 
-    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        events: KVEventLog | None = None,
+        hashing: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert events is None or hashing, "KV events are logged by stable hash"
+        self._clock = clock
         self.block_size = block_size
         self._events = events
-        # The stable chained hash of each cached block's content; all None without `events`.
+        self.hashing = hashing
+        # The stable chained hash of each cached block's content; all None without `hashing`.
         self._hash_of: list[int | None] = [None] * num_blocks
-        # Indexed blocks per stable hash (only with `events`): stored at 0 -> 1, removed at 1 -> 0.
+        # Indexed blocks per stable hash (only with `hashing`): stored at 0 -> 1, removed at 1 -> 0.
         self._hash_count: dict[int, int] = {}
         self._index: dict[BlockKey, int] = {}
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._serial_of: list[int] = [ROOT_SERIAL] * num_blocks
         self._next_serial = 0
-        # Cached blocks with reference count 0, least recently freed first. An OrderedDict gives
-        # O(1) append, pop-front and removal from the middle (when a prefix hit revives a block).
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks with reference count 0, least recently freed first, each with the time
+        # it was freed (`clock`; non-decreasing along the order). An OrderedDict gives O(1)
+        # append, pop-front and removal from the middle (when a prefix hit revives a block).
+        self._lru: OrderedDict[int, float] = OrderedDict()
 
     @property
     def num_evictable(self) -> int:
@@ -97,7 +120,7 @@ class PrefixCache:
         return PrefixHit(tuple(block_ids), tuple(serials), len(block_ids) * bs)
 
     def block_hash(self, block_id: int) -> int:
-        """The stable hash of a cached block (only while KV events are collected)."""
+        """The stable hash of a cached block (only with `hashing`)."""
         block_hash = self._hash_of[block_id]
         assert block_hash is not None, f"block {block_id} has no hash"
         return block_hash
@@ -111,8 +134,8 @@ class PrefixCache:
     ) -> int:
         """Index a full, computed block; returns the serial that now stands for its content.
 
-        `chain` is (the block's stable hash, its parent's or None), given exactly when KV events
-        are collected; a block that gets indexed is then logged as stored.
+        `chain` is (the block's stable hash, its parent's or None), given exactly with `hashing`;
+        a block that gets indexed is then logged as stored when KV events are collected.
 
         When equal content is already cached (two requests computed the same prefix in the same
         step), the first block stays the indexed one and `block_id` stays uncached: its owner
@@ -121,7 +144,7 @@ class PrefixCache:
         """
         assert len(tokens) == self.block_size, "only full blocks are cached"
         assert self._key_of[block_id] is None, f"block {block_id} is already cached"
-        assert (chain is None) == (self._events is None), "a hash exactly when events are on"
+        assert (chain is None) != self.hashing, "a hash exactly when hashing"
         key = (parent_serial, tokens)
         existing = self._index.get(key)
         if existing is not None:
@@ -131,19 +154,19 @@ class PrefixCache:
         self._index[key] = block_id
         self._key_of[block_id] = key
         self._serial_of[block_id] = serial
-        if self._events is not None and chain is not None:
+        if chain is not None:
             block_hash, parent_hash = chain
             self._hash_of[block_id] = block_hash
             count = self._hash_count.get(block_hash, 0)
             self._hash_count[block_hash] = count + 1
-            if count == 0:
+            if count == 0 and self._events is not None:
                 self._events.stored(block_hash, parent_hash, tokens)
         return serial
 
     def park(self, block_id: int) -> None:
         """A cached block's last reference went away: it becomes the most recent evictable one."""
         assert self.is_cached(block_id) and block_id not in self._lru
-        self._lru[block_id] = None
+        self._lru[block_id] = self._clock()
 
     def unpark(self, block_id: int) -> None:
         """A prefix hit takes an evictable block back into use."""
@@ -158,14 +181,40 @@ class PrefixCache:
         self._key_of[block_id] = None
         self._serial_of[block_id] = ROOT_SERIAL
         block_hash = self._hash_of[block_id]
-        if self._events is not None and block_hash is not None:
+        if block_hash is not None:
             self._hash_of[block_id] = None
             count = self._hash_count.pop(block_hash) - 1
             if count:
                 self._hash_count[block_hash] = count
-            else:
+            elif self._events is not None:
                 self._events.removed(block_hash)
         return block_id
+
+    def held_hashes(self, limit: int, recent_s: float = 0.0) -> BlockDigest:
+        """The stable hashes of the cached blocks, least recently used first, at most the `limit`
+        most recent ones (none without `hashing`): what a router's prefix index should hold for
+        this replica. Blocks in use by a request count as the most recent (they cannot be
+        evicted), the latest indexed first, so a long-lived shared prefix comes last, as a
+        router's index touches a prompt tail first; evictable ones follow the LRU, the next to
+        go first. Each hash once, at its most recent place. `num_recent`: the in-use ones and
+        those freed within the last `recent_s` seconds, which the order puts last."""
+        if not self.hashing or limit <= 0:
+            return BlockDigest([])
+        in_use = [b for b in reversed(self._index.values()) if b not in self._lru]
+        order: dict[int, None] = {}
+        for block_id in (*self._lru, *in_use):
+            block_hash = self._hash_of[block_id]
+            assert block_hash is not None
+            order.pop(block_hash, None)  # a hash twice (see above): its most recent place
+            order[block_hash] = None
+        hashes = list(order)[-limit:]
+        since = self._clock() - recent_s
+        recent = {self._hash_of[b] for b in in_use}
+        for block_id, freed_at in reversed(self._lru.items()):
+            if freed_at <= since:
+                break
+            recent.add(self._hash_of[block_id])
+        return BlockDigest(hashes, min(len(recent), len(hashes)))
 
     def check_invariants(self, ref_counts: Sequence[int]) -> None:
         """Index and LRU agree with each other and with the reference counts (tests call this)."""
@@ -174,8 +223,7 @@ class PrefixCache:
         assert sum(k is not None for k in self._key_of) == len(self._index)
         for block_id in self._lru:
             assert self.is_cached(block_id) and ref_counts[block_id] == 0
-        # With KV events a block has a hash exactly while it is cached; without, none has one.
-        hashing = self._events is not None
+        # With hashing a block has a hash exactly while it is cached; without, none has one.
         for block_id, block_hash in enumerate(self._hash_of):
-            assert (block_hash is not None) == (hashing and self.is_cached(block_id))
+            assert (block_hash is not None) == (self.hashing and self.is_cached(block_id))
         assert Counter(h for h in self._hash_of if h is not None) == self._hash_count

@@ -2,8 +2,8 @@
 
 Pure bookkeeping, no I/O: the app calls `route` for a decision, `dispatch` (then the ticket's
 `first_byte`/`finish`) around each forwarded request, `failed` on a connect error or 5xx (passive
-health), and `set_health`/`report`/`set_members` from the active checker. A replica that fails
-or turns unready leaves the rotation at once and its prefix index is forgotten: whatever comes
+health), and `set_health`/`report`/`set_members`/`digest` from the active checker. A replica that
+fails or turns unready leaves the rotation at once and its prefix index is forgotten: whatever comes
 back at that address may be a restarted process with an empty cache (unless the index follows
 its KV events, router/kv_events.py: those show a restart as a gap).
 
@@ -113,6 +113,26 @@ class Cluster:
             self.replicas[url].load.report = report
             if report.num_blocks:
                 self.index.set_capacity(url, report.num_blocks)
+
+    def digest_since(self, url: str) -> int:
+        """Asked right before a replica's block digest is requested: the stamp after which the
+        index's blocks there may not show in it yet (the dispatch stamp of the oldest request
+        still prefilling there, or now)."""
+        replica = self.replicas.get(url)
+        stamp = self.index.stamp
+        return stamp if replica is None else replica.load.settled(stamp)
+
+    def digest(
+        self, url: str, hashes: Sequence[int], since: int, num_recent: int | None = None
+    ) -> int:
+        """The replica's block digest (`digest_since` taken before asking; the last
+        `num_recent` hashes in use lately): its index becomes what the replica holds
+        (router/index.py, `snapshot`). Returns the claimed blocks it lacked; 0 for a replica
+        gone meanwhile or out of rotation (its index was forgotten)."""
+        replica = self.replicas.get(url)
+        if replica is None or not replica.ready:
+            return 0
+        return self.index.snapshot(url, hashes, since, num_recent)
 
     # -- decisions and load ----------------------------------------------------------------------
 

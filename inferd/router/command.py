@@ -10,6 +10,7 @@ import argparse
 from dataclasses import fields
 from typing import Any, get_args
 
+from inferd.config import read_environment
 from inferd.router.config import RouterConfig
 from inferd.router.policy import PolicyName
 
@@ -38,6 +39,20 @@ def add_router_parser(sub: Any) -> None:
         metavar="URL=ENDPOINT",
         help="follow the KV events replica URL publishes on ENDPOINT (its --kv-events-endpoint, "
         "e.g. tcp://host:5557): its prefix index is exact (repeat per replica)",
+    )
+    p.add_argument(
+        "--no-replica-digest",
+        action="store_true",
+        help="do not read the replicas' block digests (GET /v1/kv_cache/blocks) with each health "
+        "check: the prefix index of a replica without KV events then comes from this router's "
+        "own routing only",
+    )
+    p.add_argument(
+        "--replica-api-key",
+        default=None,
+        metavar="KEY",
+        help="the API key for the replicas' block digests, when the replicas have keys "
+        "(default: $INFERD_ROUTER_REPLICA_API_KEY)",
     )
     p.add_argument("--policy", default=d["policy"], choices=get_args(PolicyName))
     p.add_argument("--host", default=d["host"])
@@ -90,6 +105,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         replicas=tuple(args.replica),
         dns_name=args.replica_dns,
         kv_events=tuple(kv_events_pair(text) for text in args.replica_kv_events),
+        replica_digest=not args.no_replica_digest,
+        replica_api_key=args.replica_api_key or read_environment().router_replica_api_key,
         model=args.model,
         tokenizer=args.tokenizer,
         revision=args.revision,
@@ -156,6 +173,8 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         port=args.port,
         block_size=args.block_size,
         dashboard=not args.disable_dashboard,
+        # The replicas inherit INFERD_API_KEY (an admin key there): their block digests need it.
+        replica_api_key=read_environment().api_key,
         # The replicas get the flag too (their argv): one trace spans router and replica.
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )

@@ -52,6 +52,12 @@ class RouterConfig:
     # (replica URL, KV-events endpoint) pairs: those replicas' prefix index is exact, fed by the
     # events they publish (`inferd serve --kv-events-endpoint`; router/kv_events.py).
     kv_events: tuple[tuple[str, str], ...] = ()
+    # Read each replica's block digest (GET /v1/kv_cache/blocks) with every health check and
+    # reset its approximate index to it (router/index.py's `snapshot`); off: `--no-replica-digest`.
+    replica_digest: bool = True
+    # Sent as `Authorization: Bearer` with the digest request, for replicas with API keys (the
+    # router forwards clients' own keys with their requests; it has none of its own otherwise).
+    replica_api_key: str | None = None
     # GET /dashboard and /v1/dashboard/* (router/dashboard.py); off: `--disable-dashboard`.
     dashboard: bool = True
     # OTLP/gRPC collector for the router's `inferd.route` spans (router/tracing.py), the

@@ -5,8 +5,13 @@ headless Service lists pods), then GET each replica's `/health/ready` (200: in r
 `loading`/`draining`/`engine_dead` or no answer: out) and, for a ready one, its `/metrics` for the
 engine's own load gauges, prefix-cache counters and cache settings (`inferd_cache_config_info`:
 a replica's index is bounded by its number of KV blocks; a block size other than the router's is
-logged, since no block would ever match). Passive checks (a connect error or 5xx while
-forwarding) live in the proxy and eject a replica at once, without waiting for the next interval.
+logged, since no block would ever match), then its block digest (`GET /v1/kv_cache/blocks`,
+gateway/kv_cache.py), which resets the replica's approximate prefix index to what its cache
+holds (router/index.py, `snapshot`). A replica that answers the digest with 401, 403 or 404 (API
+keys and no `--replica-api-key`, or an older inferd) is not asked again; its index stays the
+router's own estimate. Replicas followed by KV events are not asked: their index is exact.
+Passive checks (a connect error or 5xx while forwarding) live in the proxy and eject a replica at
+once, without waiting for the next interval.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import socket
 
 import httpx
 
+from inferd.kv_cache.block_hash import BLOCK_HASH_SEED
+from inferd.kv_cache.prefix_cache import BlockDigest
 from inferd.router.cluster import Cluster
 from inferd.router.load import ReplicaReport
 from inferd.router.metrics import RouterMetrics
@@ -78,6 +85,8 @@ class HealthChecker:
         self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
+        # Replicas that refused the digest (401/403/404): not asked again.
+        self._no_digest: set[str] = set()
 
     async def check_all(self) -> None:
         cfg = self.cluster.config
@@ -106,6 +115,52 @@ class HealthChecker:
             report = report_from_metrics(page.text)
             self.cluster.report(url, report)
             self._check_block_size(url, report)
+        await self.read_digest(url)
+
+    async def read_digest(self, url: str) -> None:
+        """The replica's block digest into its prefix index (see the module docstring)."""
+        cluster = self.cluster
+        if (
+            not cluster.config.replica_digest
+            or url in self._no_digest
+            or cluster.index.is_exact(url)
+        ):
+            return
+        since = cluster.digest_since(url)
+        key = cluster.config.replica_api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        # Live: used within two check intervals (router/index.py: the share of the groups).
+        params = {
+            "limit": cluster.index.capacity(url),
+            "recent_s": 2 * cluster.config.health_interval_s,
+        }
+        try:
+            answer = await self.client.get(
+                f"{url}/v1/kv_cache/blocks",
+                params=params,
+                headers=headers,
+                timeout=cluster.config.health_timeout_s,
+            )
+        except httpx.HTTPError:
+            self.metrics.digests.labels(url, "failed").inc()
+            return
+        if answer.status_code in (401, 403, 404):
+            self._no_digest.add(url)
+            self.metrics.digests.labels(url, "unsupported").inc()
+            logger.warning(
+                "replica %s answers its block digest with %d: its prefix index stays this "
+                "router's estimate",
+                url,
+                answer.status_code,
+            )
+            return
+        digest = _digest(answer, cluster.config.block_size)
+        if digest is None:
+            self.metrics.digests.labels(url, "failed").inc()
+            return
+        if gone := cluster.digest(url, digest.hashes, since, digest.num_recent):
+            self.metrics.stale_blocks.labels(url).inc(gone)
+        self.metrics.digests.labels(url, "applied").inc()
 
     def _check_block_size(self, url: str, report: ReplicaReport) -> None:
         """A replica on another block size never matches a block: say so, once per replica."""
@@ -140,6 +195,25 @@ class HealthChecker:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _digest(answer: httpx.Response, block_size: int) -> BlockDigest | None:
+    """A 200 digest body in this router's hashing (block size and hash version), or None:
+    another answer, another body, or hashes that could never match."""
+    if answer.status_code != 200:
+        return None
+    with contextlib.suppress(ValueError):
+        body = answer.json()
+        if not isinstance(body, dict) or body.get("block_size") != block_size:
+            return None
+        if body.get("hash_version") != BLOCK_HASH_SEED.decode():
+            return None
+        hashes, recent = body.get("block_hashes"), body.get("num_recent", 0)
+        if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
+            return None
+        if type(recent) is int and 0 <= recent <= len(hashes):
+            return BlockDigest(hashes, recent)
+    return None
 
 
 def _reason(response: httpx.Response) -> str:

@@ -47,6 +47,33 @@ to its former replica when load allows (`home`), instead of scattering its group
     index.drop_through("a", claim[1])       # the replica reported 1 block: 5, 6 are gone
     index.match("a", [1, 2, 3])             # 3 (re-stamped at dispatch)
     index.match("a", [5, 6]), index.home("a", [5, 6])    # 0, 2
+
+Reset from the replica's block digest (approximate replicas, `snapshot`): with each health check
+the router reads the hashes the replica's cache holds (gateway GET /v1/kv_cache/blocks, least
+recently used first) and the replica's set becomes them, in that order, plus what the router
+itself sent there that the digest cannot show yet: blocks stamped after `since`, the stamp at
+dispatch of the oldest request still prefilling there when the digest was asked for (their
+blocks are registered only after their prefill step). What the index claimed and the digest
+lacks becomes ghosts (evicted: the prefix's former home), as with `drop_through`. So an index
+that drifted (evictions the router never saw, groups another router placed there) is the
+replica's truth again after each check, and routers that share no state converge on it.
+
+A replica's cache is always full of something: blocks of a past workload linger, evictable,
+until new ones push them out. They still match, but they are not traffic, so they must not count
+in what a replica `owned` (the share of the groups that decides where a new group goes: a
+replica full of leftovers would look taken). A block from a digest is *live* when the replica
+used it lately (the digest's last `num_recent` hashes: in use, or freed within two check
+intervals) or the index already had it live (the router sent a request for it, or an earlier
+digest showed it used); the others are *stale* until a request touches them (`insert`). Other
+routers' groups with traffic are live, so routers sharing no state also agree on each
+replica's share.
+
+    index = PrefixIndex(capacity_blocks=10)
+    index.insert("a", [1, 2]); since = index.stamp; index.insert("a", [7])
+    index.snapshot("a", [8, 5, 1], since, num_recent=2)   # 2 evicted, 5 used by someone else
+    index.match("a", [5]), index.match("a", [1, 2]), index.match("a", [7]), index.home("a", [1, 2])
+    # (1, 1, 1, 2)
+    index.size("a"), index.owned("a")      # 4 (8, 5, 1, 7), 4 (5, 1, 7 live; 2 a ghost; 8 stale)
 """
 
 from __future__ import annotations
@@ -68,6 +95,8 @@ class PrefixIndex:
         self._capacity: dict[str, int] = {}
         # Blocks the replicas' own reports showed evicted (drop_through), least recent first.
         self._ghosts: dict[str, OrderedDict[int, None]] = {}
+        # Blocks a digest showed that no request has touched since (see the module docstring).
+        self._stale: dict[str, set[int]] = {}
         # Replicas indexed from their KV events instead of from routing decisions.
         self._exact: set[str] = set()
         self.evictions = 0
@@ -134,9 +163,14 @@ class PrefixIndex:
         if ghosts := self._ghosts.get(replica):
             for h in hashes:
                 ghosts.pop(h, None)  # live again
+        stale = self._stale.get(replica)
+        if stale:
+            stale.difference_update(hashes)
         cap = self.capacity(replica)
         while len(held) > cap:
-            held.popitem(last=False)
+            evicted, _ = held.popitem(last=False)
+            if stale:
+                stale.discard(evicted)
             self.evictions += 1
 
     @property
@@ -169,14 +203,68 @@ class PrefixIndex:
         if held is None or replica in self._exact:
             return 0
         ghosts = self._ghosts.setdefault(replica, OrderedDict())
+        stale = self._stale.get(replica, set())
         dropped = 0
         while held and next(iter(held.values())) <= stamp:
-            ghosts[held.popitem(last=False)[0]] = None
+            h = held.popitem(last=False)[0]
+            ghosts[h] = None
+            stale.discard(h)
             dropped += 1
         # Bounded like the index: older homes than one cache's worth say little any more.
         while len(ghosts) > self.capacity(replica):
             ghosts.popitem(last=False)
         return dropped
+
+    def snapshot(
+        self, replica: str, hashes: Sequence[int], since: int, num_recent: int | None = None
+    ) -> int:
+        """The replica's block digest (`hashes`, least recently used first, the last
+        `num_recent` used lately; None: all of them) replaces what the index holds
+        for it, except blocks stamped after `since` (dispatched there since, maybe not computed
+        yet when the digest was taken), which stay the most recent. Claimed blocks the digest
+        lacks become ghosts; blocks neither used lately nor live in the index before become
+        stale.
+        A no-op for an exact replica (its events are exact). Returns how many claimed blocks
+        turned out to be gone."""
+        if replica in self._exact:
+            return 0
+        old = self._blocks.get(replica) or OrderedDict()
+        old_stale = self._stale.get(replica, set())
+        recent_from = len(hashes) - (len(hashes) if num_recent is None else num_recent)
+        held: OrderedDict[int, int] = OrderedDict()
+        stale: set[int] = set()
+        for i, h in enumerate(hashes):
+            held[h] = self._next_stamp()
+            held.move_to_end(h)
+            if i < recent_from and (h not in old or h in old_stale):
+                stale.add(h)
+        for h, stamp in old.items():  # stamp order: the router's own newer blocks keep theirs
+            if stamp > since:
+                held[h] = self._next_stamp()
+                held.move_to_end(h)
+                if h not in old_stale:
+                    stale.discard(h)
+        cap = self.capacity(replica)
+        while len(held) > cap:
+            stale.discard(held.popitem(last=False)[0])
+        self._blocks[replica] = held
+        self._stale[replica] = stale
+        return self._bury(replica, old, held)
+
+    def _bury(self, replica: str, old: Mapping[int, int], held: Mapping[int, int]) -> int:
+        """Blocks the index held (`old`) and holds no more become the replica's ghosts, held
+        ones are ghosts no more; returns how many were buried."""
+        ghosts = self._ghosts.setdefault(replica, OrderedDict())
+        gone = 0
+        for h in old:
+            if h not in held:
+                ghosts[h] = None
+                gone += 1
+        for h in held:
+            ghosts.pop(h, None)
+        while len(ghosts) > self.capacity(replica):
+            ghosts.popitem(last=False)
+        return gone
 
     def home(self, replica: str, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` the replica holds or held until its own report
@@ -191,9 +279,10 @@ class PrefixIndex:
         return n
 
     def owned(self, replica: str) -> int:
-        """Blocks the replica holds or is the home of (its ghosts): the groups placed there,
-        whether or not their blocks are still cached."""
-        return self.size(replica) + len(self._ghosts.get(replica, ()))
+        """Live blocks the replica holds, or is the home of (its ghosts): the groups placed
+        there, whether or not their blocks are still cached; stale leftovers do not count."""
+        live = self.size(replica) - len(self._stale.get(replica, ()))
+        return live + len(self._ghosts.get(replica, ()))
 
     def forget(self, replica: str) -> None:
         """The replica restarted or left: nothing it held is known any more. An exact replica
@@ -203,6 +292,7 @@ class PrefixIndex:
         self._blocks.pop(replica, None)
         self._capacity.pop(replica, None)
         self._ghosts.pop(replica, None)
+        self._stale.pop(replica, None)
 
     def size(self, replica: str) -> int:
         return len(self._blocks.get(replica, ()))

@@ -15,8 +15,11 @@ inferd_router_kv_events_total{replica, kind}     KV events applied to the exact 
 inferd_router_kv_event_gaps_total{replica}       gaps in a replica's KV events: its exact index
                                                  was dropped and rebuilds from what follows
 inferd_router_index_stale_blocks_total{replica}  blocks dropped from the approximate index because
-                                                 the replica's reported cached tokens showed them
-                                                 evicted
+                                                 the replica's reported cached tokens, or its
+                                                 block digest, showed them evicted
+inferd_router_replica_digests_total{replica, result}  block digests read with the health checks
+                                                 (result: applied; failed: no answer or not 200;
+                                                 unsupported: 401/403/404, not asked again)
 inferd_router_replica_ready{replica}             1 in rotation, 0 out (at scrape time)
 inferd_router_in_flight{replica}                 requests the router has there (at scrape time)
 inferd_router_load_tokens{replica}               the policy's load estimate (at scrape time)
@@ -115,8 +118,15 @@ class RouterMetrics:
         )
         self.stale_blocks = Counter(
             "inferd_router_index_stale_blocks",
-            "Prefix index blocks dropped: the replica's reported cached tokens showed them evicted",
+            "Prefix index blocks dropped: the replica's reported cached tokens or its block digest "
+            "showed them evicted",
             ["replica"],
+            registry=r,
+        )
+        self.digests = Counter(
+            "inferd_router_replica_digests",
+            "Replica block digests read (GET /v1/kv_cache/blocks)",
+            ["replica", "result"],
             registry=r,
         )
         r.register(_ClusterCollector(cluster))

@@ -13,17 +13,23 @@ Two deployments:
   chat template over the whole history) and hands the request with its prompt token ids to the
   engine deployment's handle. A body it cannot read is routed on load alone; the replica answers
   it with its own 4xx.
-- `CacheAwareRequestRouter` is a Ray Serve `RequestRouter` (alpha API, ray >= 2.50) whose
-  decision is `inferd.router.cluster.Cluster.route`: the same prefix index, token-load
-  accounting and policy (`cache_aware` by default). Each ingress replica holds its own router
-  state, as several `inferd router` instances do. Its decision (time, replica, the cached tokens
-  the index expected) reaches the ingress through inferd.router.route_notes, which adds the
-  `route` stage to the answer's `timings` and `x-inferd-route-cached-tokens`, as `inferd router`
-  does. Its metrics (`inferd_router_*`) are the ingress's `GET /router/metrics`
+- `CacheAwareRequestRouter` (router/ray_request_router.py) is a Ray Serve `RequestRouter` (alpha
+  API, ray >= 2.50) whose decision is `inferd.router.cluster.Cluster.route`: the same prefix
+  index, token-load accounting and policy (`cache_aware` by default). Each ingress replica holds
+  its own router state, as several `inferd router` instances do. Its decision (time, replica, the
+  cached tokens the index expected) reaches the ingress through inferd.router.route_notes, which
+  adds the `route` stage to the answer's `timings` and `x-inferd-route-cached-tokens`, as `inferd
+  router` does. Its metrics (`inferd_router_*`) are the ingress's `GET /router/metrics`
   (router/ray_metrics.py).
 
 Serve's default `max_ongoing_requests` (5) would starve continuous batching; replicas take the
 engine's `max_num_seqs + max_queued_requests` unless told otherwise.
+
+Replica reports come through Serve's routing stats (`EngineReplica.record_routing_stats`, polled
+every `routing_stats_period_s`, 2 s as `inferd router`'s health interval, not Serve's 10): the
+engine's load gauges and its block digest (gateway/kv_cache.py's hashes), which resets the
+router's approximate index of that replica as `inferd router`'s health checks do
+(router/index.py, `snapshot`).
 
     inferd serve --ray --num-replicas 2 inferd-tiny     (inferd.router.ray_launch)
     serve run inferd.router.ray_serve:app_builder num_replicas=2 model=inferd-tiny
@@ -36,8 +42,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +52,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from inferd.config import EngineConfig, ServeConfig, read_environment
-from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
-from inferd.router.load import ReplicaReport, Ticket
 from inferd.router.policy import PolicyName
 
 logger = logging.getLogger("inferd.router.ray")
@@ -163,12 +165,16 @@ class EngineReplica:
     `inferd serve`'s config tree. Serves the LLM lane only: no model repository, no gRPC, no
     port of its own (its host/port are the Serve proxy's)."""
 
-    async def __init__(self, config: ServeConfig) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, config: ServeConfig, digest_recent_s: float = 2 * RouterConfig.health_interval_s
+    ) -> None:
         from inferd.engine.async_client import AsyncLLM
         from inferd.gateway.app import create_app, set_engine
 
         assert config.engine is not None  # build_app refuses a config without an LLM
         self._grace_s = config.server.shutdown_timeout_s
+        # The digest's `num_recent` window: two polls (router/index.py's live blocks).
+        self._digest_recent_s = digest_recent_s
         self._app = create_app(None, config.server)
         # No env=config.env: a replica may run on another node, whose environment (cache
         # folders, tokens) is the one that counts; AsyncLLM reads it there.
@@ -188,18 +194,30 @@ class EngineReplica:
                 )
             yield part
 
-    def record_routing_stats(self) -> dict[str, float]:
-        """Serve polls this; the router reads it as the replica's own load report."""
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve polls this; the router reads it as the replica's own load report and, with
+        `digest_at` (wall-clock seconds when it was asked for), its block digest."""
+        from inferd.errors import EngineDeadError
+
         s = self._llm.stats()
-        return {
+        num_blocks = self._llm.info.num_kv_blocks
+        stats: dict[str, Any] = {
             "running": s.running,
             "waiting": s.waiting,
             "queued": s.queued,
             "queued_prompt_tokens": s.queued_prompt_tokens,
             "kv_cache_usage": s.kv_cache_usage,
             # Bounds the router's index for this replica at its real KV capacity.
-            "num_blocks": self._llm.info.num_kv_blocks,
+            "num_blocks": num_blocks,
         }
+        asked_at = time.time()
+        with contextlib.suppress(EngineDeadError, TimeoutError):
+            digest = await self._llm.kv_blocks(num_blocks, self._digest_recent_s)
+            if digest.prefix_caching:
+                stats["digest_at"] = asked_at
+                stats["block_hashes"] = digest.block_hashes
+                stats["num_recent"] = digest.num_recent
+        return stats
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown awaits this: drain, then stop the engine core process."""
@@ -208,122 +226,6 @@ class EngineReplica:
         self._closed = True
         await self._llm.drain(self._grace_s)
         await self._llm.shutdown()
-
-
-# -- the request router -----------------------------------------------------------------------
-
-
-def _report(stats: Mapping[str, Any]) -> ReplicaReport:
-    return ReplicaReport(
-        running=int(stats.get("running", 0)),
-        waiting=int(stats.get("waiting", 0)),
-        queued=int(stats.get("queued", 0)),
-        queued_prompt_tokens=int(stats.get("queued_prompt_tokens", 0)),
-        kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
-        num_blocks=int(stats["num_blocks"]) if "num_blocks" in stats else None,
-    )
-
-
-def _token_ids(pending: PendingRequest | None) -> tuple[int, ...]:
-    # By attribute, not isinstance: the ingress's copy of ForwardedRequest may be a by-value
-    # (cloudpickled) class, distinct from this module's.
-    for arg in pending.args if pending is not None else ():
-        token_ids = getattr(arg, "token_ids", None)
-        if isinstance(token_ids, tuple):
-            return token_ids
-    return ()
-
-
-class CacheAwareRequestRouter(RequestRouter):
-    """Ray Serve's replica choice made by inferd's `Cluster`: replicas are named by their full
-    Serve replica id; Serve's replica set is the membership (a replica that dies leaves at once,
-    with its prefix index). The returned ranks hold one replica each, so Serve falls back down
-    the policy's own ranking when a replica is at `max_ongoing_requests`."""
-
-    # Decisions waiting for on_request_routed, by Serve's internal request id; bounded because
-    # a request cancelled while queued in Serve is never routed.
-    _MAX_PENDING = 10_000
-
-    def initialize_state(self, **kwargs: Any) -> None:
-        """`kwargs`: RouterConfig fields (`policy`, `block_size`, `index_capacity_blocks`,
-        `decode_weight`, `balance_abs_threshold`, `balance_rel_threshold`, `seed`)."""
-        from inferd.router.ray_metrics import SLOT  # the process's own (see Ingress.forward)
-
-        # RouterConfig insists on a replica; Serve's replica set replaces it below.
-        self._cluster = Cluster(RouterConfig(replicas=("ray://pending",), **kwargs))
-        self._cluster.set_members(())
-        self._metrics = SLOT.attach(self._cluster)
-        # With each decision its time (the `route` stage's share spent here).
-        self._pending: OrderedDict[str, tuple[Routed, float]] = OrderedDict()
-        self._open: dict[str, deque[Ticket]] = {}
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._cluster.set_members(r.replica_id.to_full_id_str() for r in replicas)
-        for name in self._cluster.names():
-            self._cluster.set_health(name, ready=True)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        if self._cluster.failed(replica_id.to_full_id_str(), "actor_died"):
-            self._metrics.ejections.labels(replica_id.to_full_id_str(), "actor_died").inc()
-        self._open.pop(replica_id.to_full_id_str(), None)
-
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        t0 = time.perf_counter()
-        by_name = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        for name, replica in by_name.items():
-            self._cluster.report(name, _report(replica.routing_stats or {}))
-            self._cluster.set_health(name, ready=True)  # Serve offers only live replicas
-        skip = [n for n in self._cluster.names() if n not in by_name]
-        routed = self._cluster.route(_token_ids(pending_request), exclude=skip)
-        if pending_request is not None:
-            decided = (routed, time.perf_counter() - t0)
-            self._pending[pending_request.metadata.internal_request_id] = decided
-            while len(self._pending) > self._MAX_PENDING:
-                self._pending.popitem(last=False)
-        return [[by_name[name]] for name in routed.decision.ranking]
-
-    async def _choose_replica_for_request(
-        self, pending_request: PendingRequest, *, is_retry: bool = False
-    ) -> RunningReplica:
-        """Serve's own choice (its FIFO may hand this request the replica another request's
-        ranking found), then the dispatch bookkeeping on the replica it really goes to.
-
-        Overrides a private method: Serve (2.60) calls the public `on_request_routed` only with
-        strict max_ongoing_requests on, and this is the one place that sees every (request,
-        replica) pair."""
-        # Imported here, as in Ingress.forward: the process's own notes, whichever copy of
-        # this class Serve shipped.
-        from inferd.router.route_notes import NOTES, RouteNote
-
-        replica: RunningReplica = await super()._choose_replica_for_request(
-            pending_request, is_retry=is_retry
-        )
-        name = replica.replica_id.to_full_id_str()
-        request_id = pending_request.metadata.internal_request_id
-        routed, decision_s = self._pending.pop(request_id, (None, 0.0))
-        if name in self._cluster.replicas:
-            if routed is None:  # routed while another request's decision was pending
-                routed = self._cluster.route(_token_ids(pending_request))
-            ticket = self._cluster.dispatch(name, routed)
-            self._open.setdefault(name, deque()).append(ticket)
-            self._metrics.count(name, routed)
-            self._metrics.decision.observe(decision_s)
-            cached = routed.prompt_tokens - ticket.prefill_tokens
-            NOTES.put(request_id, RouteNote(decision_s, name, cached))
-        return replica
-
-    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
-        """Serve calls this when any request on the replica ends: its oldest open ticket ends
-        (requests on one replica differ only in prefill tokens, already counted down by then)."""
-        super().decrement_queue_len_cache(replica_id)
-        if tickets := self._open.get(replica_id.to_full_id_str()):
-            tickets.popleft().finish()
 
 
 # -- the ingress ------------------------------------------------------------------------------
@@ -423,6 +325,8 @@ class RayServeOptions:
     index_capacity_blocks: int = RouterConfig.index_capacity_blocks
     decode_weight: int = RouterConfig.decode_weight
     seed: int | None = None
+    # How often Serve polls each replica's load and block digest (record_routing_stats).
+    routing_stats_period_s: float = RouterConfig.health_interval_s
 
 
 def build_app(options: RayServeOptions) -> Application:
@@ -435,7 +339,7 @@ def build_app(options: RayServeOptions) -> Application:
     )
     router = RequestRouterConfig(
         # ray types this field oddly (dict); it takes an import path or a class.
-        request_router_class=f"{__name__}:CacheAwareRequestRouter",  # type: ignore[arg-type]
+        request_router_class="inferd.router.ray_request_router:CacheAwareRequestRouter",  # type: ignore[arg-type]
         request_router_kwargs={
             "policy": options.policy,
             # The replicas' own block size, or no block hash ever matches.
@@ -445,6 +349,7 @@ def build_app(options: RayServeOptions) -> Application:
             "seed": options.seed,
             "sees_first_byte": False,  # Serve shows the router only a request's end
         },
+        request_routing_stats_period_s=options.routing_stats_period_s,  # type: ignore[arg-type]
     )
     replicas = EngineDeployment.options(
         num_replicas=options.num_replicas,
@@ -455,7 +360,7 @@ def build_app(options: RayServeOptions) -> Application:
         # A cold replica loads weights and starts its engine process before it is healthy.
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=config.server.shutdown_timeout_s + 5.0,
-    ).bind(config)
+    ).bind(config, 2 * options.routing_stats_period_s)
     model = engine.model
     return IngressDeployment.options(
         max_ongoing_requests=options.num_replicas * ongoing,

@@ -7,6 +7,7 @@ The tests share one application (module fixture) and run in file order; shutdown
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -124,6 +125,27 @@ def test_the_request_routers_metrics_are_served_by_the_ingress(app: App) -> None
     assert 'outcome="cache_hit"' in text and 'outcome="cold"' in text
     assert "inferd_router_decision_seconds_count" in text
     assert "inferd_router_load_tokens{" in text
+
+
+def test_the_replicas_block_digests_reach_the_router_with_their_routing_stats(app: App) -> None:
+    # Serve polls each replica's record_routing_stats every 2 s (RayServeOptions); a digest
+    # holding this prefix resets that replica's index, which still matches the prefix.
+    prefix = "The lighthouse keeper wrote down every storm of the long autumn. " * 3
+    first = app.completion(prefix + "The first storm.")
+    assert first.status_code == 200
+    home = first.headers[REPLICA]
+    applied = f'inferd_router_replica_digests_total{{replica="{home}",result="applied"}}'
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(f"{app.url}/router/metrics", timeout=30).text
+        if any(line.startswith(applied) for line in text.splitlines()):
+            break
+        assert time.monotonic() < deadline, "no digest was applied in 30 s"
+        time.sleep(0.5)
+    time.sleep(2.5)  # a digest taken after the first request's prefill
+    again = app.completion(prefix + "The second storm.")
+    assert again.headers[REPLICA] == home
+    assert int(again.headers["x-inferd-route-cached-tokens"]) >= 32
 
 
 def test_bad_input_gets_the_replicas_own_400(app: App) -> None:

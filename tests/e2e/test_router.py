@@ -106,6 +106,41 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_groups_spread(c: Clus
         time.sleep(0.2)
 
 
+def test_a_second_router_learns_where_a_prefix_lives_from_the_replicas_block_digest(
+    c: Cluster, tmp_path: Path
+) -> None:
+    """Two routers that share no state: the second reads each replica's block digest with its
+    health checks, so a prefix the first router placed is a cache hit for it too, before it has
+    routed anything there itself."""
+    prompt = "A second router's test. " + PREFIX + "The archive keeps maps of the old walls. "
+    first = completion(c, prompt)
+    assert first.status_code == 200, first.text
+    home = first.headers["x-inferd-replica"]
+    blocks = first.json()["usage"]["prompt_tokens"] // 16
+    digest = httpx.get(f"{home}/v1/kv_cache/blocks", timeout=10).json()
+    assert digest["num_cached"] >= blocks and len(digest["block_hashes"]) == digest["num_cached"]
+    other = start_router(tmp_path, c.replicas)
+    try:
+        index = f'inferd_router_index_blocks{{replica="{home}"}}'
+        deadline = time.monotonic() + 10
+        while other.metrics().get(index, 0) < blocks:
+            assert time.monotonic() < deadline, "the second router never read the digest"
+            time.sleep(0.1)
+        applied = f'inferd_router_replica_digests_total{{replica="{home}",result="applied"}}'
+        assert other.metrics()[applied] >= 1
+        body = {"prompt": prompt + "Who drew them?", "max_tokens": 2}
+        r = httpx.post(f"{other.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-inferd-replica"] == home
+        assert int(r.headers["x-inferd-route-cached-tokens"]) >= (blocks - 1) * 16
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (blocks - 1) * 16
+        hit = f'inferd_router_requests_total{{outcome="cache_hit",replica="{home}"}}'
+        assert other.metrics()[hit] == 1
+    finally:
+        other.proc.terminate()
+        other.proc.wait(timeout=30)
+
+
 def test_multi_turn_chats_match_on_their_whole_history(c: Cluster) -> None:
     history: list[dict[str, str]] = [{"role": "system", "content": PREFIX}]
     seen = set()

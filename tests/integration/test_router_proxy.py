@@ -11,7 +11,9 @@ import httpx
 import orjson
 import pytest
 from fastapi import FastAPI
+from prometheus_client import generate_latest
 
+from inferd.kv_cache.block_hash import block_hashes
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.router.app import create_router_app
 from inferd.router.config import RouterConfig
@@ -272,3 +274,52 @@ def test_dns_discovery_adds_every_address_and_checks_it(tok: Tokenizer) -> None:
     assert "http://127.0.0.1:8001" in router.cluster.names()
     assert router.cluster.replicas["http://127.0.0.1:8001"].ready
     assert router.cluster.index.capacity("http://127.0.0.1:8001") == 8
+
+
+def test_health_checks_read_the_replicas_block_digests(tok: Tokenizer) -> None:
+    # A serves its digest (behind a key), B is an older replica without the route (404), C
+    # hashes with another block size: only A's digest reaches the index, B is asked once.
+    prompt = list(range(100, 164))
+    asked: list[str] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        host = req.url.host
+        if req.url.path == "/health/ready":
+            return httpx.Response(200, json={"status": "ready"})
+        if req.url.path != "/v1/kv_cache/blocks":
+            return httpx.Response(200, text="")
+        asked.append(host)
+        if host == "b":
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if req.headers.get("authorization") != "Bearer k":
+            return httpx.Response(401, json={"error": {"message": "no key"}})
+        body = {
+            "block_size": 16 if host == "a" else 32,
+            "hash_version": "inferd-block-hash-v1",
+            "block_hashes": block_hashes(prompt, 16),
+            "num_recent": 0,
+        }
+        return httpx.Response(200, json=body)
+
+    c = "http://c"
+    cfg = RouterConfig(replicas=(A, B, c), replica_api_key="k")
+    app = create_router_app(cfg, tok, httpx.MockTransport(handler))
+    router = app.state.router
+    for _ in range(2):
+        asyncio.run(router.health.check_all())
+    index = router.cluster.index
+    assert (index.match(A, block_hashes(prompt, 16)), index.size(B), index.size(c)) == (4, 0, 0)
+    assert sorted(asked) == ["a", "a", "b", "c", "c"]
+    page = generate_latest(router.metrics.registry).decode()
+    for replica, result, n in ((A, "applied", 2), (B, "unsupported", 1), (c, "failed", 2)):
+        line = f'inferd_router_replica_digests_total{{replica="{replica}",result="{result}"}}'
+        assert f"{line} {n}.0" in page
+    # A replica whose index follows its KV events is never asked: its index is exact.
+    exact = create_router_app(
+        RouterConfig(replicas=(A,), kv_events=((A, "tcp://127.0.0.1:1"),)),
+        tok,
+        httpx.MockTransport(handler),
+    )
+    asked.clear()
+    asyncio.run(exact.state.router.health.check(A))
+    assert asked == []

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inferd.config import ServerConfig
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
+from inferd.engine.messages import KVBlocks
 from inferd.gateway import create_app
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.router.app import create_router_app
@@ -63,6 +64,9 @@ class FakeLLM:
 
     def stats(self) -> EngineStats:
         return EngineStats()
+
+    async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks:
+        return KVBlocks(16, 64, [], 0, True)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         out = CompletionOutput(0, "x", [120], "length", None, None)

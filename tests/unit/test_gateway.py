@@ -17,12 +17,16 @@ from starlette.websockets import WebSocketDisconnect
 from inferd.config import ServerConfig
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
+from inferd.engine.messages import KVBlocks
 from inferd.errors import QueueFullError, QueueTimeoutError
 from inferd.gateway import create_app
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.kv_cache.block_manager import BlockManager
 from inferd.telemetry.timeline import RequestTimeline
 from inferd.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 REPLY = "hello world"
+PROMPT_IDS = list(range(10))
 
 
 class ByteTokenizer:
@@ -57,6 +61,14 @@ class FakeLLM:
 
     def stats(self) -> EngineStats:
         return EngineStats()
+
+    async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks:
+        """A real block manager's digest after one request cached two blocks of PROMPT_IDS."""
+        blocks = BlockManager(num_blocks=8, block_size=4, block_hashes=True)
+        blocks.allocate("r", len(PROMPT_IDS))
+        blocks.cache_full_blocks("r", PROMPT_IDS, len(PROMPT_IDS))
+        digest = blocks.held_hashes(limit, recent_s)
+        return KVBlocks(4, 8, digest.hashes, blocks.num_cached_blocks, True, digest.num_recent)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         params = request.params
@@ -294,3 +306,35 @@ def test_per_key_token_limit_and_scopes_on_the_openai_routes(tmp_path: Any) -> N
     metrics = c.get("/metrics").text
     assert 'inferd_api_key_tokens_total{key="alice"} 14.0' in metrics
     assert 'inferd_api_key_requests_running{key="alice"} 0.0' in metrics
+
+
+def test_kv_cache_blocks_is_the_engines_block_digest() -> None:
+    c, _ = make()
+    r = c.get("/v1/kv_cache/blocks")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # The router's own hashes; blocks in use come latest indexed first, the prefix last.
+    assert body["block_hashes"] == block_hashes(PROMPT_IDS, 4)[::-1]
+    assert (body["block_size"], body["num_blocks"], body["num_cached"]) == (4, 8, 2)
+    assert body["prefix_caching"] is True
+    assert body["num_recent"] == 2  # the request still holds both blocks
+    assert body["hash_version"] == "inferd-block-hash-v1"
+    assert (
+        c.get("/v1/kv_cache/blocks", params={"limit": 1}).json()["block_hashes"]
+        == block_hashes(PROMPT_IDS, 4)[:1]  # a cut keeps the most recent: the prefix
+    )
+
+
+def test_kv_cache_blocks_bad_limit_is_400_and_loading_is_503() -> None:
+    c, _ = make()
+    for bad in ("0", "-3", "x", str(1 << 21)):
+        r = c.get("/v1/kv_cache/blocks", params={"limit": bad})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "limit" or "limit" in r.json()["error"]["message"]
+    for bad in ("-1", "x", "1e9"):
+        r = c.get("/v1/kv_cache/blocks", params={"recent_s": bad})
+        assert r.status_code == 400, (bad, r.text)
+    assert c.get("/v1/kv_cache/blocks", params={"recent_s": "4"}).json()["num_recent"] == 2
+    loading = TestClient(create_app(None, ServerConfig(access_log=False)))
+    r = loading.get("/v1/kv_cache/blocks")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"

@@ -142,3 +142,55 @@ def test_a_subscriber_index_matches_the_cache_under_random_shared_prefix_traffic
         step(s)
         apply(index, s.block_manager.take_kv_events())
         assert index == cached_hashes(s.block_manager)
+
+
+def test_the_block_digest_lists_the_cached_hashes_evictable_first_and_shared_prefixes_last() -> (
+    None
+):
+    # What GET /v1/kv_cache/blocks returns (a router resets its index to it): the hashes a
+    # router computes from the prompts, least recently used first, each once.
+    now = [100.0]
+    bm = BlockManager(8, BS, block_hashes=True, clock=lambda: now[0])
+    old, shared = [7, 7, 8, 8, 1], [1, 2, 3, 4, 5]
+    compute(bm, "old", old)
+    bm.free("old")  # evictable, tail first: its leaf goes before its first block
+    now[0] = 110.0
+    compute(bm, "a", shared)
+    h_old, h_shared = block_hashes(old, BS), block_hashes(shared, BS)
+    digest = bm.held_hashes(100)
+    assert digest.hashes == [h_old[1], h_old[0], h_shared[1], h_shared[0]]
+    assert digest.num_recent == 2  # "a" holds its two blocks
+    assert bm.held_hashes(100, recent_s=10.5).num_recent == 4  # "old" freed 10 s ago
+    assert bm.held_hashes(1).hashes == [h_shared[0]]  # the most recent one
+    assert bm.held_hashes(0).hashes == []
+    now[0] = 111.0
+    bm.free("a")
+    assert bm.held_hashes(100).num_recent == 0
+    assert bm.held_hashes(100, recent_s=5.0).num_recent == 2
+    assert bm.take_kv_events() == []  # hashes without KV events: nothing logged
+    bm.check_invariants()
+    # Prefix caching off, or hashing off: no digest.
+    for off in (BlockManager(8, BS, block_hashes=False), BlockManager(8, BS, False, False, True)):
+        compute(off, "a", shared)
+        assert off.held_hashes(100).hashes == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32))
+def test_the_block_digest_is_the_set_kv_events_describe(seed: int) -> None:
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4)
+    s = Scheduler(config, BlockManager(12, 4, kv_events=True), max_model_len=64)
+    prefixes = [[rng.randrange(3, 9) for _ in range(rng.randrange(0, 13))] for _ in range(3)]
+    for i in range(10):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 9) for _ in range(rng.randrange(1, 6))]
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 5)))
+        for _ in range(rng.randrange(0, 3)):
+            step(s)
+            bm = s.block_manager
+            digest = bm.held_hashes(1000)
+            assert len(digest.hashes) == len(set(digest.hashes))
+            assert set(digest.hashes) == cached_hashes(bm)
+            # The last num_recent are exactly the hashes of blocks running requests hold.
+            in_use = {bm._prefix._hash_of[b] for b in bm._prefix._index.values() if bm._ref[b]}
+            assert set(digest.hashes[len(digest.hashes) - digest.num_recent :]) == in_use

@@ -27,6 +27,18 @@ def test_router_flags_map_onto_the_config() -> None:
     )
     # Flags left out keep the dataclass defaults.
     assert cfg.index_capacity_blocks == RouterConfig.index_capacity_blocks
+    assert cfg.replica_digest and cfg.replica_api_key is None
+
+
+def test_the_digest_flags_and_the_replica_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("INFERD_ROUTER_REPLICA_API_KEY", "from-env")
+    base = ["router", "--replica", "http://a:1"]
+    assert router_config(build_parser().parse_args(base)).replica_api_key == "from-env"
+    args = build_parser().parse_args([*base, "--replica-api-key", "k", "--no-replica-digest"])
+    cfg = router_config(args)
+    assert (cfg.replica_api_key, cfg.replica_digest) == ("k", False)
 
 
 def test_a_router_needs_replicas() -> None:

@@ -131,6 +131,51 @@ def test_ghosts_are_bounded_by_the_replicas_capacity() -> None:
     assert [index.home("a", [h]) for h in range(6)] == [0, 0, 0, 1, 1, 1]
 
 
+def test_a_block_digest_resets_the_index_but_keeps_what_was_sent_since() -> None:
+    index = PrefixIndex(10)
+    index.insert("a", [1, 2])
+    since = index.stamp  # asked for the digest here; [7] is dispatched before it answers
+    index.insert("a", [7])
+    # The replica evicted 2 and holds 5, which another router placed there.
+    assert index.snapshot("a", [5, 1], since) == 1
+    assert (index.match("a", [5]), index.match("a", [1, 2]), index.match("a", [7])) == (1, 1, 1)
+    assert index.home("a", [1, 2]) == 2  # 2 is a ghost: the prefix's former home
+    # The router's own newer block is the most recent, the digest's order behind it (LRU).
+    index.set_capacity("a", 2)
+    index.insert("a", [9])
+    assert (index.match("a", [5]), index.match("a", [7]), index.match("a", [9])) == (0, 1, 1)
+
+
+def test_digest_blocks_no_request_holds_or_touched_do_not_count_as_owned() -> None:
+    # A past workload's leftovers match, but they are no share of the groups; blocks used
+    # lately (someone else's traffic) and blocks the router sent there are.
+    index = PrefixIndex(10)
+    index.insert("a", [1])
+    assert index.snapshot("a", [8, 9, 5, 1], index.stamp, num_recent=2) == 0
+    assert (index.size("a"), index.owned("a")) == (4, 2)  # 8, 9 stale; 5 in use; 1 the router's
+    assert index.match("a", [8]) == 1
+    index.insert("a", [8])  # a request touched it: live
+    assert index.owned("a") == 3
+    # An older digest's stale block the router never touched stays stale; one shown used, live.
+    index.snapshot("a", [9, 8, 5, 1], index.stamp, num_recent=0)
+    assert index.owned("a") == 3
+    index.snapshot("a", [8, 5, 1, 9], index.stamp, num_recent=1)
+    assert index.owned("a") == 4
+    # Evicted or dropped stale blocks leave the count with them.
+    index.set_capacity("a", 1)
+    index.insert("a", [7])
+    assert (index.size("a"), index.owned("a")) == (1, 1)
+
+
+def test_a_block_digest_is_bounded_and_ignored_for_an_exact_replica() -> None:
+    index = PrefixIndex(3)
+    index.snapshot("a", list(range(10)), index.stamp)
+    assert index.size("a") == 3 and index.match("a", [9]) == 1  # the most recent ones
+    index.follow_events("b")
+    index.stored("b", [1])
+    assert index.snapshot("b", [2], index.stamp) == 0 and index.match("b", [1]) == 1
+
+
 def _serve(truth: OrderedDict[int, None], hashes: list[int], capacity: int) -> int:
     """The replica: an LRU of `capacity` blocks touched tail first, as the engine's."""
     hit = 0
