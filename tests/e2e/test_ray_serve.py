@@ -2,7 +2,8 @@
 behind the ingress, routed by inferd's cache-aware `RequestRouter`, driven with the `openai`
 client on a local Ray (2 CPUs, no dashboard, no usage stats). Skipped when ray is not installed.
 
-The tests share one application (module fixture) and run in file order; shutdown is last."""
+The tests share one application (module fixture) and run in file order; the last one kills a
+replica actor, and shutdown follows."""
 
 from __future__ import annotations
 
@@ -152,3 +153,18 @@ def test_bad_input_gets_the_replicas_own_400(app: App) -> None:
     r = httpx.post(f"{app.url}/v1/completions", json={"prompt": 3}, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_killed_replica_actor_leaves_rotation_and_costs_no_later_request(app: App) -> None:
+    # Last in the file: it kills one engine replica (Serve starts a new one in the background).
+    engines = [
+        a for a in ray.util.list_named_actors(all_namespaces=True) if "#inferd-engine#" in a["name"]
+    ]
+    assert len(engines) == 2
+    victim = engines[0]["name"]
+    ray.kill(ray.get_actor(victim, namespace=engines[0]["namespace"]), no_restart=True)
+    answers = [app.completion(f"After the kill, request {i}. " * 4) for i in range(8)]
+    assert [r.status_code for r in answers] == [200] * 8
+    assert all(r.headers[REPLICA] != victim for r in answers)
+    text = httpx.get(f"{app.url}/router/metrics", timeout=30).text
+    assert f'inferd_router_ejections_total{{reason="actor_died",replica="{victim}"}} 1.0' in text
