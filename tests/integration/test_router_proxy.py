@@ -323,3 +323,28 @@ def test_health_checks_read_the_replicas_block_digests(tok: Tokenizer) -> None:
     asked.clear()
     asyncio.run(exact.state.router.health.check(A))
     assert asked == []
+
+
+def test_a_replica_whose_digests_take_long_is_asked_less_often(tok: Tokenizer) -> None:
+    # Applying a digest costs the router time in its event loop; all of them together get at
+    # most `digest_time_share` of it, so here (a share of ~0) every later check skips it.
+    asked: list[str] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/health/ready":
+            return httpx.Response(200, json={"status": "ready"})
+        if req.url.path != "/v1/kv_cache/blocks":
+            return httpx.Response(200, text="")
+        asked.append(req.url.params["recent_s"])
+        body = {"block_size": 16, "hash_version": "inferd-block-hash-v1", "block_hashes": []}
+        return httpx.Response(200, json=body)
+
+    app = create_router_app(RouterConfig(replicas=(A,)), tok, httpx.MockTransport(handler))
+    health = app.state.router.health
+    for _ in range(3):
+        asyncio.run(health.check_all())
+    assert asked == ["4.0"] * 3  # cheap: every check, live = used within two checks
+    health.digest_time_share = 1e-9
+    for _ in range(3):
+        asyncio.run(health.check_all())
+    assert len(asked) == 4 and float(asked[-1]) == 4.0  # the first applies, then none is due

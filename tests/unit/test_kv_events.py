@@ -194,3 +194,23 @@ def test_the_block_digest_is_the_set_kv_events_describe(seed: int) -> None:
             # The last num_recent are exactly the hashes of blocks running requests hold.
             in_use = {bm._prefix._hash_of[b] for b in bm._prefix._index.values() if bm._ref[b]}
             assert set(digest.hashes[len(digest.hashes) - digest.num_recent :]) == in_use
+
+
+def test_the_block_digest_lists_a_hash_two_blocks_share_once() -> None:
+    # A block whose parent was evicted stays indexed (unreachable) while its owner holds it;
+    # the same content computed again under the parent's new serial has the same stable hash.
+    bm = BlockManager(num_blocks=4, block_size=4, block_hashes=True)
+    tokens = list(range(9))
+    for rid, n in (("a", 4), ("b", 8)):
+        assert bm.allocate(rid, n)
+        bm.cache_full_blocks(rid, tokens[:n], n)
+    bm.free("a")
+    assert bm.allocate("c", 1)  # evicts the head, while b still holds the block after it
+    bm.free("c")
+    assert bm.allocate("d", 8)
+    bm.cache_full_blocks("d", tokens[:8], 8)
+    bm.check_invariants()
+    assert bm.num_cached_blocks == 3
+    digest = bm.held_hashes(10)
+    assert sorted(digest.hashes) == sorted(block_hashes(tokens[:8], 4))
+    assert digest.num_recent == 2  # all three blocks are in use: two hashes
