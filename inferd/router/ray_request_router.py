@@ -136,11 +136,13 @@ class CacheAwareRequestRouter(RequestRouter):
         recent = stats.get("num_recent", 0)
         if not isinstance(taken, float) or not isinstance(hashes, list):
             return
+        if not isinstance(recent, int) or not 0 <= recent <= len(hashes):
+            return  # not one of EngineReplica's digests
         if taken <= self._digest_at.get(name, -math.inf):
             return
         self._digest_at[name] = taken
         since = min(self._cluster.digest_since(name), self._clock.stamp_at(taken))
-        if gone := self._cluster.digest(name, hashes, since, int(recent)):
+        if gone := self._cluster.digest(name, hashes, since, recent):
             self._metrics.stale_blocks.labels(name).inc(gone)
         self._metrics.digests.labels(name, "applied").inc()
 
