@@ -213,10 +213,10 @@ class EngineReplica:
         asked_at = time.time()
         with contextlib.suppress(EngineDeadError, TimeoutError):
             digest = await self._llm.kv_blocks(num_blocks, self._digest_recent_s)
-            if digest.prefix_caching:
-                stats["digest_at"] = asked_at
-                stats["block_hashes"] = digest.block_hashes
-                stats["num_recent"] = digest.num_recent
+            # Without prefix caching it is empty: the truth (nothing is reused there).
+            stats["digest_at"] = asked_at
+            stats["block_hashes"] = digest.block_hashes
+            stats["num_recent"] = digest.num_recent
         return stats
 
     async def __del__(self) -> None:
