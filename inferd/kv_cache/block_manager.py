@@ -70,7 +70,9 @@ class BlockManager:
         # Only with prefix caching on: without it no block is ever stored, so nothing to tell.
         self._events = KVEventLog(block_size) if kv_events and enable_prefix_caching else None
         hashing = enable_prefix_caching and (kv_events or block_hashes)
-        self._prefix = PrefixCache(num_blocks, block_size, self._events, hashing, clock)
+        self._prefix = PrefixCache(num_blocks, block_size, self._events, hashing)
+        # When blocks are freed (the digest's "used lately"); read once per `free`.
+        self._clock = clock
         self._tables: dict[str, list[int]] = {}
         # Per request: the cache serial of each leading full block already registered (or found).
         self._serials: dict[str, list[int]] = {}
@@ -175,20 +177,21 @@ class BlockManager:
         """The cached blocks' stable hashes, least recently used first, at most `limit` (the
         most recent), and how many of the last were in use within `recent_s` seconds; none
         without hashing (prefix_cache.py)."""
-        return self._prefix.held_hashes(limit, recent_s)
+        return self._prefix.held_hashes(limit, self._clock() - recent_s)
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, tail first (so its prefix is evicted last). Idempotent."""
         table = self._tables.pop(request_id, None)
         self._serials.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        now = self._clock() if table else 0.0
         for block_id in reversed(table or ()):
             assert self._ref[block_id] > 0, f"double free of block {block_id}"
             self._ref[block_id] -= 1
             if self._ref[block_id] > 0:
                 continue
             if self._prefix.is_cached(block_id):
-                self._prefix.park(block_id)
+                self._prefix.park(block_id, now)
             else:
                 self._free.append(block_id)
 

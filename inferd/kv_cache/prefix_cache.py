@@ -28,9 +28,8 @@ Pure Python, single-threaded: the engine loop is the only caller.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inferd.kv_cache.events import KVEventLog
@@ -73,10 +72,8 @@ class PrefixCache:
         block_size: int,
         events: KVEventLog | None = None,
         hashing: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert events is None or hashing, "KV events are logged by stable hash"
-        self._clock = clock
         self.block_size = block_size
         self._events = events
         self.hashing = hashing
@@ -89,8 +86,9 @@ class PrefixCache:
         self._serial_of: list[int] = [ROOT_SERIAL] * num_blocks
         self._next_serial = 0
         # Cached blocks with reference count 0, least recently freed first, each with the time
-        # it was freed (`clock`; non-decreasing along the order). An OrderedDict gives O(1)
-        # append, pop-front and removal from the middle (when a prefix hit revives a block).
+        # it was freed (the caller's clock; non-decreasing along the order). An OrderedDict
+        # gives O(1) append, pop-front and removal from the middle (when a prefix hit revives a
+        # block).
         self._lru: OrderedDict[int, float] = OrderedDict()
 
     @property
@@ -163,10 +161,11 @@ class PrefixCache:
                 self._events.stored(block_hash, parent_hash, tokens)
         return serial
 
-    def park(self, block_id: int) -> None:
-        """A cached block's last reference went away: it becomes the most recent evictable one."""
+    def park(self, block_id: int, freed_at: float) -> None:
+        """A cached block's last reference went away at `freed_at`: it becomes the most recent
+        evictable one."""
         assert self.is_cached(block_id) and block_id not in self._lru
-        self._lru[block_id] = self._clock()
+        self._lru[block_id] = freed_at
 
     def unpark(self, block_id: int) -> None:
         """A prefix hit takes an evictable block back into use."""
@@ -190,22 +189,21 @@ class PrefixCache:
                 self._events.removed(block_hash)
         return block_id
 
-    def held_hashes(self, limit: int, recent_s: float = 0.0) -> BlockDigest:
+    def held_hashes(self, limit: int, recent_since: float) -> BlockDigest:
         """The stable hashes of the cached blocks, least recently used first, at most the `limit`
         most recent ones (none without `hashing`): what a router's prefix index should hold for
         this replica. Blocks in use by a request count as the most recent (they cannot be
         evicted), the latest indexed first, so a long-lived shared prefix comes last, as a
         router's index touches a prompt tail first; evictable ones follow the LRU, the next to
         go first. Each hash once, at its most recent place. `num_recent`: the in-use ones and
-        those freed within the last `recent_s` seconds, which the order puts last."""
+        those freed after `recent_since` (the caller's clock), which the order puts last."""
         if not self.hashing or limit <= 0:
             return BlockDigest([])
         hash_of, lru = self._hash_of, self._lru
         in_use = [b for b in reversed(self._index.values()) if b not in lru]
         recent_lru = 0  # evictable blocks freed within the window: the LRU's newest end
-        since = self._clock() - recent_s
         for freed_at in reversed(lru.values()):
-            if freed_at <= since:
+            if freed_at <= recent_since:
                 break
             recent_lru += 1
         order = [hash_of[b] for b in lru]
