@@ -122,9 +122,7 @@ class Cluster:
         stamp = self.index.stamp
         return stamp if replica is None else replica.load.settled(stamp)
 
-    def digest(
-        self, url: str, hashes: Sequence[int], since: int, num_recent: int | None = None
-    ) -> int:
+    def digest(self, url: str, hashes: Sequence[int], since: int, num_recent: int) -> int:
         """The replica's block digest (`digest_since` taken before asking; the last
         `num_recent` hashes in use lately): its index becomes what the replica holds
         (router/index.py, `snapshot`). Returns the claimed blocks it lacked; 0 for a replica

@@ -173,9 +173,8 @@ class HealthChecker:
         if digest is None:
             self.metrics.digests.labels(url, "failed").inc()
             return
-        if gone := cluster.digest(url, digest.hashes, since, digest.num_recent):
-            self.metrics.stale_blocks.labels(url).inc(gone)
-        self.metrics.digests.labels(url, "applied").inc()
+        gone = cluster.digest(url, digest.hashes, since, digest.num_recent)
+        self.metrics.digest_applied(url, gone)
         cost = (time.perf_counter() - t0) * len(cluster.replicas) / self.digest_time_share
         self._digest_period[url] = period = max(interval, cost)
         if period > interval:

@@ -216,17 +216,14 @@ class PrefixIndex:
             ghosts.popitem(last=False)
         return dropped
 
-    def snapshot(
-        self, replica: str, hashes: Sequence[int], since: int, num_recent: int | None = None
-    ) -> int:
+    def snapshot(self, replica: str, hashes: Sequence[int], since: int, num_recent: int) -> int:
         """The replica's block digest (`hashes`, least recently used first, the last
-        `num_recent` used lately; None: all of them) replaces what the index holds
-        for it, except blocks stamped after `since` (dispatched there since, maybe not computed
-        yet when the digest was taken), which stay the most recent. Claimed blocks the digest
-        lacks become ghosts; blocks neither used lately nor live in the index before become
-        stale.
-        A no-op for an exact replica (its events are exact). Returns how many claimed blocks
-        turned out to be gone."""
+        `num_recent` used lately) replaces what the index holds for it, except blocks stamped
+        after `since` (dispatched there since, maybe not computed yet when the digest was
+        taken), which stay the most recent. Claimed blocks the digest lacks become ghosts;
+        blocks neither used lately nor live in the index before become stale. A no-op for an
+        exact replica (its events are exact). Returns how many claimed blocks turned out to be
+        gone."""
         if replica in self._exact:
             return 0
         # Set and dict operations in C where they can be: a digest is as large as the replica's
@@ -238,7 +235,7 @@ class PrefixIndex:
         first = self._stamp + 1
         self._stamp += n
         held = OrderedDict(zip(hashes, range(first, first + n), strict=True))  # each hash once
-        unused = set(hashes[: n - (n if num_recent is None else num_recent)])
+        unused = set(hashes[: n - num_recent])
         stale = (unused - old.keys()) | (unused & old_stale)
         # The router's own blocks stamped after `since` (the newest end of `old`) stay newest.
         newer = list(itertools.takewhile(lambda item: item[1] > since, reversed(old.items())))

@@ -131,6 +131,12 @@ class RouterMetrics:
         )
         r.register(_ClusterCollector(cluster))
 
+    def digest_applied(self, url: str, gone: int) -> None:
+        """A replica's block digest reset its index; `gone`: claimed blocks it lacked."""
+        if gone:
+            self.stale_blocks.labels(url).inc(gone)
+        self.digests.labels(url, "applied").inc()
+
     def count(self, url: str, routed: Routed) -> None:
         """One request sent to `url` on this decision (`passthrough`: not routed on a prompt)."""
         outcome = routed.decision.outcome if routed.prompt_tokens else "passthrough"

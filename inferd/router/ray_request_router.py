@@ -142,9 +142,7 @@ class CacheAwareRequestRouter(RequestRouter):
             return
         self._digest_at[name] = taken
         since = min(self._cluster.digest_since(name), self._clock.stamp_at(taken))
-        if gone := self._cluster.digest(name, hashes, since, recent):
-            self._metrics.stale_blocks.labels(name).inc(gone)
-        self._metrics.digests.labels(name, "applied").inc()
+        self._metrics.digest_applied(name, self._cluster.digest(name, hashes, since, recent))
 
     async def _choose_replica_for_request(
         self, pending_request: PendingRequest, *, is_retry: bool = False

@@ -137,7 +137,7 @@ def test_a_block_digest_resets_the_index_but_keeps_what_was_sent_since() -> None
     since = index.stamp  # asked for the digest here; [7] is dispatched before it answers
     index.insert("a", [7])
     # The replica evicted 2 and holds 5, which another router placed there.
-    assert index.snapshot("a", [5, 1], since) == 1
+    assert index.snapshot("a", [5, 1], since, num_recent=2) == 1
     assert (index.match("a", [5]), index.match("a", [1, 2]), index.match("a", [7])) == (1, 1, 1)
     assert index.home("a", [1, 2]) == 2  # 2 is a ghost: the prefix's former home
     # The router's own newer block is the most recent, the digest's order behind it (LRU).
@@ -169,11 +169,11 @@ def test_digest_blocks_no_request_holds_or_touched_do_not_count_as_owned() -> No
 
 def test_a_block_digest_is_bounded_and_ignored_for_an_exact_replica() -> None:
     index = PrefixIndex(3)
-    index.snapshot("a", list(range(10)), index.stamp)
+    index.snapshot("a", list(range(10)), index.stamp, num_recent=10)
     assert index.size("a") == 3 and index.match("a", [9]) == 1  # the most recent ones
     index.follow_events("b")
     index.stored("b", [1])
-    assert index.snapshot("b", [2], index.stamp) == 0 and index.match("b", [1]) == 1
+    assert index.snapshot("b", [2], index.stamp, 1) == 0 and index.match("b", [1]) == 1
 
 
 def _serve(truth: OrderedDict[int, None], hashes: list[int], capacity: int) -> int:
