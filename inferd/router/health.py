@@ -10,9 +10,7 @@ gateway/kv_cache.py), which resets the replica's approximate prefix index to wha
 holds (router/index.py, `snapshot`). A replica that answers the digest with 401, 403 or 404 (API
 keys and no `--replica-api-key`, or an older inferd) is not asked again; its index stays the
 router's own estimate. Replicas followed by KV events are not asked: their index is exact.
-Applying a digest is O(its blocks) in the router's event loop (~1 us a block on a 2-core VM:
-50 ms for 65k), so a replica whose digests take long is asked less often than every check:
-all digests together take at most `digest_time_share` (5 %) of the router's time.
+Large replicas' digests are asked for less often than every check (router/digest_pacer.py).
 Passive checks (a connect error or 5xx while forwarding) live in the proxy and eject a replica at
 once, without waiting for the next interval.
 """
@@ -32,6 +30,7 @@ import orjson
 from inferd.kv_cache.block_hash import BLOCK_HASH_SEED
 from inferd.kv_cache.prefix_cache import BlockDigest
 from inferd.router.cluster import Cluster
+from inferd.router.digest_pacer import DigestPacer
 from inferd.router.load import ReplicaReport
 from inferd.router.metrics import RouterMetrics
 from inferd.telemetry.metrics import parse_samples
@@ -84,9 +83,6 @@ async def resolve(dns_name: str) -> list[str]:
 
 
 class HealthChecker:
-    # The most of the router's time that applying block digests may take, over all replicas.
-    digest_time_share = 0.05
-
     def __init__(self, cluster: Cluster, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
         self.cluster = cluster
         self.client = client
@@ -95,10 +91,7 @@ class HealthChecker:
         self._warned: set[str] = set()
         # Replicas that refused the digest (401/403/404): not asked again.
         self._no_digest: set[str] = set()
-        # Per replica: seconds between its digests (the check interval, or more for a large
-        # cache, see the module docstring), and, when more, when the next is due (monotonic).
-        self._digest_period: dict[str, float] = {}
-        self._digest_due: dict[str, float] = {}
+        self.digests = DigestPacer(cluster.config.health_interval_s)
 
     async def check_all(self) -> None:
         cfg = self.cluster.config
@@ -138,16 +131,14 @@ class HealthChecker:
             or cluster.index.is_exact(url)
         ):
             return
-        interval = cluster.config.health_interval_s
         now = time.monotonic()
-        if now < self._digest_due.get(url, now):
+        if not self.digests.due(url, now):
             return
-        period = self._digest_period.get(url, interval)
         since = cluster.digest_since(url)
         key = cluster.config.replica_api_key
         headers = {"Authorization": f"Bearer {key}"} if key else None
         # Live: used within two digests (router/index.py: the share of the groups).
-        params = {"limit": cluster.index.capacity(url), "recent_s": 2 * period}
+        params = {"limit": cluster.index.capacity(url), "recent_s": self.digests.recent_s(url)}
         try:
             answer = await self.client.get(
                 f"{url}/v1/kv_cache/blocks",
@@ -175,13 +166,7 @@ class HealthChecker:
             return
         gone = cluster.digest(url, digest.hashes, since, digest.num_recent)
         self.metrics.digest_applied(url, gone)
-        cost = (time.perf_counter() - t0) * len(cluster.replicas) / self.digest_time_share
-        self._digest_period[url] = period = max(interval, cost)
-        if period > interval:
-            # Due a little early: checks come every interval plus their own duration.
-            self._digest_due[url] = now + period - 0.5 * interval
-        else:
-            self._digest_due.pop(url, None)
+        self.digests.applied(url, now, time.perf_counter() - t0, len(cluster.replicas))
 
     def _check_block_size(self, url: str, report: ReplicaReport) -> None:
         """A replica on another block size never matches a block: say so, once per replica."""

@@ -24,6 +24,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
+from inferd.router.digest_pacer import DigestPacer
 from inferd.router.load import ReplicaReport, Ticket
 
 
@@ -94,6 +95,9 @@ class CacheAwareRequestRouter(RequestRouter):
         self._clock = DispatchClock()
         # Per replica, when the last digest applied was taken (a stats object is read often).
         self._digest_at: dict[str, float] = {}
+        # Applied in choose_replicas, so on the request path: paced as `inferd router` paces
+        # its health checks' digests (the replica's `recent_s` stays two stats polls).
+        self._pacer = DigestPacer(RouterConfig.health_interval_s)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -104,6 +108,7 @@ class CacheAwareRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._digest_at.pop(replica_id.to_full_id_str(), None)
+        self._pacer.forget(replica_id.to_full_id_str())
         if self._cluster.failed(replica_id.to_full_id_str(), "actor_died"):
             self._metrics.ejections.labels(replica_id.to_full_id_str(), "actor_died").inc()
         self._open.pop(replica_id.to_full_id_str(), None)
@@ -138,11 +143,15 @@ class CacheAwareRequestRouter(RequestRouter):
             return
         if not isinstance(recent, int) or not 0 <= recent <= len(hashes):
             return  # not one of EngineReplica's digests
-        if taken <= self._digest_at.get(name, -math.inf):
+        now = time.monotonic()
+        if taken <= self._digest_at.get(name, -math.inf) or not self._pacer.due(name, now):
             return
         self._digest_at[name] = taken
+        t0 = time.perf_counter()
         since = min(self._cluster.digest_since(name), self._clock.stamp_at(taken))
         self._metrics.digest_applied(name, self._cluster.digest(name, hashes, since, recent))
+        cost = time.perf_counter() - t0
+        self._pacer.applied(name, now, cost, len(self._cluster.replicas))
 
     async def _choose_replica_for_request(
         self, pending_request: PendingRequest, *, is_retry: bool = False

@@ -344,7 +344,7 @@ def test_a_replica_whose_digests_take_long_is_asked_less_often(tok: Tokenizer) -
     for _ in range(3):
         asyncio.run(health.check_all())
     assert asked == ["4.0"] * 3  # cheap: every check, live = used within two checks
-    health.digest_time_share = 1e-9
+    health.digests.time_share = 1e-9
     for _ in range(3):
         asyncio.run(health.check_all())
     assert len(asked) == 4 and float(asked[-1]) == 4.0  # the first applies, then none is due

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferd.kv_cache.block_hash import block_hashes
+from inferd.router.digest_pacer import DigestPacer
 from inferd.router.index import PrefixIndex
 
 tokens = st.lists(st.integers(0, 2**32 - 1), max_size=80)
@@ -210,3 +211,15 @@ def test_corrections_drop_only_what_the_replica_evicted(
         if hit < len(claim):
             index.drop_through("r", claim[hit])
         assert set(truth) <= {h for h in range(600) if index.match("r", [h]) == 1}
+
+
+def test_digests_that_take_long_are_paced_to_a_share_of_the_routers_time() -> None:
+    pacer = DigestPacer(interval_s=2.0)
+    assert pacer.due("a", now=0.0) and pacer.recent_s("a") == 4.0
+    assert pacer.applied("a", now=0.0, cost_s=0.001, replicas=8) == 2.0  # cheap: every check
+    assert pacer.due("a", now=0.1)
+    assert pacer.applied("a", now=0.0, cost_s=0.05, replicas=8) == 8.0  # 8 x 50 ms = 5 % of 8 s
+    assert not pacer.due("a", now=2.0) and pacer.due("a", now=7.5)
+    assert pacer.recent_s("a") == 16.0
+    pacer.forget("a")
+    assert pacer.due("a", now=0.0) and pacer.recent_s("a") == 4.0
