@@ -12,7 +12,8 @@ most recently used; `num_cached` says how many there are in all. The last `num_r
 use within the last `recent_s` seconds (default 0: held by running requests now): traffic, where
 the others may be a past workload's leftovers (a router counts only those in a replica's share
 of the groups). The engine core lists them between two steps (O(cached blocks) in its loop:
-~11 ms per 100k blocks on a 2-core VM), so the answer is the cache at that instant.
+~10 ms per 100k blocks on a 2-core VM, bench/router_digest.py), so the answer is the cache at
+that instant.
 
 `inferd router` reads it from every replica with each health check (router/health.py) and
 resets its approximate index of that replica to it (router/index.py, `snapshot`): routers that

@@ -1,10 +1,11 @@
 """How often a router applies each replica's block digest.
 
-Applying one is O(its blocks) in the router's event loop (router/index.py's `snapshot`: ~1 us a
-block on a 2-core VM, 50 ms for 65k), so a replica whose digests take long is read less often
-than every check: all digests together take at most `time_share` (5 %) of the router's time.
-A replica's period is the check interval, or `cost * replicas / time_share` when that is more;
-`recent_s` (the digest's "used lately" window) is two periods. The caller gives the clock.
+Applying one is O(its blocks) in the router's event loop (router/index.py's `snapshot`: 26-68 ms
+for 65k blocks on a 2-core VM, bench/router_digest.py), so a replica whose digests take long is
+read less often than every check: all digests together take at most `time_share` (5 %) of the
+router's time. A replica's period is the check interval, or `cost * replicas / time_share` when
+that is more; `recent_s` (the digest's "used lately" window) is two periods. The caller gives
+the clock.
 
     pacer = DigestPacer(interval_s=2.0)
     pacer.due("a", now=0.0)                          # True
