@@ -159,14 +159,19 @@ class Linear(nn.Module):
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,
 # but some row counts cost ~12 MiB each here (measured: 270 odd counts from 129 to 2048 grew the
 # process by 3.2 GiB), so a server that met every count up to max_num_batched_tokens would grow by
-# GBs. Rows are therefore padded to a bounded set of counts: up to 128, one of ROW_BUCKETS (below
-# ~64 rows a GEMM is bound by reading the weight, not by its rows, so padding costs little);
+# GBs. Rows are therefore padded to a bounded set of counts: up to 128, one of `row_buckets(dtype)`;
 # above, the next multiple of 128 (measured: those 31 counts to 4096 together 32 MiB for one weight
 # shape), in chunks of at most _ONEDNN_CHUNK rows. `warm_up` builds the small buckets at start
 # (decode steps meet them all within seconds); the large ones are built on first use, a few ms.
 # One call over all rows instead of 128-row chunks and a concatenation: 26.3 vs 28.6 ms at 2048
 # rows of the tiny model's gate/up projection (2 threads).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
+# bfloat16 GEMMs take time in proportion to their rows from ~8 rows up (AVX512_BF16 dot products
+# make them compute-bound sooner): padding 17 rows to 24 cost the Qwen2-0.5B shape's decode layers
+# 12-25 % (2 threads). The finer counts below 64 run its 32-request mix 2-7 % faster offline,
+# llama-32m's 1-2 %, for 13-58 MiB more of oneDNN primitives. float32 keeps the coarser set: the
+# finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Row counts").
+BF16_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 # The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four).
 GEMV_MAX_ROWS = 2
 # The kinds whose few-row batches the GEMV takes (both pack their weights for their own GEMM).
@@ -175,30 +180,37 @@ _LARGE_STEP = 128
 _ONEDNN_CHUNK = 2048
 
 
-def _row_bucket(rows: int) -> int:
-    if rows > ROW_BUCKETS[-1]:
+def row_buckets(dtype: torch.dtype) -> tuple[int, ...]:
+    """The row counts up to 128 that oneDNN GEMMs of weights in `dtype` run."""
+    return BF16_ROW_BUCKETS if dtype == torch.bfloat16 else ROW_BUCKETS
+
+
+def _row_bucket(rows: int, buckets: tuple[int, ...]) -> int:
+    if rows > buckets[-1]:
         return -(-rows // _LARGE_STEP) * _LARGE_STEP
-    return next(b for b in ROW_BUCKETS if b >= rows)
+    return next(b for b in buckets if b >= rows)
 
 
-def padded_rows(kind: LinearKind, rows: int) -> int:
-    """Rows an input of `rows` rows is padded to before this kind's GEMM (if it fits one chunk).
+def padded_rows(kind: LinearKind, rows: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows an input of `rows` rows is padded to before this kind's GEMM on `dtype` weights (if
+    it fits one chunk).
 
     A caller that produces its activations with this many rows (extra rows zeroed) saves the
     linear layer its pad copy; it slices the first `rows` rows of the result."""
     if kind != "onednn" or rows > _ONEDNN_CHUNK:
         return rows
-    return _row_bucket(rows)
+    return _row_bucket(rows, row_buckets(dtype))
 
 
 def _onednn(weight: Tensor, bias: Tensor | None) -> LinearFn:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     op = torch.ops.mkldnn._linear_pointwise.default
     out_features = weight.shape[0]
+    buckets = row_buckets(weight.dtype)
 
     def chunk(x: Tensor) -> Tensor:
         rows = x.shape[0]
-        pad = _row_bucket(rows) - rows
+        pad = _row_bucket(rows, buckets) - rows
         if pad == 0:
             return op(x, packed, bias, "none", [], "")
         return op(F.pad(x, (0, 0, 0, pad)), packed, bias, "none", [], "")[:rows]
@@ -358,7 +370,7 @@ def _warm_up(linears: list[Linear]) -> None:
     built now rather than during serving (layers of one shape share them)."""
     shapes = {(m.in_features, m.out_features, m.bias is not None): m for m in linears}
     for m in shapes.values():
-        for rows in ROW_BUCKETS:
+        for rows in row_buckets(m.weight.dtype):
             m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
 
 

@@ -37,7 +37,7 @@ from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
-from inferd.models.linear import Linear, LinearKind, padded_rows
+from inferd.models.linear import Linear, padded_rows
 from inferd.models.quantized import Int8Checkpoint
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
             rope = self.rotary_emb.cos_sin(positions)
             step = Step(positions, meta, t, t, None, self.rotary_emb, rope)
         else:
-            rows = padded_rows(self._linear_kind(), t)
+            rows = self._padded_rows(t)
             step = Step(positions, meta, t, rows, fused, self.rotary_emb)
         residual: Tensor | None = None
         for layer in self.layers:
@@ -268,12 +268,13 @@ class LlamaModel(nn.Module):
             logger.info("decode steps run layer by layer (native decode step: %s)", e)
             return None
 
-    def _linear_kind(self) -> LinearKind:
-        """How the linear layers multiply: all are prepared alike (linear.prepare_linears), so
-        the first one's kind says how many rows their GEMMs run."""
+    def _padded_rows(self, rows: int) -> int:
+        """The rows the linear layers' GEMMs run for `rows`: all are prepared alike
+        (linear.prepare_linears), so the first one's kind and dtype say."""
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
-        return first.self_attn.qkv_proj.kind
+        qkv = first.self_attn.qkv_proj
+        return padded_rows(qkv.kind, rows, qkv.weight.dtype)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,6 +11,7 @@ from inferd.errors import ModelLoadError
 from inferd.models import kernels
 from inferd.models.kernels.gemv import Gemv, Int8Weight
 from inferd.models.linear import (
+    BF16_ROW_BUCKETS,
     GEMV_MAX_ROWS,
     ROW_BUCKETS,
     Linear,
@@ -42,7 +43,7 @@ def _linear(bias: bool, dtype: torch.dtype = torch.float32) -> Linear:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 3, 17, 128, 129, 300, 2048, 2049, 4200])
 def test_onednn_matches_f_linear_for_any_row_count(rows: int, bias: bool) -> None:
-    # Row counts off the buckets are padded (up to 128 to ROW_BUCKETS, above to multiples of
+    # Row counts off the buckets are padded (up to 128 to row_buckets(dtype), above to multiples of
     # 128), and more than one chunk's worth (2048 rows) is split.
     m = _linear(bias)
     weight = m.weight.detach().clone()
@@ -91,8 +92,9 @@ def test_dense_is_f_linear_and_keeps_the_weight() -> None:
     assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
 
 
-def test_row_buckets_are_increasing() -> None:
-    assert list(ROW_BUCKETS) == sorted(set(ROW_BUCKETS)) and ROW_BUCKETS[0] == 1
+@pytest.mark.parametrize("buckets", [ROW_BUCKETS, BF16_ROW_BUCKETS])
+def test_row_buckets_are_increasing_up_to_128(buckets: tuple[int, ...]) -> None:
+    assert list(buckets) == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == 128
 
 
 def test_padded_rows_bound_the_shapes_onednn_meets() -> None:
@@ -110,6 +112,38 @@ def test_padded_rows_bound_the_shapes_onednn_meets() -> None:
     assert padded_rows("dense", 3) == padded_rows("int8", 3) == 3
     shapes = {padded_rows("onednn", r) for r in range(1, 2049)}
     assert len(shapes) == len(ROW_BUCKETS) + 2048 // 128 - 1
+
+
+def test_bfloat16_weights_pad_to_finer_counts_below_64() -> None:
+    bf16 = torch.bfloat16
+    assert [padded_rows("onednn", r, bf16) for r in (3, 9, 17, 21, 33, 57, 100, 129)] == [
+        4,
+        12,
+        20,
+        24,
+        40,
+        64,
+        112,
+        256,
+    ]
+    assert padded_rows("onednn", 17, torch.float32) == 24
+    shapes = {padded_rows("onednn", r, bf16) for r in range(1, 2049)}
+    assert len(shapes) == len(BF16_ROW_BUCKETS) + 2048 // 128 - 1
+
+
+@onednn
+@pytest.mark.parametrize("rows", [3, 17, 21, 57])
+def test_onednn_bfloat16_pads_off_bucket_rows_and_returns_them(rows: int) -> None:
+    m = _linear(False, torch.bfloat16)
+    weight = m.weight.detach().float()
+    prepare_linears(m, "onednn")
+    x = torch.randn(rows, 96).bfloat16()
+    with torch.inference_mode():
+        got = m(x)
+        padded = m(F.pad(x, (0, 0, 0, padded_rows("onednn", rows, torch.bfloat16) - rows)))
+    assert got.shape == (rows, 64)
+    assert torch.equal(got, padded[:rows])
+    torch.testing.assert_close(got.float(), F.linear(x.float(), weight), atol=0.3, rtol=0.02)
 
 
 @pytest.fixture(scope="module")

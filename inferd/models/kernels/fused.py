@@ -5,7 +5,7 @@ C++ file lists them). Inputs are checked here (shape, dtype, contiguity): the C 
 
 Row-bucketed outputs: `rms_norm` and `silu_mul` can allocate their output with `out_rows >= rows`
 rows, the extra rows zeroed. The next op is a linear layer whose oneDNN kernel runs only a fixed
-set of row counts (models/linear.py ROW_BUCKETS); handing it a tensor already of that size saves
+set of row counts (models/linear.py row_buckets); handing it a tensor already of that size saves
 the pad (an allocation, a fill and a copy) it would otherwise make. Callers slice `[:rows]` of the
 linear's result.
 """
