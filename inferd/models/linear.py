@@ -25,7 +25,9 @@ GEMV serves the few-row batches:
   `kernels/gemv.cpp` on a plain row-major weight, which streams it from memory faster than
   oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
   1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
-  docs/benchmarks.md). It needs the plain weight kept beside the packed one: one more copy of every
+  docs/benchmarks.md). bfloat16 batches up to 16 rows run there too where the CPU has AVX512_BF16:
+  its dot products beat oneDNN's GEMM up to there (kernels/gemv.cpp has the numbers). It needs the
+  plain weight kept beside the packed one: one more copy of every
   linear weight (for `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x
   from their own range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto`
   keeps it when that copy is at most a quarter of the machine's memory.
@@ -71,8 +73,9 @@ class Linear(nn.Module):
         self.kind: LinearKind = "dense"
         # Set by prepare(); None: F.linear on the dense weight.
         self._fn: LinearFn | None = None
-        # Set by use_gemv(): batches of at most GEMV_MAX_ROWS rows on the kept plain weight.
+        # Set by use_gemv(): batches of at most `_gemv_rows` rows on the kept plain weight.
         self._gemv: Gemv | None = None
+        self._gemv_rows = 0
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
         self._w8: Int8Weight | None = None
         # A checkpoint already quantized to int8 (models/quantized.py): its integers [out, in] and
@@ -84,7 +87,7 @@ class Linear(nn.Module):
         self.keep_float = False
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._gemv is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        if self._gemv is not None and 0 < x.shape[0] <= self._gemv_rows:
             if self._w8 is not None:
                 return self._gemv.int8(x, self._w8)
             return self._gemv(x, self.weight, self.bias)
@@ -146,6 +149,17 @@ class Linear(nn.Module):
         if gemv is not None and not plain:
             raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
+        self._gemv_rows = 0 if gemv is None else GEMV_MAX_ROWS
+        if gemv is not None and self._w8 is None and self.weight.dtype == torch.bfloat16:
+            # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_max_rows rows.
+            self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_max_rows)
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows an input of `rows` rows is padded to before this layer multiplies (the module
+        function below; the GEMV takes any count it takes)."""
+        if self._gemv is not None and rows <= self._gemv_rows:
+            return rows
+        return padded_rows(self.kind, rows, self.weight.dtype)
 
     def gemv_weight(self) -> GemvWeight | None:
         """The plain weight few-row batches run the GEMV on; None when they do not."""
@@ -172,7 +186,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 # llama-32m's 1-2 %, for 13-58 MiB more of oneDNN primitives. float32 keeps the coarser set: the
 # finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Row counts").
 BF16_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-# The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four).
+# The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four); bfloat16
+# weights more where the CPU has AVX512_BF16 (Gemv.bf16_max_rows).
 GEMV_MAX_ROWS = 2
 # The kinds whose few-row batches the GEMV takes (both pack their weights for their own GEMM).
 GEMV_KINDS = ("onednn", "int8")

@@ -37,7 +37,7 @@ from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
-from inferd.models.linear import Linear, padded_rows
+from inferd.models.linear import Linear
 from inferd.models.quantized import Int8Checkpoint
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
 
@@ -273,8 +273,7 @@ class LlamaModel(nn.Module):
         (linear.prepare_linears), so the first one's kind and dtype say."""
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
-        qkv = first.self_attn.qkv_proj
-        return padded_rows(qkv.kind, rows, qkv.weight.dtype)
+        return first.self_attn.qkv_proj.padded_rows(rows)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -2,9 +2,10 @@
 
 `Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-8 rows of `x` from the plain
 row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
-prepacked GEMM does not reach it). `Gemv.int8(x, w8)` does the same over an int8 weight
-(`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does. Inputs are checked here;
-the C side trusts them.
+prepacked GEMM does not reach it); bfloat16 up to `bf16_max_rows` rows (16 where the CPU has
+AVX512_BF16 dot products, which beat oneDNN's GEMM up to there). `Gemv.int8(x, w8)` does the
+same over an int8 weight (`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does.
+Inputs are checked here; the C side trusts them.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ class Gemv:
         self._fn8.restype = ctypes.c_int
         # The most rows one call takes; linear layers send larger batches to their GEMM.
         self.max_rows = int(lib.inferd_gemv_max_rows())
+        self.bf16_max_rows = int(lib.inferd_gemv_bf16_max_rows())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
         # bias: [out] or None  ->  [rows, out], all in one dtype
-        rows, k = self._rows(x)
+        rows, k = self._rows(x, self.rows_for(weight.dtype))
         n = weight.shape[0]
         dtype = weight.dtype
         if weight.shape[1] != k or x.dtype != dtype or dtype not in DTYPE_CODES:
@@ -83,7 +85,7 @@ class Gemv:
 
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
         """[rows, in] (model dtype, rows <= max_rows) -> [rows, out] in x's dtype."""
-        rows, k = self._rows(x)
+        rows, k = self._rows(x, self.max_rows)
         n = w.q.shape[0]
         if w.q.shape[1] != k or x.dtype not in DTYPE_CODES or x.stride(1) != 1:
             raise ValueError(f"gemv int8: x {tuple(x.shape)} {x.dtype}, weight {tuple(w.q.shape)}")
@@ -105,9 +107,13 @@ class Gemv:
         check_rc(rc, "gemv int8")
         return y
 
-    def _rows(self, x: Tensor) -> tuple[int, int]:
+    def rows_for(self, dtype: torch.dtype) -> int:
+        """The most rows one call takes on a float weight of `dtype`."""
+        return self.bf16_max_rows if dtype == torch.bfloat16 else self.max_rows
+
+    def _rows(self, x: Tensor, most: int) -> tuple[int, int]:
         """x's (rows, in), refusing a row count the kernel does not take."""
         rows, k = x.shape
-        if not 1 <= rows <= self.max_rows:
-            raise ValueError(f"gemv takes 1-{self.max_rows} rows, got {rows}")
+        if not 1 <= rows <= most:
+            raise ValueError(f"gemv takes 1-{most} rows, got {rows}")
         return rows, k
