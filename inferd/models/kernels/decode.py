@@ -147,6 +147,8 @@ class DecodeLayers:
         # The most rows a step may have: the GEMV kernel's limit. Up to it the step beats the
         # layer-by-layer path even where a Python-called GEMV would not beat oneDNN (3-8 rows).
         self.max_rows = int(lib.inferd_gemv_max_rows())
+        # bfloat16 float weights: the GEMV's dot products take more (gemv.cpp).
+        self.bf16_max_rows = int(lib.inferd_gemv_bf16_max_rows())
 
     def plan(
         self,
@@ -156,7 +158,11 @@ class DecodeLayers:
         sin: Tensor,
         shape: DecodeShape,
     ) -> DecodePlan:
-        return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, self.max_rows)
+        rows = self.max_rows
+        lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+        if final_norm.dtype == torch.bfloat16 and all(isinstance(w.weight, Tensor) for w in lins):
+            rows = max(rows, self.bf16_max_rows)
+        return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 
 class DecodePlan:

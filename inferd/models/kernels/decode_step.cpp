@@ -1,4 +1,5 @@
-// A decode step of 1-8 rows through every decoder layer of a Llama-family model in one call.
+// A decode step of 1-8 rows (bfloat16 up to 16) through every decoder layer of a Llama-family
+// model in one call.
 //
 //   inferd_decode_layers(model, step)
 //
@@ -6,10 +7,12 @@
 // (models/llama.py): add + RMSNorm, qkv GEMV, q/k norm + RoPE + KV write, paged attention, o GEMV,
 // add + RMSNorm, gate/up GEMV, SiLU * up, down GEMV, and the final add + RMSNorm, so its output
 // is bit-for-bit the Python path's (at 3-8 rows, the Python path's with its linear layers on the
-// GEMV too; by default it sends those to oneDNN, which sums in another order). What it removes is the Python between them: a single stream
-// of the 8-layer llama-32m made ~100 kernel calls a step from Python (argument checks, data_ptr()
-// reads, output allocations, slicing, ctypes), ~1 ms of a ~4.3 ms forward (measured: forward
-// 4.0-4.5 ms layer by layer, 2.6-3.8 ms in one call; docs/benchmarks.md).
+// GEMV too; by default float32 sends those to oneDNN, which sums in another order, and bfloat16
+// sends up to 16 rows to the GEMV's dot products, as this step does). What it removes is the
+// Python between them: a single stream of the 8-layer llama-32m made ~100 kernel calls a step
+// from Python (argument checks, data_ptr() reads, output allocations, slicing, ctypes), ~1 ms of
+// a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer, 2.6-3.8 ms in one call;
+// docs/benchmarks.md).
 //
 // The caller (kernels/decode.py) checks every shape once when it builds the Model; per step it
 // fills a Step with the batch's pointers. Scratch buffers are the caller's, sized for the rows.
