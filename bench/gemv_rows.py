@@ -1,0 +1,111 @@
+"""Few-row linear layers over a model's whole decode weight set: oneDNN's prepacked GEMM against
+the native GEMV (kernels/gemv.cpp), alternating in one process.
+
+    .venv/bin/python bench/gemv_rows.py --shape qwen2-0.5b-shape --dtype bfloat16
+    .venv/bin/python bench/gemv_rows.py --shape llama-32m --dtype float32 --rows 1,2,4,8
+
+A decode step of R sequences multiplies R rows by every linear weight of every layer (and the
+lm_head): this runs exactly that, layer after layer with random weights of the model's shapes,
+so the weights stream from memory as in the engine (the Qwen2-0.5B shape's 1 GB in bfloat16 does
+not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weights reordered once
+(the engine's `onednn` linear layers); `gemv` is the native kernel on the plain row-major weights
+(the engine's small-batch GEMV and native decode step): float32 arithmetic on widened values, and
+for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them. Each cell is the best
+of `--repeats` passes over the whole weight set, the two kernels taking turns, so a slow spell of
+the machine hits both. Row counts the GEMV does not take are skipped for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import command_line, default_result_path, machine_info, write_result
+from peers import SHAPES
+
+from inferd.config import read_environment
+from inferd.models import kernels
+
+
+def weight_shapes(shape_name: str) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer a decode step multiplies, in order: qkv, o, gate/up, down
+    per layer, then the lm_head."""
+    s = SHAPES[shape_name]
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    h, inter = s.hidden_size, s.intermediate_size
+    layer = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
+    return layer * s.num_layers + [(h, s.vocab_size)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=["llama-32m", "qwen2-0.5b-shape"], default="llama-32m")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    gemv = kernels.load(read_environment().cache_dir).gemv
+    shapes = weight_shapes(args.shape)
+    gen = torch.Generator().manual_seed(0)
+    plain = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for i, o in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+    op = torch.ops.mkldnn._linear_pointwise.default
+    weight_bytes = sum(w.numel() * w.element_size() for w in plain)
+
+    def one_pass(kind: str, rows: int) -> float:
+        xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in shapes}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for (i, _), w, pw in zip(shapes, plain, packed, strict=True):
+                if kind == "gemv":
+                    gemv(xs[i], w, None)
+                else:
+                    op(xs[i], pw, None, "none", [], "")
+        return time.perf_counter() - t0
+
+    most = gemv.rows_for(dtype)
+    table: list[dict[str, Any]] = []
+    print(f"{args.shape} {args.dtype}: {len(shapes)} weights, {weight_bytes / 1e9:.2f} GB a pass")
+    header = ("rows", "onednn ms", "gemv ms", "onednn/gemv", "GFLOP/s best")
+    print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 9, 8, 11, 12), strict=True)))
+    for rows in (int(r) for r in args.rows.split(",")):
+        kinds = ["onednn", "gemv"] if rows <= most else ["onednn"]
+        best = {k: float("inf") for k in kinds}
+        for k in kinds:
+            one_pass(k, rows)  # builds oneDNN's primitive for this row count
+        for _ in range(args.repeats):
+            for k in kinds:
+                best[k] = min(best[k], one_pass(k, rows))
+        flops = 2 * rows * weight_bytes / plain[0].element_size()
+        row: dict[str, Any] = {"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in best.items()}}
+        g = best.get("gemv")
+        ratio = f"{best['onednn'] / g:.2f}x" if g is not None else "-"
+        gms = f"{g * 1e3:8.2f}" if g is not None else f"{'-':>8}"
+        print(
+            f"{rows:>4}  {best['onednn'] * 1e3:9.2f}  {gms}  {ratio:>11}"
+            f"  {flops / min(best.values()) / 1e9:12.1f}"
+        )
+        table.append(row)
+    result = {
+        "command": command_line(),
+        "machine": machine_info(),
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "weight_bytes": weight_bytes,
+        "gemv_max_rows": most,
+        "rows": table,
+    }
+    out = args.out or default_result_path("gemv_rows", f"{args.shape}-{args.dtype}")
+    write_result(out, result)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
