@@ -70,7 +70,7 @@ def main() -> None:
                     op(xs[i], pw, None, "none", [], "")
         return time.perf_counter() - t0
 
-    most = gemv.rows_for(dtype)
+    most = gemv.max_rows
     table: list[dict[str, Any]] = []
     print(f"{args.shape} {args.dtype}: {len(shapes)} weights, {weight_bytes / 1e9:.2f} GB a pass")
     header = ("rows", "onednn ms", "gemv ms", "onednn/gemv", "GFLOP/s best")

@@ -151,8 +151,8 @@ class Linear(nn.Module):
         self._gemv = gemv
         self._gemv_rows = 0 if gemv is None else GEMV_MAX_ROWS
         if gemv is not None and self._w8 is None and self.weight.dtype == torch.bfloat16:
-            # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_max_rows rows.
-            self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_max_rows)
+            # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_dot_rows rows.
+            self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
 
     def padded_rows(self, rows: int) -> int:
         """The rows an input of `rows` rows is padded to before this layer multiplies (the module
@@ -187,7 +187,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 # finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Row counts").
 BF16_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 # The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four); bfloat16
-# weights more where the CPU has AVX512_BF16 (Gemv.bf16_max_rows).
+# weights more where the CPU has AVX512_BF16 (Gemv.bf16_dot_rows).
 GEMV_MAX_ROWS = 2
 # The kinds whose few-row batches the GEMV takes (both pack their weights for their own GEMM).
 GEMV_KINDS = ("onednn", "int8")

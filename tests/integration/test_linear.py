@@ -176,8 +176,8 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
     prepare_linears(m, "onednn", counting)
     assert m.kind == "onednn" and torch.equal(m.weight, weight), "the dense weight is kept"
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
-    # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_max_rows).
-    most = GEMV_MAX_ROWS if dtype == torch.float32 else max(GEMV_MAX_ROWS, gemv.bf16_max_rows)
+    # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_dot_rows).
+    most = GEMV_MAX_ROWS if dtype == torch.float32 else max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
     with torch.inference_mode():
         for rows in range(0, most + 3):
             x = torch.randn(rows, 96).to(dtype)

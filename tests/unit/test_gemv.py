@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inferd.models import kernels
-from inferd.models.kernels.gemv import Gemv
+from inferd.models.kernels.gemv import Gemv, Int8Weight
 
 pytestmark = pytest.mark.unit
 
@@ -27,13 +27,14 @@ def _rand(*shape: int, dtype: torch.dtype, seed: int) -> Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(1024, 512), (1027, 500), (5, 17), (3, 1408)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(
     gemv: Gemv, dtype: torch.dtype, rows: int, n: int, k: int, bias: bool
 ) -> None:
-    # Odd n (a last partial block of 4 output rows) and odd k (a masked tail) included.
+    # Odd n (a last partial block of 4 output rows), odd k (a masked tail) and 9-16 rows (two
+    # groups of rows over each block) included.
     x = _rand(rows, k, dtype=dtype, seed=1)
     w = _rand(n, k, dtype=dtype, seed=2)
     b = _rand(n, dtype=dtype, seed=3) if bias else None
@@ -51,7 +52,7 @@ def test_matches_f_linear(
 def test_bfloat16_dot_products_match_f_linear(gemv: Gemv, rows: int, n: int, k: int) -> None:
     # 3-16 rows of bfloat16 run on AVX512_BF16 dot products where the CPU has them (tiles of 6
     # rows and 4 outputs: partial tiles of both, and k off the 32-weight step, included).
-    if rows > gemv.bf16_max_rows:
+    if rows > gemv.bf16_dot_rows:
         pytest.skip("no AVX512_BF16 dot products on this CPU")
     x = _rand(rows, k, dtype=torch.bfloat16, seed=6)
     w = _rand(n, k, dtype=torch.bfloat16, seed=7)
@@ -76,7 +77,8 @@ def test_refuses_what_it_cannot_take(gemv: Gemv) -> None:
     with pytest.raises(ValueError, match="rows"):
         gemv(torch.randn(gemv.max_rows + 1, 16), w, None)
     with pytest.raises(ValueError, match="rows"):
-        gemv(torch.randn(gemv.bf16_max_rows + 1, 16).bfloat16(), w.bfloat16(), None)
+        w8 = Int8Weight.of(w.to(torch.int8), w[:, 0], None)
+        gemv.int8(torch.randn(gemv.int8_max_rows + 1, 16), w8)
     with pytest.raises(ValueError, match="rows"):
         gemv(torch.randn(0, 16), w, None)
     with pytest.raises(ValueError):
@@ -104,7 +106,6 @@ def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def test_int8_is_its_integer_dot_product(
     gemv: Gemv, dtype: torch.dtype, rows: int, n: int, k: int, bias: bool
 ) -> None:
-    from inferd.models.kernels.gemv import Int8Weight
     from inferd.models.linear import quantize_int8
 
     x = _rand(rows, k, dtype=dtype, seed=6)
@@ -128,7 +129,6 @@ def test_int8_is_its_integer_dot_product(
 
 
 def test_int8_all_zero_rows_give_the_bias(gemv: Gemv) -> None:
-    from inferd.models.kernels.gemv import Int8Weight
     from inferd.models.linear import quantize_int8
 
     qw, sw = quantize_int8(_rand(9, 70, dtype=torch.float32, seed=9))

@@ -2,8 +2,8 @@
 
 `paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
-`gemv.cpp` (linear layers of 1-8 rows on the plain weight, at memory speed; `gemv.py`) and
-`decode_step.cpp` (a 1-8 row decode step through every layer in one call; `decode.py`) are
+`gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`) and
+`decode_step.cpp` (a 1-16 row decode step through every layer in one call; `decode.py`) are
 compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):

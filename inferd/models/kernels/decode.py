@@ -1,4 +1,4 @@
-"""`decode_step.cpp`: a decode step of 1-8 rows through every decoder layer in one native call.
+"""`decode_step.cpp`: a decode step of 1-16 rows through every decoder layer in one native call.
 
 `DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
 RoPE tables), checks their shapes and builds the C structures that point at them; the returned
@@ -144,11 +144,12 @@ class DecodeLayers:
         self._fn = lib.inferd_decode_layers
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
-        # The most rows a step may have: the GEMV kernel's limit. Up to it the step beats the
-        # layer-by-layer path even where a Python-called GEMV would not beat oneDNN (3-8 rows).
+        # The most rows a step may have: the GEMV kernel's limit for the layers' weights. Up to
+        # it the step beats the layer-by-layer path even where a Python-called GEMV would not
+        # beat oneDNN (float32 9-16 rows: 0.88-1.0x oneDNN alone, but 12 streams of llama-32m
+        # ran 1.23-1.28x faster natively, 16 of the Qwen2-0.5B shape 1.03x; docs/benchmarks.md).
         self.max_rows = int(lib.inferd_gemv_max_rows())
-        # bfloat16 float weights: the GEMV's dot products take more (gemv.cpp).
-        self.bf16_max_rows = int(lib.inferd_gemv_bf16_max_rows())
+        self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
 
     def plan(
         self,
@@ -158,10 +159,9 @@ class DecodeLayers:
         sin: Tensor,
         shape: DecodeShape,
     ) -> DecodePlan:
-        rows = self.max_rows
         lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        if final_norm.dtype == torch.bfloat16 and all(isinstance(w.weight, Tensor) for w in lins):
-            rows = max(rows, self.bf16_max_rows)
+        int8 = any(isinstance(w.weight, Int8Weight) for w in lins)
+        rows = self.int8_max_rows if int8 else self.max_rows
         return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 

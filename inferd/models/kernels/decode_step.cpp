@@ -1,4 +1,4 @@
-// A decode step of 1-8 rows (bfloat16 up to 16) through every decoder layer of a Llama-family
+// A decode step of 1-16 rows (int8 weights: 1-8) through every decoder layer of a Llama-family
 // model in one call.
 //
 //   inferd_decode_layers(model, step)
@@ -6,7 +6,7 @@
 // The same kernels, in the same order, on the same buffers' values as the Python fused path
 // (models/llama.py): add + RMSNorm, qkv GEMV, q/k norm + RoPE + KV write, paged attention, o GEMV,
 // add + RMSNorm, gate/up GEMV, SiLU * up, down GEMV, and the final add + RMSNorm, so its output
-// is bit-for-bit the Python path's (at 3-8 rows, the Python path's with its linear layers on the
+// is bit-for-bit the Python path's (at 3-16 rows, the Python path's with its linear layers on the
 // GEMV too; by default float32 sends those to oneDNN, which sums in another order, and bfloat16
 // sends up to 16 rows to the GEMV's dot products, as this step does). What it removes is the
 // Python between them: a single stream of the 8-layer llama-32m made ~100 kernel calls a step

@@ -1,4 +1,5 @@
-// Few-row linear layers on the plain weight: y = x W^T (+ b) for 1 <= rows <= kMaxRows.
+// Few-row linear layers on the plain weight: y = x W^T (+ b) for 1 <= rows <= kMaxGroupedRows
+// (int8: kMaxRows).
 //
 //   inferd_gemv   x [rows, x_stride], W [n, k] row-major contiguous, b [n] or null,
 //                 y [rows, y_stride]; all in one dtype (float32 or bfloat16), float32 arithmetic
@@ -47,6 +48,8 @@
 namespace {
 
 constexpr int kMaxRows = 8;
+// Float rows past kMaxRows run as two groups (a block of kMaxRows, then the rest).
+constexpr int kMaxGroupedRows = 2 * kMaxRows;
 // bfloat16 rows [kDotMinRows, kDotMaxRows] run on dot products (above: oneDNN's GEMM is as fast).
 constexpr int kDotMinRows = 3;
 constexpr int kDotMaxRows = 16;
@@ -332,6 +335,21 @@ int with_rows(int64_t rows, const F& f) {
 template <int DT>
 int gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
          const void* bias, void* y, int64_t y_stride) {
+  if (rows > kMaxRows && rows <= kMaxGroupedRows) {
+    // Two groups of rows, each weight block multiplied into both while it is in L1 (the weight
+    // still streams from memory once).
+    constexpr int64_t esz = DT == kF32 ? 4 : 2;
+    const void* x2 = byte_at(x, kMaxRows * x_stride, esz);
+    void* y2 = static_cast<char*>(y) + kMaxRows * y_stride * esz;
+    return with_rows(rows - kMaxRows, [&](auto r) {
+      constexpr int R2 = decltype(r)::value;
+      over_blocks<kBlockRows<kMaxRows>>(n, true, [&](auto nb, int64_t n0) {
+        constexpr int NB = decltype(nb)::value;
+        block<kMaxRows, NB, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
+        block<R2, NB, DT>(x2, x_stride, w, k, bias, y2, y_stride, n0);
+      });
+    });
+  }
   return with_rows(rows, [&](auto r) {
     constexpr int R = decltype(r)::value;
     over_blocks<kBlockRows<R>>(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
@@ -357,8 +375,7 @@ int gemv_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int6
 
 extern "C" {
 
-// Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows] (for bfloat16, outside
-// [1, inferd_gemv_bf16_max_rows()]).
+// Returns 0; -1 for a bad dtype or a row count outside [1, kMaxGroupedRows].
 int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
                 int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
   if (dtype == kF32) return gemv<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
@@ -368,11 +385,14 @@ int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, in
   return gemv<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
 }
 
-// The most rows inferd_gemv takes in every dtype (and inferd_gemv_int8).
-int inferd_gemv_max_rows() { return kMaxRows; }
+// The most rows inferd_gemv takes (either float dtype).
+int inferd_gemv_max_rows() { return kMaxGroupedRows; }
 
-// The most rows inferd_gemv takes in bfloat16: more on dot products where the CPU has them.
-int inferd_gemv_bf16_max_rows() { return kHasDot ? kDotMaxRows : kMaxRows; }
+// The most rows inferd_gemv_int8 takes.
+int inferd_gemv_int8_max_rows() { return kMaxRows; }
+
+// The most bfloat16 rows that run on AVX512_BF16 dot products (from kDotMinRows); 0 without them.
+int inferd_gemv_bf16_dot_rows() { return kHasDot ? kDotMaxRows : 0; }
 
 // Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,

@@ -1,11 +1,11 @@
 """`gemv.cpp`'s few-row linear layer as a tensor-in, tensor-out call.
 
-`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-8 rows of `x` from the plain
-row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
-prepacked GEMM does not reach it); bfloat16 up to `bf16_max_rows` rows (16 where the CPU has
-AVX512_BF16 dot products, which beat oneDNN's GEMM up to there). `Gemv.int8(x, w8)` does the
-same over an int8 weight (`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does.
-Inputs are checked here; the C side trusts them.
+`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-16 rows of `x` (`max_rows`) from the
+plain row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
+prepacked GEMM does not reach it); bfloat16 from 3 rows up to `bf16_dot_rows` on AVX512_BF16 dot
+products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 weight
+(`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does. Inputs are
+checked here; the C side trusts them.
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ class Gemv:
         self._fn8.restype = ctypes.c_int
         # The most rows one call takes; linear layers send larger batches to their GEMM.
         self.max_rows = int(lib.inferd_gemv_max_rows())
-        self.bf16_max_rows = int(lib.inferd_gemv_bf16_max_rows())
+        self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
+        # bfloat16 rows up to this many run on dot products (0: the CPU has none).
+        self.bf16_dot_rows = int(lib.inferd_gemv_bf16_dot_rows())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
         # bias: [out] or None  ->  [rows, out], all in one dtype
-        rows, k = self._rows(x, self.rows_for(weight.dtype))
+        rows, k = self._rows(x, self.max_rows)
         n = weight.shape[0]
         dtype = weight.dtype
         if weight.shape[1] != k or x.dtype != dtype or dtype not in DTYPE_CODES:
@@ -84,8 +86,8 @@ class Gemv:
         return y
 
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
-        """[rows, in] (model dtype, rows <= max_rows) -> [rows, out] in x's dtype."""
-        rows, k = self._rows(x, self.max_rows)
+        """[rows, in] (model dtype, rows <= int8_max_rows) -> [rows, out] in x's dtype."""
+        rows, k = self._rows(x, self.int8_max_rows)
         n = w.q.shape[0]
         if w.q.shape[1] != k or x.dtype not in DTYPE_CODES or x.stride(1) != 1:
             raise ValueError(f"gemv int8: x {tuple(x.shape)} {x.dtype}, weight {tuple(w.q.shape)}")
@@ -106,10 +108,6 @@ class Gemv:
         )
         check_rc(rc, "gemv int8")
         return y
-
-    def rows_for(self, dtype: torch.dtype) -> int:
-        """The most rows one call takes on a float weight of `dtype`."""
-        return self.bf16_max_rows if dtype == torch.bfloat16 else self.max_rows
 
     def _rows(self, x: Tensor, most: int) -> tuple[int, int]:
         """x's (rows, in), refusing a row count the kernel does not take."""
