@@ -8,7 +8,8 @@ One `LLM` (random weights, prefix caching off so every round computes every prom
 workload in four variants, in turn:
 
     native    the engine's default: the fused elementwise kernels, the small-batch GEMV, and
-              decode steps of 1-2 rows through every layer in one native call (decode_step.cpp)
+              decode steps of 1-16 rows (int8: 1-8) through every layer in one native call
+              (decode_step.cpp)
     layers    the same kernels called layer by layer from Python
     no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM (with
               `--quantization int8`: on fbgemm's int8 GEMM)
@@ -19,7 +20,7 @@ on a shared machine hit every variant alike; the best round of each is reported,
 process's CPU seconds per output token. Workloads: `mixed` (all requests at once, prompts 16-256,
 outputs 16-128; 96 requests on llama-32m, 32 on the Qwen2-0.5B shape) and `single` (one stream,
 32-token prompt, 256 tokens), as bench/peers.py sends them to servers, and `streamsN` (`--streams`,
-default 4 and 8: N such streams at once, the batches the native decode step takes past one row).
+default 4, 8 and 16: N such streams at once, the batches the native decode step takes past one row).
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def main() -> None:
     p.add_argument(
         "--streams",
         type=lambda s: [int(n) for n in s.split(",") if n],
-        default=[4, 8],
-        help="also N streams at once (comma-separated N; the decode step takes 1-8 rows)",
+        default=[4, 8, 16],
+        help="also N streams at once (comma-separated N; the decode step takes 1-16 rows)",
     )
     args = p.parse_args()
     out = {dtype: measure(args, dtype) for dtype in args.dtypes.split(",")}
