@@ -184,7 +184,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
 # make them compute-bound sooner): padding 17 rows to 24 cost the Qwen2-0.5B shape's decode layers
 # 12-25 % (2 threads). The finer counts below 64 run its 32-request mix 2-7 % faster offline,
 # llama-32m's 1-2 %, for 13-58 MiB more of oneDNN primitives. float32 keeps the coarser set: the
-# finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Row counts").
+# finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Finer row counts for
+# bfloat16 oneDNN GEMMs").
 BF16_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 # The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four); bfloat16
 # weights more where the CPU has AVX512_BF16 (Gemv.bf16_dot_rows).
@@ -382,11 +383,13 @@ def _physical_memory_bytes() -> int:
 @torch.inference_mode()
 def _warm_up(linears: list[Linear]) -> None:
     """Runs each distinct weight shape once per row bucket, so oneDNN's per-shape primitives are
-    built now rather than during serving (layers of one shape share them)."""
+    built now rather than during serving (layers of one shape share them). Row counts the GEMV
+    takes never reach oneDNN and are skipped."""
     shapes = {(m.in_features, m.out_features, m.bias is not None): m for m in linears}
     for m in shapes.values():
         for rows in row_buckets(m.weight.dtype):
-            m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
+            if rows > m._gemv_rows:
+                m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
 
 
 def _shared_weights(model: nn.Module) -> set[int]:

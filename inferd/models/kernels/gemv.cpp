@@ -31,10 +31,10 @@
 // bfloat16 from kDotMinRows rows on (with AVX512_BF16): the same layout on dot products
 // (vdpbf16ps: two bf16 products summed into each float32 lane, 32 weights a step), up to
 // kDotMaxRows rows. With a few rows the widened loop above is bound by its arithmetic, not by the
-// memory: over the Qwen2-0.5B shape's decode weights (2 threads) 8 rows took 65.7 ms widened and
-// 42.6 on dot products (one row ~43 ms either way), and oneDNN's prepacked GEMM 47.5 at 8 rows,
-// 60.6 at 16, against 39.6 and 56.4 here (docs/benchmarks.md). Tiles of 4 weight rows x up to 6
-// x rows (24 accumulators); each weight row's 4 sums reduce together.
+// memory: over the Qwen2-0.5B shape's decode weights (2 threads, bench/gemv_rows.py) 6 rows took
+// 47.8 ms widened and 29.8 on dot products, and oneDNN's prepacked GEMM 43.9 ms at 8 rows and 54.0
+// at 16 against 36.4 and 53.8 here; at 24 rows oneDNN is as fast (docs/benchmarks.md). Tiles of
+// 4 weight rows x up to 6 x rows (24 accumulators); each x row's 4 sums reduce together.
 #include <omp.h>
 
 #include <cmath>
@@ -194,7 +194,8 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
 #ifdef __AVX512BF16__
 constexpr bool kHasDot = true;
 constexpr int kDotWeightRows = 4;  // weight rows per tile
-constexpr int kDotXRows = 6;       // x rows per tile: 4 x 6 accumulators, 4 weights, 1 x in registers
+// x rows per tile: 4 x 6 accumulators, 4 weights and 1 x in the 32 vector registers.
+constexpr int kDotXRows = 6;
 
 // The 4 float32 lanes' sum of 16 lanes, as a 128-bit vector's partial sums.
 inline __m128 fold(__m512 v) {
@@ -266,7 +267,8 @@ inline void dot_rows(const uint16_t* x, int64_t rows, int64_t x_stride, const ui
                      int64_t k, const uint16_t* bias, uint16_t* y, int64_t y_stride, int64_t n0) {
   int64_t r0 = 0;
   for (; r0 + kDotXRows <= rows; r0 += kDotXRows)
-    dot_tile<kDotXRows, B>(x + r0 * x_stride, x_stride, w, k, bias, y + r0 * y_stride, y_stride, n0);
+    dot_tile<kDotXRows, B>(x + r0 * x_stride, x_stride, w, k, bias, y + r0 * y_stride, y_stride,
+                           n0);
   const uint16_t* xr = x + r0 * x_stride;
   uint16_t* yr = y + r0 * y_stride;
   switch (rows - r0) {
@@ -343,7 +345,7 @@ int gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n
     void* y2 = static_cast<char*>(y) + kMaxRows * y_stride * esz;
     return with_rows(rows - kMaxRows, [&](auto r) {
       constexpr int R2 = decltype(r)::value;
-      over_blocks<kBlockRows<kMaxRows>>(n, true, [&](auto nb, int64_t n0) {
+      over_blocks<kBlockRows<kMaxRows>>(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
         constexpr int NB = decltype(nb)::value;
         block<kMaxRows, NB, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
         block<R2, NB, DT>(x2, x_stride, w, k, bias, y2, y_stride, n0);
