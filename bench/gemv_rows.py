@@ -10,9 +10,11 @@ so the weights stream from memory as in the engine (the Qwen2-0.5B shape's 1 GB 
 not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weights reordered once
 (the engine's `onednn` linear layers); `gemv` is the native kernel on the plain row-major weights
 (the engine's small-batch GEMV and native decode step): float32 arithmetic on widened values, and
-for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them. Each cell is the best
-of `--repeats` passes over the whole weight set, the two kernels taking turns, so a slow spell of
-the machine hits both. Row counts the GEMV does not take are skipped for it.
+for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel` (bfloat16 on
+AVX512_BF16, up to 64 rows) is kernels/panel_gemm.cpp on the weights packed in VNNI panels (the
+engine's bfloat16 batches past the GEMV's rows). Each cell is the best of `--repeats` passes over
+the whole weight set, the kernels taking turns, so a slow spell of the machine hits all of them.
+Row counts a kernel does not take are skipped for it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from peers import SHAPES
 
 from inferd.config import read_environment
 from inferd.models import kernels
+from inferd.models.kernels.gemv import PanelWeight
 
 
 def weight_shapes(shape_name: str) -> list[tuple[int, int]]:
@@ -38,6 +41,21 @@ def weight_shapes(shape_name: str) -> list[tuple[int, int]]:
     h, inter = s.hidden_size, s.intermediate_size
     layer = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
     return layer * s.num_layers + [(h, s.vocab_size)]
+
+
+def format_row(rows: int, best: dict[str, float], flops: float) -> str:
+    """One line of the table: each kernel's best ms, its speed-up over oneDNN, and GFLOP/s of
+    the fastest."""
+    cells = []
+    for k, width in (("gemv", 11), ("panel", 12)):
+        t = best.get(k)
+        cells.append(f"{t * 1e3:8.2f}" if t is not None else f"{'-':>8}")
+        ratio = f"{best['onednn'] / t:.2f}x" if t is not None else "-"
+        cells.append(f"{ratio:>{width}}")
+    return (
+        f"{rows:>4}  {best['onednn'] * 1e3:9.2f}  {'  '.join(cells)}"
+        f"  {flops / min(best.values()) / 1e9:12.1f}"
+    )
 
 
 def main() -> None:
@@ -56,6 +74,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     plain = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for i, o in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
+    panels = [PanelWeight.of(w, None) for w in plain] if gemv.panel_rows else []
     op = torch.ops.mkldnn._linear_pointwise.default
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
 
@@ -63,9 +82,11 @@ def main() -> None:
         xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in shapes}
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for (i, _), w, pw in zip(shapes, plain, packed, strict=True):
+            for n, ((i, _), w, pw) in enumerate(zip(shapes, plain, packed, strict=True)):
                 if kind == "gemv":
                     gemv(xs[i], w, None)
+                elif kind == "panel":
+                    gemv.panel(xs[i], panels[n])  # type: ignore[arg-type]
                 else:
                     op(xs[i], pw, None, "none", [], "")
         return time.perf_counter() - t0
@@ -73,10 +94,20 @@ def main() -> None:
     most = gemv.max_rows
     table: list[dict[str, Any]] = []
     print(f"{args.shape} {args.dtype}: {len(shapes)} weights, {weight_bytes / 1e9:.2f} GB a pass")
-    header = ("rows", "onednn ms", "gemv ms", "onednn/gemv", "GFLOP/s best")
-    print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 9, 8, 11, 12), strict=True)))
+    header = (
+        "rows",
+        "onednn ms",
+        "gemv ms",
+        "onednn/gemv",
+        "panel ms",
+        "onednn/panel",
+        "GFLOP/s best",
+    )
+    print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 9, 8, 11, 8, 12, 12), strict=True)))
     for rows in (int(r) for r in args.rows.split(",")):
         kinds = ["onednn", "gemv"] if rows <= most else ["onednn"]
+        if panels and rows <= gemv.panel_rows and all(p is not None for p in panels):
+            kinds.append("panel")
         best = {k: float("inf") for k in kinds}
         for k in kinds:
             one_pass(k, rows)  # builds oneDNN's primitive for this row count
@@ -85,13 +116,7 @@ def main() -> None:
                 best[k] = min(best[k], one_pass(k, rows))
         flops = 2 * rows * weight_bytes / plain[0].element_size()
         row: dict[str, Any] = {"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in best.items()}}
-        g = best.get("gemv")
-        ratio = f"{best['onednn'] / g:.2f}x" if g is not None else "-"
-        gms = f"{g * 1e3:8.2f}" if g is not None else f"{'-':>8}"
-        print(
-            f"{rows:>4}  {best['onednn'] * 1e3:9.2f}  {gms}  {ratio:>11}"
-            f"  {flops / min(best.values()) / 1e9:12.1f}"
-        )
+        print(format_row(rows, best, flops))
         table.append(row)
     result = {
         "command": command_line(),

@@ -31,6 +31,12 @@ GEMV serves the few-row batches:
   linear weight (for `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x
   from their own range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto`
   keeps it when that copy is at most a quarter of the machine's memory.
+- panel GEMM (`onednn` bfloat16 weights with the small-batch GEMV, where the CPU has
+  AVX512_BF16): batches past the GEMV's rows, up to `Gemv.panel_rows` (64), run
+  `kernels/panel_gemm.cpp` on a third copy of the weight packed in VNNI panels. oneDNN splits such
+  batches between the threads by rows, so each thread streams the whole weight from memory; the
+  panel kernel splits by output columns and reads it once (Qwen2-0.5B shape, 32 rows: 1.4x, see
+  docs/benchmarks.md). That copy counts toward `auto`'s quarter of memory too.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from torch import Tensor, nn
 from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
 from inferd.models.kernels.decode import GemvWeight
-from inferd.models.kernels.gemv import Gemv, Int8Weight
+from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
 
 logger = logging.getLogger("inferd.models")
 
@@ -76,6 +82,10 @@ class Linear(nn.Module):
         # Set by use_gemv(): batches of at most `_gemv_rows` rows on the kept plain weight.
         self._gemv: Gemv | None = None
         self._gemv_rows = 0
+        # Set by use_gemv() for bfloat16 weights: batches past `_gemv_rows` up to `_panel_rows`
+        # rows on the weight packed in VNNI panels (built on first use, kept across use_gemv calls).
+        self._panel: PanelWeight | None = None
+        self._panel_rows = 0
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
         self._w8: Int8Weight | None = None
         # A checkpoint already quantized to int8 (models/quantized.py): its integers [out, in] and
@@ -91,6 +101,9 @@ class Linear(nn.Module):
             if self._w8 is not None:
                 return self._gemv.int8(x, self._w8)
             return self._gemv(x, self.weight, self.bias)
+        if self._panel is not None and 0 < x.shape[0] <= self._panel_rows:
+            assert self._gemv is not None
+            return self._gemv.panel(x, self._panel)
         if self._fn is None:
             return F.linear(x, self.weight, self.bias)
         return self._fn(x)
@@ -118,6 +131,7 @@ class Linear(nn.Module):
         `onednn`, an int8 row-major copy for `int8`)."""
         self._gemv = None
         self._w8 = None
+        self._panel, self._panel_rows = None, 0
         loaded = None
         if self.qweight is not None and self.weight_scale is not None:
             loaded = self.qweight.detach(), self.weight_scale.detach()[:, 0].contiguous()
@@ -150,16 +164,24 @@ class Linear(nn.Module):
             raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
         self._gemv_rows = 0 if gemv is None else GEMV_MAX_ROWS
+        self._panel_rows = 0
         if gemv is not None and self._w8 is None and self.weight.dtype == torch.bfloat16:
             # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_dot_rows rows.
             self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
+            if gemv.panel_rows > self._gemv_rows and self.kind == "onednn":
+                if self._panel is None:
+                    self._panel = PanelWeight.of(self.weight.detach(), self._bias_or_none())
+                self._panel_rows = gemv.panel_rows if self._panel is not None else 0
 
     def padded_rows(self, rows: int) -> int:
         """The rows an input of `rows` rows is padded to before this layer multiplies (the module
         function below; the GEMV takes any count it takes)."""
-        if self._gemv is not None and rows <= self._gemv_rows:
+        if self._gemv is not None and rows <= max(self._gemv_rows, self._panel_rows):
             return rows
         return padded_rows(self.kind, rows, self.weight.dtype)
+
+    def _bias_or_none(self) -> Tensor | None:
+        return None if self.bias is None else self.bias.detach()
 
     def gemv_weight(self) -> GemvWeight | None:
         """The plain weight few-row batches run the GEMV on; None when they do not."""
@@ -355,7 +377,7 @@ def small_batch_gemv(
         if mode == "on":
             raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
         return None
-    extra = plain_copy_bytes(model, kind)
+    extra = plain_copy_bytes(model, kind) + (panel_copy_bytes(model) if gemv.panel_rows else 0)
     limit = _physical_memory_bytes() // 4
     if mode == "auto" and extra > limit:
         logger.info(
@@ -376,6 +398,16 @@ def plain_copy_bytes(model: nn.Module, kind: LinearKind = "onednn") -> int:
     return sum(w.numel() * w.element_size() for k, w in linears.items() if k not in shared)
 
 
+def panel_copy_bytes(model: nn.Module) -> int:
+    """Bytes the panel GEMM's packed copies add: every bfloat16 linear weight once more."""
+    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
+    return sum(
+        -(-m.out_features // 64) * 64 * m.in_features * 2
+        for m in linears.values()
+        if m.weight.dtype == torch.bfloat16 and m.in_features % 2 == 0
+    )
+
+
 def _physical_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -384,11 +416,11 @@ def _physical_memory_bytes() -> int:
 def _warm_up(linears: list[Linear]) -> None:
     """Runs each distinct weight shape once per row bucket, so oneDNN's per-shape primitives are
     built now rather than during serving (layers of one shape share them). Row counts the GEMV
-    takes never reach oneDNN and are skipped."""
+    or the panel GEMM take never reach oneDNN and are skipped."""
     shapes = {(m.in_features, m.out_features, m.bias is not None): m for m in linears}
     for m in shapes.values():
         for rows in row_buckets(m.weight.dtype):
-            if rows > m._gemv_rows:
+            if rows > max(m._gemv_rows, m._panel_rows):
                 m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
 
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from inferd.errors import ModelLoadError
 from inferd.models import kernels
-from inferd.models.kernels.gemv import Gemv, Int8Weight
+from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
 from inferd.models.linear import (
     BF16_ROW_BUCKETS,
     GEMV_MAX_ROWS,
@@ -157,6 +157,7 @@ class _Counting(Gemv):
     def __init__(self, inner: Gemv) -> None:
         self.__dict__.update(inner.__dict__)
         self.calls = 0
+        self.panel_calls = 0
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         self.calls += 1
@@ -165,6 +166,10 @@ class _Counting(Gemv):
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
         self.calls += 1
         return super().int8(x, w)
+
+    def panel(self, x: Tensor, w: PanelWeight) -> Tensor:
+        self.panel_calls += 1
+        return super().panel(x, w)
 
 
 @onednn
@@ -187,6 +192,33 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
             assert m.padded_rows(rows) == rows if rows <= most else m.padded_rows(rows) >= rows
             want = F.linear(x.float(), weight.float(), bias.float())
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+@onednn
+def test_bfloat16_batches_past_the_gemv_run_the_panel_gemm(gemv: Gemv) -> None:
+    if gemv.panel_rows == 0:
+        pytest.skip("no AVX512_BF16 on this CPU: no panel GEMM")
+    m = _linear(True, torch.bfloat16)
+    weight, bias = m.weight.detach().float(), m.bias.detach().float()  # type: ignore[union-attr]
+    counting = _Counting(gemv)
+    prepare_linears(m, "onednn", counting)
+    few = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
+    with torch.inference_mode():
+        for rows in (1, few, few + 1, 33, gemv.panel_rows, gemv.panel_rows + 1, 100):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            before = counting.panel_calls
+            got = m(x)
+            on_panel = few < rows <= gemv.panel_rows
+            assert counting.panel_calls - before == int(on_panel), rows
+            # Rows the panel takes are not padded; past it, oneDNN's row counts again.
+            assert (m.padded_rows(rows) == rows) == (rows <= gemv.panel_rows)
+            torch.testing.assert_close(
+                got.float(), F.linear(x.float(), weight, bias), atol=0.3, rtol=0.02
+            )
+    m.use_gemv(None)
+    assert m.padded_rows(33) == 40, "without the GEMV, 33 rows pad to a oneDNN count again"
+    m.use_gemv(counting)
+    assert m._panel_rows == gemv.panel_rows, "the packed copy is kept across use_gemv calls"
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
@@ -233,6 +265,9 @@ def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) ->
     m = torch.nn.ModuleList([_linear(False), _linear(True)])
     assert linear.plain_copy_bytes(m) == 2 * 64 * 96 * 4
     assert linear.plain_copy_bytes(m, "int8") == 2 * 64 * 96  # a byte per weight
+    assert linear.panel_copy_bytes(m) == 0, "float32 weights get no panel copy"
+    bf16 = torch.nn.ModuleList([_linear(False, torch.bfloat16)])
+    assert linear.panel_copy_bytes(bf16) == 64 * 96 * 2  # 64 outputs: one whole panel
     assert small_batch_gemv("off", "onednn", gemv, m) is None
     assert small_batch_gemv("auto", "int8", gemv, m) is gemv
     assert small_batch_gemv("auto", "dense", gemv, m) is None

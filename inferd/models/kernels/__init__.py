@@ -53,7 +53,14 @@ logger = logging.getLogger("inferd.executor")
 
 _HERE = Path(__file__).parent
 SOURCES = tuple(
-    _HERE / f for f in ("paged_attention.cpp", "fused_ops.cpp", "gemv.cpp", "decode_step.cpp")
+    _HERE / f
+    for f in (
+        "paged_attention.cpp",
+        "fused_ops.cpp",
+        "gemv.cpp",
+        "panel_gemm.cpp",
+        "decode_step.cpp",
+    )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
 HEADERS = (_HERE / "simd.h",)

@@ -4,7 +4,9 @@
 plain row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
 prepacked GEMM does not reach it); bfloat16 from 3 rows up to `bf16_dot_rows` on AVX512_BF16 dot
 products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 weight
-(`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does. Inputs are
+(`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does.
+`Gemv.panel(x, pw)` multiplies bfloat16 batches of up to `panel_rows` (64) rows by a weight packed
+in VNNI panels (`PanelWeight`, `panel_gemm.cpp`), where the CPU has AVX512_BF16. Inputs are
 checked here; the C side trusts them.
 """
 
@@ -38,6 +40,34 @@ class Int8Weight:
         )
 
 
+# Output columns per panel of a PanelWeight (panel_gemm.cpp's kPanel).
+PANEL_COLUMNS = 64
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A bfloat16 weight [out, in] packed for panel_gemm.cpp: [ceil(out / 64), in / 2, 64, 2],
+    panel p holding output columns [64p, 64p + 64) (zeros past `out`), the weights of input
+    values 2i and 2i + 1 side by side."""
+
+    packed: Tensor
+    out_features: int
+    in_features: int
+    bias: Tensor | None  # [out] bfloat16
+
+    @classmethod
+    def of(cls, weight: Tensor, bias: Tensor | None) -> PanelWeight | None:
+        """None when the kernel cannot take it (not bfloat16, or an odd number of inputs)."""
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or k % 2:
+            return None
+        n_pad = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+        w = torch.nn.functional.pad(weight, (0, 0, 0, n_pad - n))
+        packed = w.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).transpose(1, 2)
+        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        return cls(packed.contiguous(), n, k, b)
+
+
 class Gemv:
     """Bound to a loaded kernel library (kernels.load)."""
 
@@ -54,6 +84,11 @@ class Gemv:
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
         # bfloat16 rows up to this many run on dot products (0: the CPU has none).
         self.bf16_dot_rows = int(lib.inferd_gemv_bf16_dot_rows())
+        self._panel = lib.inferd_gemm_bf16_panel
+        self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+        self._panel.restype = ctypes.c_int
+        # The most bfloat16 rows Gemv.panel takes (0: the CPU has no AVX512_BF16).
+        self.panel_rows = int(lib.inferd_gemm_bf16_panel_rows())
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
@@ -107,6 +142,27 @@ class Gemv:
             DTYPE_CODES[x.dtype],
         )
         check_rc(rc, "gemv int8")
+        return y
+
+    def panel(self, x: Tensor, w: PanelWeight) -> Tensor:
+        """[rows, in] bfloat16 (rows <= panel_rows, unit stride along in) -> [rows, out]."""
+        rows, k = self._rows(x, self.panel_rows)
+        if k != w.in_features or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            raise ValueError(f"gemm panel: x {tuple(x.shape)} {x.dtype}, weight in {w.in_features}")
+        n = w.out_features
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        rc = self._panel(
+            x.data_ptr(),
+            rows,
+            x.stride(0),
+            w.packed.data_ptr(),
+            n,
+            k,
+            None if w.bias is None else w.bias.data_ptr(),
+            y.data_ptr(),
+            n,
+        )
+        check_rc(rc, "gemm panel")
         return y
 
     def _rows(self, x: Tensor, most: int) -> tuple[int, int]:
