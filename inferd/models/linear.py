@@ -33,10 +33,11 @@ GEMV serves the few-row batches:
   keeps it when that copy is at most a quarter of the machine's memory.
 - panel GEMM (`onednn` bfloat16 weights with the small-batch GEMV, where the CPU has
   AVX512_BF16): batches past the GEMV's rows, up to `Gemv.panel_rows` (64), run
-  `kernels/panel_gemm.cpp` on a third copy of the weight packed in VNNI panels. oneDNN splits such
-  batches between the threads by rows, so each thread streams the whole weight from memory; the
-  panel kernel splits by output columns and reads it once (Qwen2-0.5B shape, 32 rows: 1.4x, see
-  docs/benchmarks.md). That copy counts toward `auto`'s quarter of memory too.
+  `kernels/panel_gemm.cpp` on a third copy of the weight packed in VNNI panels, each thread
+  streaming its own range of output columns: over llama-32m's decode weights 1.05-1.24x oneDNN's
+  GEMM at 16-64 rows, over the Qwen2-0.5B shape's as fast (both ~330 GFLOP/s at 32 rows); the
+  engine 11-17 % faster on 32-64 steady llama-32m streams (docs/benchmarks.md). That copy counts
+  toward `auto`'s quarter of memory too.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from torch import Tensor, nn
 from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
 from inferd.models.kernels.decode import GemvWeight
-from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
+from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, Int8Weight, PanelWeight
 
 logger = logging.getLogger("inferd.models")
 
@@ -402,7 +403,7 @@ def panel_copy_bytes(model: nn.Module) -> int:
     """Bytes the panel GEMM's packed copies add: every bfloat16 linear weight once more."""
     linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
     return sum(
-        -(-m.out_features // 64) * 64 * m.in_features * 2
+        -(-m.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * m.in_features * 2
         for m in linears.values()
         if m.weight.dtype == torch.bfloat16 and m.in_features % 2 == 0
     )

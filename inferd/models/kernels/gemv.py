@@ -62,7 +62,7 @@ class PanelWeight:
         if weight.dtype != torch.bfloat16 or k % 2:
             return None
         n_pad = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
-        w = torch.nn.functional.pad(weight, (0, 0, 0, n_pad - n))
+        w = weight if n_pad == n else torch.nn.functional.pad(weight, (0, 0, 0, n_pad - n))
         packed = w.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).transpose(1, 2)
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()
         return cls(packed.contiguous(), n, k, b)

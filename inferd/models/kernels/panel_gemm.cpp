@@ -4,13 +4,13 @@
 //                           b [n] bf16 or null  ->  y [rows, y_stride] bf16 (first n columns)
 //
 // Why: a decode step of 17-64 sequences multiplies that many rows by every weight of the model,
-// and the weights (0.99 GB for the Qwen2-0.5B shape in bfloat16) stream from memory each step.
-// oneDNN's prepacked GEMM splits such batches between the threads by rows, so each thread reads
-// the whole weight: over the Qwen shape's decode weights 32 rows took as long as 48 (133 vs 131
-// ms, bench/gemv_rows.py), ~240 GFLOP/s against the ~400 it reaches on large batches. Here each
-// thread takes its own contiguous range of output columns (a weight is read once per call, as one
-// sequential stream per thread the hardware prefetcher follows), and every row of x is multiplied
-// against it while it is in L1.
+// once per step, the weights streaming from memory. Each thread here takes its own contiguous
+// range of output columns (one sequential stream of weights per thread, which the hardware
+// prefetcher follows) and multiplies every row of x against each block of it while it is in L1.
+// Over llama-32m's decode weights (2 threads, bench/gemv_rows.py) that is 1.05-1.24x oneDNN's
+// prepacked GEMM at 16-64 rows (oneDNN's per-call cost shows on small layers); over the
+// Qwen2-0.5B shape's 0.99 GB both run at ~330 GFLOP/s at 32 rows (0.94-1.05x), against the ~400
+// oneDNN reaches on large batches. A variant prefetching the next block was 3-10 % slower.
 //
 // The packing (gemv.py's PanelWeight) interleaves pairs of input values: panel p holds output
 // columns [64p, 64p + 64) as k / 2 steps of 64 x 2 values, column c's weights for inputs 2i and
@@ -19,7 +19,7 @@
 // is up to 6 rows x 64 columns (24 accumulators, 4 weight vectors, 1 broadcast); panels are walked
 // in blocks of kBlockPairs input pairs (16 KiB of weights, in L1 across the row tiles), the tile's
 // partial sums kept in a per-thread float32 buffer between blocks. Rows are split into tiles of
-// near-equal size (32 rows: 6, 5, 5, 5, 5, 6) so no tile runs with a few rows. Sums are float32;
+// near-equal size (32 rows: 5, 5, 6, 5, 5, 6) so no tile runs with a few rows. Sums are float32;
 // y is rounded once to bfloat16 (to nearest even, as oneDNN rounds its accumulator).
 #include <immintrin.h>
 #include <omp.h>
