@@ -28,6 +28,7 @@ from inferd.config import AdmissionConfig, RepositoryConfig, ServeConfig, Server
 from inferd.errors import ModelLoadError
 from inferd.gateway.app import create_app, set_engine
 from inferd.gateway.state import GatewayState, gateway_state
+from inferd.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from inferd.engine.async_client import AsyncLLM
@@ -72,6 +73,7 @@ async def run_server(config: ServeConfig) -> int:
         await http_task
         await parts.close(0.0)
         return EXIT_LOAD_FAILED
+    freeze_startup_heap("server")
     logger.info("ready: http://%s:%d%s", server.host, server.port, parts.describe())
     code = await _wait_for_end(stop, parts.llm, http_task)
     state.draining = True

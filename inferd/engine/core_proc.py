@@ -42,6 +42,7 @@ from inferd.engine.messages import (
 )
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
+from inferd.heap import freeze_startup_heap
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
@@ -74,6 +75,7 @@ def run_engine_core(
         outputs.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
         ctx.destroy(linger=_SEND_LINGER_MS)
         sys.exit(1)
+    freeze_startup_heap("engine core")  # before ready: the front starts sending at once
     outputs.send(encoder.encode(ready))
     EngineCore(engine, inputs, outputs).run()
     if engine.kv_events is not None:
