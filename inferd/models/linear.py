@@ -190,7 +190,7 @@ class Linear(nn.Module):
             return None
         if self._w8 is not None:
             return GemvWeight(self._w8, None)
-        return GemvWeight(self.weight, self.bias)
+        return GemvWeight(self.weight, self.bias, self._panel if self._panel_rows else None)
 
 
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,

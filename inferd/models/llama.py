@@ -203,8 +203,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused: FusedOps | None = None
-        # Decode steps of 1-16 rows (int8: 1-8) in one native call (set with the fused ops; see
-        # decode_plan).
+        # Decode steps of 1-16 rows (int8: 1-8; bfloat16 with panel copies: 1-64) in one native
+        # call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:

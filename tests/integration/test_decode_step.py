@@ -1,11 +1,13 @@
-"""The native decode step (`kernels/decode_step.cpp`: every layer of a 1-8 row decode step in one
-call) gives bit-for-bit the layer-by-layer fused path's results.
+"""The native decode step (`kernels/decode_step.cpp`: every layer of a decode step of 1-16 rows,
+int8 weights 1-8, bfloat16 with panel copies 1-64, in one call) gives bit-for-bit the
+layer-by-layer fused path's results.
 
 Both run the same kernels in the same order, so greedy tokens and every log-probability must be
 equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
-float dtypes and int8 weights. The layer-by-layer path sends only 1-2 rows to the GEMV
-(`linear.GEMV_MAX_ROWS`; oneDNN sums 3-8 rows in another order), so for the comparison both runs
-let it take as many as the decode step does.
+float dtypes and int8 weights. The layer-by-layer path sends only 1-2 float32 rows to the GEMV
+(`linear.GEMV_MAX_ROWS`; oneDNN sums 3-16 rows in another order), so for the comparison both runs
+let it take as many as the decode step does (bfloat16: 1-16 on the GEMV, 17-64 on the panel GEMM,
+in both paths already).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _results(llm: LLM, rows: int) -> list[Any]:
     # `rows` requests decode together and finish one by one (steps of `rows` down to 2 rows),
     # then one decodes alone (1 row).
     prompts: list[Any] = [
-        {"prompt_token_ids": list(range(20 + 9 * i, 50 + 12 * i))} for i in range(rows)
+        {"prompt_token_ids": [t % 256 for t in range(20 + 9 * i, 50 + 12 * i)]} for i in range(rows)
     ]
     params = [
         SamplingParams(max_tokens=3 * (rows - i), temperature=0.0, ignore_eos=True, logprobs=3)
@@ -109,11 +111,16 @@ def test_equals_the_layer_by_layer_path(
         return real(self, embed, *args)
 
     monkeypatch.setattr(DecodePlan, "__call__", counting)
+    gemv_rows = min(plan.max_rows, native_kernels.gemv.max_rows)
     for m in model.modules():  # the layer-by-layer path's linear layers on the GEMV too
         if isinstance(m, linear.Linear):
-            monkeypatch.setattr(m, "_gemv_rows", max(m._gemv_rows, plan.max_rows))
+            monkeypatch.setattr(m, "_gemv_rows", max(m._gemv_rows, gemv_rows))
     native = _results(llm, plan.max_rows)
-    # bfloat16 float weights: up to 16 rows (the GEMV's AVX512_BF16 dot products), else 8.
+    # 16 rows (int8 8); bfloat16 64 where the CPU has AVX512_BF16 (the panel GEMM past 16).
+    want = (
+        64 if dtype == "bfloat16" and native_kernels.gemv.panel_rows else 8 if quantization else 16
+    )
+    assert plan.max_rows == want
     assert set(range(1, plan.max_rows + 1)) <= set(calls), f"step row counts {set(calls)}"
     model.decode = None
     calls.clear()

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
-from inferd.models.kernels.gemv import Int8Weight
+from inferd.models.kernels.gemv import Int8Weight, PanelWeight
 from inferd.models.kv_int8 import row_width
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class _Lin(ctypes.Structure):
         ("n", _i64),
         ("k", _i64),
         ("int8", _i64),
+        ("panel", _ptr),
     ]
 
 
@@ -103,10 +104,12 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class GemvWeight:
     """One linear layer as the GEMV reads it: the plain model-dtype weight [n, k] and bias, or
-    an int8 copy (whose bias is inside it)."""
+    an int8 copy (whose bias is inside it); for bfloat16, also its panel copy, which rows past
+    the GEMV's run on (None: the layer has none)."""
 
     weight: Tensor | Int8Weight
     bias: Tensor | None
+    panel: PanelWeight | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,6 +153,8 @@ class DecodeLayers:
         # ran 1.23-1.28x faster natively, 16 of the Qwen2-0.5B shape 1.03x; docs/benchmarks.md).
         self.max_rows = int(lib.inferd_gemv_max_rows())
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
+        # bfloat16 layers that all have their panel copies (Linear's 17-64 rows) take this many.
+        self.panel_max_rows = int(lib.inferd_gemm_bf16_panel_rows())
 
     def plan(
         self,
@@ -162,6 +167,8 @@ class DecodeLayers:
         lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
         int8 = any(isinstance(w.weight, Int8Weight) for w in lins)
         rows = self.int8_max_rows if int8 else self.max_rows
+        if all(w.panel is not None for w in lins):
+            rows = max(rows, self.panel_max_rows)
         return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 
@@ -273,7 +280,8 @@ def _lin(g: GemvWeight) -> _Lin:
         bias = None if w.bias is None else w.bias.data_ptr()
         return _Lin(w.q.data_ptr(), bias, w.scale.data_ptr(), w.row_sum.data_ptr(), n, k, 1)
     bias = None if g.bias is None else g.bias.data_ptr()
-    return _Lin(w.data_ptr(), bias, None, None, n, k, 0)
+    panel = None if g.panel is None else g.panel.packed.data_ptr()
+    return _Lin(w.data_ptr(), bias, None, None, n, k, 0, panel)
 
 
 def _check_layout(
