@@ -9,10 +9,11 @@
 // is bit-for-bit the Python path's (at 3-16 rows, the Python path's with its linear layers on the
 // GEMV too; by default float32 sends those to oneDNN, which sums in another order, and bfloat16
 // sends up to 16 rows to the GEMV's dot products and 17-64 to the panel GEMM, as this step does).
-// What it removes is the Python between them: a single stream of the 8-layer llama-32m made ~100 kernel calls a step
-// from Python (argument checks, data_ptr() reads, output allocations, slicing, ctypes), ~1 ms of
-// a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer, 2.6-3.8 ms in one call;
-// docs/benchmarks.md).
+// What it removes is the Python between them: a single stream of the 8-layer llama-32m made ~100
+// kernel calls a step from Python (argument checks, data_ptr() reads, output allocations,
+// slicing, ctypes), ~1 ms of a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer,
+// 2.6-3.8 ms in one call; docs/benchmarks.md); at 17-64 bfloat16 rows the one call ran llama-32m
+// 1.05-1.39x faster than the layer-by-layer path (docs/benchmarks.md).
 //
 // The caller (kernels/decode.py) checks every shape once when it builds the Model; per step it
 // fills a Step with the batch's pointers. Scratch buffers are the caller's, sized for the rows.
