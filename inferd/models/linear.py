@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from inferd.config import LinearBackend, Quantization, SmallBatchGemv
 from inferd.errors import ModelLoadError
 from inferd.models.kernels.decode import GemvWeight
-from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, Int8Weight, PanelWeight
+from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
 
 logger = logging.getLogger("inferd.models")
 
@@ -171,7 +171,8 @@ class Linear(nn.Module):
             self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
             if gemv.panel_rows > self._gemv_rows and self.kind == "onednn":
                 if self._panel is None:
-                    self._panel = PanelWeight.of(self.weight.detach(), self._bias_or_none())
+                    bias = None if self.bias is None else self.bias.detach()
+                    self._panel = PanelWeight.of(self.weight.detach(), bias)
                 self._panel_rows = gemv.panel_rows if self._panel is not None else 0
 
     def padded_rows(self, rows: int) -> int:
@@ -180,9 +181,6 @@ class Linear(nn.Module):
         if self._gemv is not None and rows <= max(self._gemv_rows, self._panel_rows):
             return rows
         return padded_rows(self.kind, rows, self.weight.dtype)
-
-    def _bias_or_none(self) -> Tensor | None:
-        return None if self.bias is None else self.bias.detach()
 
     def gemv_weight(self) -> GemvWeight | None:
         """The plain weight few-row batches run the GEMV on; None when they do not."""
@@ -378,7 +376,9 @@ def small_batch_gemv(
         if mode == "on":
             raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
         return None
-    extra = plain_copy_bytes(model, kind) + (panel_copy_bytes(model) if gemv.panel_rows else 0)
+    extra = plain_copy_bytes(model, kind)
+    if gemv.panel_rows and kind == "onednn":  # int8 layers keep no panel copy
+        extra += panel_copy_bytes(model)
     limit = _physical_memory_bytes() // 4
     if mode == "auto" and extra > limit:
         logger.info(
@@ -403,9 +403,8 @@ def panel_copy_bytes(model: nn.Module) -> int:
     """Bytes the panel GEMM's packed copies add: every bfloat16 linear weight once more."""
     linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
     return sum(
-        -(-m.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * m.in_features * 2
+        PanelWeight.padded_out((m.out_features, m.in_features), m.weight.dtype) * m.in_features * 2
         for m in linears.values()
-        if m.weight.dtype == torch.bfloat16 and m.in_features % 2 == 0
     )
 
 

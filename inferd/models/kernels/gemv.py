@@ -55,13 +55,22 @@ class PanelWeight:
     in_features: int
     bias: Tensor | None  # [out] bfloat16
 
+    @staticmethod
+    def padded_out(weight_shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Output columns the packed copy of such a weight holds (whole panels); 0 when the
+        kernel cannot take it (not bfloat16, or an odd number of inputs)."""
+        n, k = weight_shape
+        if dtype != torch.bfloat16 or k % 2:
+            return 0
+        return -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
+
     @classmethod
     def of(cls, weight: Tensor, bias: Tensor | None) -> PanelWeight | None:
-        """None when the kernel cannot take it (not bfloat16, or an odd number of inputs)."""
+        """None when the kernel cannot take it (`padded_out` says)."""
         n, k = weight.shape
-        if weight.dtype != torch.bfloat16 or k % 2:
+        n_pad = cls.padded_out((n, k), weight.dtype)
+        if n_pad == 0:
             return None
-        n_pad = -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
         w = weight if n_pad == n else torch.nn.functional.pad(weight, (0, 0, 0, n_pad - n))
         packed = w.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).transpose(1, 2)
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()
