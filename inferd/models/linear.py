@@ -25,18 +25,19 @@ GEMV serves the few-row batches:
   `kernels/gemv.cpp` on a plain row-major weight, which streams it from memory faster than
   oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
   1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
-  docs/benchmarks.md). bfloat16 batches up to 16 rows run there too where the CPU has AVX512_BF16:
-  its dot products beat oneDNN's GEMM up to there (kernels/gemv.cpp has the numbers). It needs the
-  plain weight kept beside the packed one: one more copy of every
-  linear weight (for `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x
-  from their own range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto`
-  keeps it when that copy is at most a quarter of the machine's memory.
+  docs/benchmarks.md). bfloat16 batches up to 16 rows could run there too where the CPU has
+  AVX512_BF16 (its dot products beat oneDNN's GEMM up to there; kernels/gemv.cpp has the
+  numbers), but the panel GEMM below, built on the same CPUs, beats both and takes them. It
+  needs the plain weight kept beside the packed one: one more copy of every linear weight (for
+  `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x from their own
+  range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto` keeps it when
+  that copy is at most a quarter of the machine's memory.
 - panel GEMM (`onednn` bfloat16 weights with the small-batch GEMV, where the CPU has
-  AVX512_BF16): batches past the GEMV's rows, up to `Gemv.panel_rows` (64), run
+  AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included, run
   `kernels/panel_gemm.cpp` on a third copy of the weight packed in VNNI panels, each thread
-  streaming its own range of output columns: over llama-32m's decode weights 1.05-1.24x oneDNN's
-  GEMM at 16-64 rows, over the Qwen2-0.5B shape's as fast (both ~330 GFLOP/s at 32 rows); the
-  engine 11-17 % faster on 32-64 steady llama-32m streams (docs/benchmarks.md). That copy counts
+  streaming its own range of output columns: over the Qwen2-0.5B shape's decode weights
+  1.1-1.3x the GEMV at 1-16 rows and 1.06-1.2x oneDNN's GEMM at 24-128, ~400 GFLOP/s from 48
+  rows; the engine 8-10 % faster on the Qwen shape's mix (docs/benchmarks.md). That copy counts
   toward `auto`'s quarter of memory too.
 """
 
@@ -83,8 +84,9 @@ class Linear(nn.Module):
         # Set by use_gemv(): batches of at most `_gemv_rows` rows on the kept plain weight.
         self._gemv: Gemv | None = None
         self._gemv_rows = 0
-        # Set by use_gemv() for bfloat16 weights: batches past `_gemv_rows` up to `_panel_rows`
-        # rows on the weight packed in VNNI panels (built on first use, kept across use_gemv calls).
+        # Set by use_gemv() for bfloat16 weights on AVX512_BF16: batches of up to `_panel_rows`
+        # rows (all the GEMV's and more) on the weight packed in VNNI panels (built on first use,
+        # kept across use_gemv calls).
         self._panel: PanelWeight | None = None
         self._panel_rows = 0
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
@@ -98,13 +100,13 @@ class Linear(nn.Module):
         self.keep_float = False
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._panel is not None and 0 < x.shape[0] <= self._panel_rows:
+            assert self._gemv is not None
+            return self._gemv.panel(x, self._panel)
         if self._gemv is not None and 0 < x.shape[0] <= self._gemv_rows:
             if self._w8 is not None:
                 return self._gemv.int8(x, self._w8)
             return self._gemv(x, self.weight, self.bias)
-        if self._panel is not None and 0 < x.shape[0] <= self._panel_rows:
-            assert self._gemv is not None
-            return self._gemv.panel(x, self._panel)
         if self._fn is None:
             return F.linear(x, self.weight, self.bias)
         return self._fn(x)
@@ -169,7 +171,9 @@ class Linear(nn.Module):
         if gemv is not None and self._w8 is None and self.weight.dtype == torch.bfloat16:
             # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_dot_rows rows.
             self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
-            if gemv.panel_rows > self._gemv_rows and self.kind == "onednn":
+            # The panel GEMM, where the CPU has it, beats both at every row count it takes
+            # (1-128; bench/gemv_rows.py, docs/benchmarks.md), so it takes all of them.
+            if gemv.panel_rows and self.kind == "onednn":
                 if self._panel is None:
                     bias = None if self.bias is None else self.bias.detach()
                     self._panel = PanelWeight.of(self.weight.detach(), bias)

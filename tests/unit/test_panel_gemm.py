@@ -36,12 +36,13 @@ def _check(got: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
     torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 17, 24, 31, 32, 48, 63, 64])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 17, 24, 31, 32, 48, 63, 64, 65, 100, 128])
 @pytest.mark.parametrize(("n", "k"), [(1024, 512), (1000, 500), (16, 2), (70, 1408), (3, 130)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(gemv: Gemv, rows: int, n: int, k: int, bias: bool) -> None:
-    # n off the 64-column panel (a masked last panel, even under 16 columns), k off the 64-pair
-    # block (a short last block), and row counts that split into uneven tiles of up to 6 rows.
+    # n off the 64-column panel (a masked last panel, even under 16 columns), k past and off the
+    # 512-pair block (1408: a block and a short one), and row counts that split into uneven tiles
+    # of up to 6 rows.
     x = _rand(rows, k, seed=1)
     w = _rand(n, k, seed=2)
     b = _rand(n, seed=3) if bias else None
@@ -59,11 +60,11 @@ def test_reads_strided_rows(gemv: Gemv) -> None:
 def test_rows_are_independent(gemv: Gemv) -> None:
     # A row's result does not depend on which other rows share the call (tiles change with the
     # row count): bit-for-bit, as each row's sums run in the same order.
-    x = _rand(64, 896, seed=6)
-    pw = PanelWeight.of(_rand(200, 896, seed=7), None)
+    x = _rand(128, 1408, seed=6)
+    pw = PanelWeight.of(_rand(200, 1408, seed=7), None)
     assert pw is not None
     full = gemv.panel(x, pw)
-    for rows in (1, 17, 33):
+    for rows in (1, 17, 33, 100):
         assert torch.equal(gemv.panel(x[:rows], pw), full[:rows])
 
 
@@ -82,8 +83,8 @@ def test_refuses_what_it_cannot_take(gemv: Gemv) -> None:
     assert PanelWeight.of(torch.randn(8, 8), None) is None  # float32
     pw = PanelWeight.of(_rand(8, 8, seed=9), None)
     assert pw is not None
-    with pytest.raises(ValueError, match="1-64 rows"):
-        gemv.panel(_rand(65, 8, seed=10), pw)
+    with pytest.raises(ValueError, match="1-128 rows"):
+        gemv.panel(_rand(129, 8, seed=10), pw)
     with pytest.raises(ValueError, match="gemm panel"):
         gemv.panel(_rand(4, 10, seed=11), pw)
     with pytest.raises(ValueError, match="gemm panel"):

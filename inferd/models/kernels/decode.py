@@ -104,8 +104,8 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class GemvWeight:
     """One linear layer as the GEMV reads it: the plain model-dtype weight [n, k] and bias, or
-    an int8 copy (whose bias is inside it); for bfloat16, also its panel copy, which rows past
-    the GEMV's run on (None: the layer has none)."""
+    an int8 copy (whose bias is inside it); for bfloat16, also its panel copy, which every row
+    count runs on when present (None: the layer has none)."""
 
     weight: Tensor | Int8Weight
     bias: Tensor | None
@@ -153,7 +153,7 @@ class DecodeLayers:
         # ran 1.23-1.28x faster natively, 16 of the Qwen2-0.5B shape 1.03x; docs/benchmarks.md).
         self.max_rows = int(lib.inferd_gemv_max_rows())
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
-        # bfloat16 layers that all have their panel copies (Linear's 17-64 rows) take this many.
+        # bfloat16 layers that all have their panel copies (Linear's 1-128 rows) take this many.
         self.panel_max_rows = int(lib.inferd_gemm_bf16_panel_rows())
 
     def plan(

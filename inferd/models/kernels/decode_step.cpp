@@ -1,4 +1,4 @@
-// A decode step of 1-16 rows (int8 weights: 1-8; bfloat16 weights with their panel copies: 1-64)
+// A decode step of 1-16 rows (int8 weights: 1-8; bfloat16 weights with their panel copies: 1-128)
 // through every decoder layer of a Llama-family model in one call.
 //
 //   inferd_decode_layers(model, step)
@@ -8,7 +8,7 @@
 // add + RMSNorm, gate/up GEMV, SiLU * up, down GEMV, and the final add + RMSNorm, so its output
 // is bit-for-bit the Python path's (at 3-16 rows, the Python path's with its linear layers on the
 // GEMV too; by default float32 sends those to oneDNN, which sums in another order, and bfloat16
-// sends up to 16 rows to the GEMV's dot products and 17-64 to the panel GEMM, as this step does).
+// layers with panel copies send every row count to the panel GEMM, as this step does).
 // What it removes is the Python between them: a single stream of the 8-layer llama-32m made ~100
 // kernel calls a step from Python (argument checks, data_ptr() reads, output allocations,
 // slicing, ctypes), ~1 ms of a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer,
@@ -49,7 +49,7 @@ namespace {
 
 // One linear layer's plain weight: model-dtype W [n, k] and bias, or (int8 != 0) an int8 W with
 // per-row float32 scales, row sums and a float32 bias (gemv.py's Int8Weight); for bfloat16, also
-// W packed in VNNI panels (gemv.py's PanelWeight), which rows past the GEMV's run on, or null.
+// W packed in VNNI panels (gemv.py's PanelWeight), which every row count runs on, or null.
 struct Lin {
   const void* w;
   const void* bias;
@@ -106,7 +106,7 @@ struct Step {
 };
 
 int linear(const Lin& l, const void* x, int64_t rows, void* y, int dtype) {
-  if (l.panel != nullptr && rows > inferd_gemv_max_rows())
+  if (l.panel != nullptr)
     return inferd_gemm_bf16_panel(x, rows, l.k, l.panel, l.n, l.k, l.bias, y, l.n);
   if (l.int8)
     return inferd_gemv_int8(x, rows, l.k, static_cast<const int8_t*>(l.w), l.n, l.k, l.scale,

@@ -3,22 +3,31 @@
 //   inferd_gemm_bf16_panel  x [rows, x_stride] bf16, W packed [n_pad / 64][k / 2][64][2] bf16,
 //                           b [n] bf16 or null  ->  y [rows, y_stride] bf16 (first n columns)
 //
-// Why: a decode step of 17-64 sequences multiplies that many rows by every weight of the model,
+// Why: a decode step of 1-128 sequences multiplies that many rows by every weight of the model,
 // once per step, the weights streaming from memory. Each thread here takes its own contiguous
 // range of output columns (one sequential stream of weights per thread, which the hardware
-// prefetcher follows) and multiplies every row of x against each block of it while it is in L1.
-// Over llama-32m's decode weights (2 threads, bench/gemv_rows.py) that is 1.05-1.24x oneDNN's
-// prepacked GEMM at 16-64 rows (oneDNN's per-call cost shows on small layers); over the
-// Qwen2-0.5B shape's 0.99 GB both run at ~330 GFLOP/s at 32 rows (0.94-1.05x), against the ~400
-// oneDNN reaches on large batches. A variant prefetching the next block was 3-10 % slower.
+// prefetcher follows) and multiplies every row of x against each block of it while it is in L2.
+// 2 threads, bench/gemv_rows.py, bfloat16 (docs/benchmarks.md): over the Qwen2-0.5B shape's
+// 0.99 GB of decode weights 30 ms at 1 row (33 GB/s, the memory's copy bandwidth; the GEMV 34 ms),
+// 65 ms at 24 rows (364 GFLOP/s; oneDNN 77 ms), ~400 GFLOP/s from 48 rows (oneDNN's rate on
+// 2048-row prefill batches; the CPU's VDPBF16PS peak is ~465); over llama-32m's 1.05-1.3x oneDNN
+// at 16-128 rows and 1.1-1.2x the GEMV at 1-16.
+//
+// The block size is what made it that fast. With blocks of 16 KiB, in L1 across the row tiles,
+// the first tile of each block waited on memory and the kernel ran at ~63 % of the peak (~290
+// GFLOP/s at 24 rows; weights kept in L2, 86 %). With 128 KiB blocks the first tile pulls the
+// block into L2 while the next tiles run from there, at L2's bandwidth, far above what a tile
+// takes (256 bytes per 24 VDPBF16PS); the 24 accumulators stay in registers across 4x as many
+// pairs. Software prefetch of the next block cost 3-10 % with L1 blocks and gained less than
+// the larger block (a scratch variant, measured 2026-11-27).
 //
 // The packing (gemv.py's PanelWeight) interleaves pairs of input values: panel p holds output
 // columns [64p, 64p + 64) as k / 2 steps of 64 x 2 values, column c's weights for inputs 2i and
 // 2i + 1 side by side. One VDPBF16PS then takes a pair of x values (broadcast, 32 bits) against 16
 // columns: no horizontal sums, unlike a dot product along k (gemv.cpp's few-row kernel). A tile
 // is up to 6 rows x 64 columns (24 accumulators, 4 weight vectors, 1 broadcast); panels are walked
-// in blocks of kBlockPairs input pairs (16 KiB of weights, in L1 across the row tiles), the tile's
-// partial sums kept in a per-thread float32 buffer between blocks. Rows are split into tiles of
+// in blocks of kBlockPairs input pairs (128 KiB of weights, in L2 across the row tiles), the
+// tile's partial sums kept in a per-thread float32 buffer between blocks. Rows are split into tiles of
 // near-equal size (32 rows: 5, 5, 6, 5, 5, 6) so no tile runs with a few rows. Sums are float32;
 // y is rounded once to bfloat16 (to nearest even, as oneDNN rounds its accumulator).
 #include <immintrin.h>
@@ -33,9 +42,9 @@
 namespace {
 
 constexpr int kPanel = 64;       // output columns per panel: 4 vectors of 16
-constexpr int kBlockPairs = 64;  // input pairs per block: 64 x 64 x 2 bf16 = 16 KiB
+constexpr int kBlockPairs = 512;  // input pairs per block: 512 x 64 x 2 bf16 = 128 KiB (in L2)
 constexpr int kTileRows = 6;
-constexpr int kMaxRows = 64;
+constexpr int kMaxRows = 128;
 
 #ifdef __AVX512BF16__
 constexpr bool kHasPanel = true;
