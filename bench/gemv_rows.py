@@ -10,11 +10,11 @@ so the weights stream from memory as in the engine (the Qwen2-0.5B shape's 1 GB 
 not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weights reordered once
 (the engine's `onednn` linear layers); `gemv` is the native kernel on the plain row-major weights
 (the engine's small-batch GEMV and native decode step): float32 arithmetic on widened values, and
-for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel` (bfloat16 on
-AVX512_BF16, up to 64 rows) is kernels/panel_gemm.cpp on the weights packed in VNNI panels (the
-engine's bfloat16 batches past the GEMV's rows). Each cell is the best of `--repeats` passes over
-the whole weight set, the kernels taking turns, so a slow spell of the machine hits all of them.
-Row counts a kernel does not take are skipped for it.
+for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel` (up to 128 rows;
+bfloat16 where the CPU has AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of
+64 output columns (the engine's batches of up to 128 rows where it has them). Each cell is the best
+of `--repeats` passes over the whole weight set, the kernels taking turns, so a slow spell of the
+machine hits all of them. Row counts a kernel does not take are skipped for it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main() -> None:
     plain = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for i, o in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
     # The panel kernel's copies, when it runs here and takes every weight (else no column).
-    packs = [PanelWeight.of(w, None) for w in plain] if gemv.panel_rows else []
+    panel_rows = gemv.panel_rows[dtype]
+    packs = [PanelWeight.of(w, None) for w in plain] if panel_rows else []
     panels = [p for p in packs if p is not None] if None not in packs else []
     op = torch.ops.mkldnn._linear_pointwise.default
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
@@ -108,7 +109,7 @@ def main() -> None:
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 9, 8, 11, 8, 12, 12), strict=True)))
     for rows in (int(r) for r in args.rows.split(",")):
         kinds = ["onednn", "gemv"] if rows <= most else ["onednn"]
-        if panels and rows <= gemv.panel_rows:
+        if panels and rows <= panel_rows:
             kinds.append("panel")
         best = {k: float("inf") for k in kinds}
         for k in kinds:

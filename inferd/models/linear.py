@@ -26,19 +26,20 @@ GEMV serves the few-row batches:
   oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
   1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
   docs/benchmarks.md). bfloat16 batches up to 16 rows could run there too where the CPU has
-  AVX512_BF16 (its dot products beat oneDNN's GEMM up to there; kernels/gemv.cpp has the
-  numbers), but the panel GEMM below, built on the same CPUs, beats both and takes them. It
-  needs the plain weight kept beside the packed one: one more copy of every linear weight (for
-  `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x from their own
-  range, as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto` keeps it when
-  that copy is at most a quarter of the machine's memory.
-- panel GEMM (`onednn` bfloat16 weights with the small-batch GEMV, where the CPU has
-  AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included, run
-  `kernels/panel_gemm.cpp` on a third copy of the weight packed in VNNI panels, each thread
-  streaming its own range of output columns: over the Qwen2-0.5B shape's decode weights
-  1.1-1.3x the GEMV at 1-16 rows and 1.06-1.2x oneDNN's GEMM at 24-128, ~400 GFLOP/s from 48
-  rows; the engine 8-10 % faster on the Qwen shape's mix (docs/benchmarks.md). That copy counts
-  toward `auto`'s quarter of memory too.
+  AVX512_BF16 (its dot products beat oneDNN's GEMM up to there; kernels/gemv.cpp has the numbers),
+  but the panel GEMM below, built on the same CPUs, beats both and takes them (and float32's too).
+  It needs the plain weight kept beside the packed one: one more copy of every linear weight (for
+  `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x from their own range,
+  as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto` keeps it when that copy
+  is at most a quarter of the machine's memory.
+- panel GEMM (`onednn` float32 and bfloat16 weights with the small-batch GEMV; bfloat16 where
+  the CPU has AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included,
+  run `kernels/panel_gemm.cpp` on a third copy of the weight packed in panels of 64 output
+  columns, each thread streaming its own range of them: over the Qwen2-0.5B shape's decode
+  weights 1.1-1.3x the GEMV at 1-16 rows and 1.03-1.2x oneDNN's GEMM at 16-128 (bfloat16 ~400
+  GFLOP/s from 48 rows, float32 ~175 at 24-64); the engine 6-18 % faster on the mixes of both
+  shapes in both dtypes (docs/benchmarks.md). That copy counts toward `auto`'s quarter of
+  memory too.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ class Linear(nn.Module):
         # Set by use_gemv(): batches of at most `_gemv_rows` rows on the kept plain weight.
         self._gemv: Gemv | None = None
         self._gemv_rows = 0
-        # Set by use_gemv() for bfloat16 weights on AVX512_BF16: batches of up to `_panel_rows`
-        # rows (all the GEMV's and more) on the weight packed in VNNI panels (built on first use,
-        # kept across use_gemv calls).
+        # Set by use_gemv() for float32 and bfloat16 (on AVX512_BF16) weights: batches of up to
+        # `_panel_rows` rows (all the GEMV's and more) on the weight packed in panels (built on
+        # first use, kept across use_gemv calls).
         self._panel: PanelWeight | None = None
         self._panel_rows = 0
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
@@ -168,16 +169,19 @@ class Linear(nn.Module):
         self._gemv = gemv
         self._gemv_rows = 0 if gemv is None else GEMV_MAX_ROWS
         self._panel_rows = 0
-        if gemv is not None and self._w8 is None and self.weight.dtype == torch.bfloat16:
+        if gemv is None or self._w8 is not None:
+            return
+        if self.weight.dtype == torch.bfloat16:
             # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_dot_rows rows.
             self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
-            # The panel GEMM, where the CPU has it, beats both at every row count it takes
-            # (1-128; bench/gemv_rows.py, docs/benchmarks.md), so it takes all of them.
-            if gemv.panel_rows and self.kind == "onednn":
-                if self._panel is None:
-                    bias = None if self.bias is None else self.bias.detach()
-                    self._panel = PanelWeight.of(self.weight.detach(), bias)
-                self._panel_rows = gemv.panel_rows if self._panel is not None else 0
+        # The panel GEMM, where the CPU has it for this dtype, beats both at every row count it
+        # takes (1-128; bench/gemv_rows.py, docs/benchmarks.md), so it takes all of them.
+        panel_rows = gemv.panel_rows.get(self.weight.dtype, 0)
+        if panel_rows and self.kind == "onednn":
+            if self._panel is None:
+                bias = None if self.bias is None else self.bias.detach()
+                self._panel = PanelWeight.of(self.weight.detach(), bias)
+            self._panel_rows = panel_rows if self._panel is not None else 0
 
     def padded_rows(self, rows: int) -> int:
         """The rows an input of `rows` rows is padded to before this layer multiplies (the module
@@ -381,8 +385,8 @@ def small_batch_gemv(
             raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
         return None
     extra = plain_copy_bytes(model, kind)
-    if gemv.panel_rows and kind == "onednn":  # int8 layers keep no panel copy
-        extra += panel_copy_bytes(model)
+    if kind == "onednn":  # int8 layers keep no panel copy
+        extra += panel_copy_bytes(model, gemv)
     limit = _physical_memory_bytes() // 4
     if mode == "auto" and extra > limit:
         logger.info(
@@ -403,12 +407,16 @@ def plain_copy_bytes(model: nn.Module, kind: LinearKind = "onednn") -> int:
     return sum(w.numel() * w.element_size() for k, w in linears.items() if k not in shared)
 
 
-def panel_copy_bytes(model: nn.Module) -> int:
-    """Bytes the panel GEMM's packed copies add: every bfloat16 linear weight once more."""
+def panel_copy_bytes(model: nn.Module, gemv: Gemv) -> int:
+    """Bytes the panel GEMM's packed copies add: every linear weight of a dtype it takes here
+    once more."""
     linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
     return sum(
-        PanelWeight.padded_out((m.out_features, m.in_features), m.weight.dtype) * m.in_features * 2
+        PanelWeight.padded_out((m.out_features, m.in_features), m.weight.dtype)
+        * m.in_features
+        * m.weight.element_size()
         for m in linears.values()
+        if gemv.panel_rows.get(m.weight.dtype, 0)
     )
 
 

@@ -203,7 +203,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused: FusedOps | None = None
-        # Decode steps of 1-16 rows (int8: 1-8; bfloat16 with panel copies: 1-64) in one native
+        # Decode steps of 1-16 rows (int8: 1-8; with panel copies: 1-128) in one native
         # call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
 
@@ -302,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager); with
-        `decode`, decode steps of 1-16 rows (int8: 1-8) run through every layer in one native call
-        when every linear layer runs the GEMV. Call after the KV caches are bound."""
+        `decode`, decode steps of 1-16 rows (int8: 1-8; with panel copies: 1-128) run through
+        every layer in one native call when every linear layer runs the GEMV. Call after the KV
+        caches are bound."""
         self.model.fused = ops
         self.model.decode = None
         if ops is not None and decode is not None:

@@ -1,13 +1,13 @@
 """The native decode step (`kernels/decode_step.cpp`: every layer of a decode step of 1-16 rows,
-int8 weights 1-8, bfloat16 with panel copies 1-128, in one call) gives bit-for-bit the
+int8 weights 1-8, float32 and bfloat16 with panel copies 1-128, in one call) gives bit-for-bit the
 layer-by-layer fused path's results.
 
 Both run the same kernels in the same order, so greedy tokens and every log-probability must be
 equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
 float dtypes and int8 weights. The layer-by-layer path sends only 1-2 float32 rows to the GEMV
 (`linear.GEMV_MAX_ROWS`; oneDNN sums 3-16 rows in another order), so for the comparison both runs
-let it take as many as the decode step does (bfloat16: every row count on the panel GEMM, in both
-paths already).
+let it take as many as the decode step does (with panel copies: every row count on the panel GEMM,
+in both paths already).
 """
 
 from __future__ import annotations
@@ -119,10 +119,9 @@ def test_equals_the_layer_by_layer_path(
         if isinstance(m, linear.Linear):
             monkeypatch.setattr(m, "_gemv_rows", max(m._gemv_rows, gemv_rows))
     native = _results(llm, plan.max_rows)
-    # 16 rows (int8 8); bfloat16 128 where the CPU has AVX512_BF16 (the panel GEMM).
-    want = (
-        128 if dtype == "bfloat16" and native_kernels.gemv.panel_rows else 8 if quantization else 16
-    )
+    # 128 rows on the panel GEMM (bfloat16 where the CPU has AVX512_BF16); int8 8.
+    panel_rows = native_kernels.gemv.panel_rows[getattr(torch, dtype)]
+    want = 8 if quantization else panel_rows or 16
     assert plan.max_rows == want
     assert set(range(1, plan.max_rows + 1)) <= set(calls), f"step row counts {set(calls)}"
     model.decode = None

@@ -33,7 +33,7 @@ from inferd.models import attention  # noqa: E402
 from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
-from inferd.models.kernels.gemv import Gemv, Int8Weight  # noqa: E402
+from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight  # noqa: E402
 from inferd.models.linear import Linear, has_int8_gemm  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -119,9 +119,10 @@ def _params(n: int) -> SamplingParams:
 
 
 def _count_gemv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls of the small-batch GEMV kernel, float and int8 (the real one runs)."""
+    """Counts calls of the small-batch kernels: the GEMV, float and int8, and the panel GEMM
+    (which takes a float layer's few rows where it runs). The real ones run."""
     calls = [0]
-    real, real_int8 = Gemv.__call__, Gemv.int8
+    real, real_int8, real_panel = Gemv.__call__, Gemv.int8, Gemv.panel
 
     def counting(self: Gemv, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> Any:
         calls[0] += 1
@@ -131,8 +132,13 @@ def _count_gemv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls[0] += 1
         return real_int8(self, x, w)
 
+    def counting_panel(self: Gemv, x: torch.Tensor, w: PanelWeight) -> Any:
+        calls[0] += 1
+        return real_panel(self, x, w)
+
     monkeypatch.setattr(Gemv, "__call__", counting)
     monkeypatch.setattr(Gemv, "int8", counting_int8)
+    monkeypatch.setattr(Gemv, "panel", counting_panel)
     return calls
 
 
@@ -160,7 +166,8 @@ def test_greedy_matches_transformers(
     elif kernel_available():
         assert engine.runner.attn_kernel is not None, "the native attention kernel did not run"
         assert engine.model.model.fused is not None, "the fused elementwise kernels did not run"
-        # The last requests decode alone: their steps' linear layers ran the small-batch GEMV.
+        # The last requests decode alone: their steps' linear layers ran the small-batch GEMV
+        # (or the panel GEMM).
         assert gemv_calls[0] > 0, "the small-batch GEMV did not run"
     if device == "cpu" and torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         assert engine.model.lm_head.kind == "onednn", "linear weights were not prepacked"

@@ -181,11 +181,10 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
     prepare_linears(m, "onednn", counting)
     assert m.kind == "onednn" and torch.equal(m.weight, weight), "the dense weight is kept"
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
-    # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_dot_rows),
-    # on the panel GEMM where it has that (the next test).
+    # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_dot_rows);
+    # the panel GEMM takes more still, where it runs (the next test).
     most = GEMV_MAX_ROWS if dtype == torch.float32 else max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
-    if dtype == torch.bfloat16 and gemv.panel_rows:
-        most = gemv.panel_rows
+    most = gemv.panel_rows[dtype] or most
     with torch.inference_mode():
         for rows in range(0, most + 3):
             x = torch.randn(rows, 96).to(dtype)
@@ -199,30 +198,33 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
 
 
 @onednn
-def test_bfloat16_batches_run_the_panel_gemm(gemv: Gemv) -> None:
-    if gemv.panel_rows == 0:
-        pytest.skip("no AVX512_BF16 on this CPU: no panel GEMM")
-    m = _linear(True, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.dtype) -> None:
+    most = gemv.panel_rows[dtype]
+    if most == 0:
+        pytest.skip("no AVX512_BF16 on this CPU: no bfloat16 panel GEMM")
+    m = _linear(True, dtype)
     weight, bias = m.weight.detach().float(), m.bias.detach().float()  # type: ignore[union-attr]
     counting = _Counting(gemv)
     prepare_linears(m, "onednn", counting)
-    few = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
     with torch.inference_mode():
-        for rows in (1, few, few + 1, 33, 100, gemv.panel_rows, gemv.panel_rows + 1, 200):
-            x = torch.randn(rows, 96).to(torch.bfloat16)
-            before = counting.panel_calls
+        for rows in (1, 2, 16, 17, 33, 100, most, most + 1, 200):
+            x = torch.randn(rows, 96).to(dtype)
+            before = counting.panel_calls + counting.calls
             got = m(x)
-            on_panel = rows <= gemv.panel_rows  # all it takes, the GEMV's rows too
-            assert counting.panel_calls - before == int(on_panel), rows
+            # Every row count it takes, the GEMV's too, and nothing past it.
+            assert counting.panel_calls - before == int(rows <= most), rows
+            assert counting.calls + counting.panel_calls - before == int(rows <= most), rows
             # Rows the panel takes are not padded; past it, oneDNN's row counts again.
-            assert (m.padded_rows(rows) == rows) == (rows <= gemv.panel_rows)
+            assert (m.padded_rows(rows) == rows) == (rows <= most)
             torch.testing.assert_close(
-                got.float(), F.linear(x.float(), weight, bias), atol=0.3, rtol=0.02
+                got.float(), F.linear(x.float(), weight, bias), atol=atol, rtol=rtol
             )
     m.use_gemv(None)
-    assert m.padded_rows(33) == 40, "without the GEMV, 33 rows pad to a oneDNN count again"
+    assert m.padded_rows(33) > 33, "without the GEMV, 33 rows pad to a oneDNN count again"
     m.use_gemv(counting)
-    assert m._panel_rows == gemv.panel_rows, "the packed copy is kept across use_gemv calls"
+    assert m._panel_rows == most, "the packed copy is kept across use_gemv calls"
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
@@ -269,9 +271,12 @@ def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) ->
     m = torch.nn.ModuleList([_linear(False), _linear(True)])
     assert linear.plain_copy_bytes(m) == 2 * 64 * 96 * 4
     assert linear.plain_copy_bytes(m, "int8") == 2 * 64 * 96  # a byte per weight
-    assert linear.panel_copy_bytes(m) == 0, "float32 weights get no panel copy"
+    # 64 outputs: one whole panel each, where the CPU runs the panel GEMM in that dtype.
+    f32_panels = 2 * 64 * 96 * 4 if gemv.panel_rows[torch.float32] else 0
+    assert linear.panel_copy_bytes(m, gemv) == f32_panels
     bf16 = torch.nn.ModuleList([_linear(False, torch.bfloat16)])
-    assert linear.panel_copy_bytes(bf16) == 64 * 96 * 2  # 64 outputs: one whole panel
+    bf16_panels = 64 * 96 * 2 if gemv.panel_rows[torch.bfloat16] else 0
+    assert linear.panel_copy_bytes(bf16, gemv) == bf16_panels
     assert small_batch_gemv("off", "onednn", gemv, m) is None
     assert small_batch_gemv("auto", "int8", gemv, m) is gemv
     assert small_batch_gemv("auto", "dense", gemv, m) is None
@@ -281,7 +286,7 @@ def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) ->
     assert small_batch_gemv("auto", "onednn", gemv, m) is gemv
     # auto keeps the copy only while it takes at most a quarter of physical memory; on always.
     monkeypatch.setattr(
-        linear, "_physical_memory_bytes", lambda: 4 * linear.plain_copy_bytes(m) - 4
+        linear, "_physical_memory_bytes", lambda: 4 * (linear.plain_copy_bytes(m) + f32_panels) - 4
     )
     assert small_batch_gemv("auto", "onednn", gemv, m) is None
     assert small_batch_gemv("on", "onednn", gemv, m) is gemv

@@ -1,4 +1,5 @@
-"""`decode_step.cpp`: a decode step of 1-16 rows through every decoder layer in one native call.
+"""`decode_step.cpp`: a decode step of 1-16 rows (with panel copies 1-128) through every decoder
+layer in one native call.
 
 `DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
 RoPE tables), checks their shapes and builds the C structures that point at them; the returned
@@ -153,8 +154,11 @@ class DecodeLayers:
         # ran 1.23-1.28x faster natively, 16 of the Qwen2-0.5B shape 1.03x; docs/benchmarks.md).
         self.max_rows = int(lib.inferd_gemv_max_rows())
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
-        # bfloat16 layers that all have their panel copies (Linear's 1-128 rows) take this many.
-        self.panel_max_rows = int(lib.inferd_gemm_bf16_panel_rows())
+        # Layers that all have their panel copies (Linear's 1-128 rows) take this many.
+        self.panel_max_rows = {
+            dtype: int(lib.inferd_gemm_panel_rows(DTYPE_CODES[dtype]))
+            for dtype in (torch.float32, torch.bfloat16)
+        }
 
     def plan(
         self,
@@ -168,7 +172,7 @@ class DecodeLayers:
         int8 = any(isinstance(w.weight, Int8Weight) for w in lins)
         rows = self.int8_max_rows if int8 else self.max_rows
         if all(w.panel is not None for w in lins):
-            rows = max(rows, self.panel_max_rows)
+            rows = max(rows, self.panel_max_rows[final_norm.dtype])
         return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 

@@ -1,4 +1,4 @@
-// A decode step of 1-16 rows (int8 weights: 1-8; bfloat16 weights with their panel copies: 1-128)
+// A decode step of 1-16 rows (int8 weights: 1-8; weights with their panel copies: 1-128)
 // through every decoder layer of a Llama-family model in one call.
 //
 //   inferd_decode_layers(model, step)
@@ -7,8 +7,8 @@
 // (models/llama.py): add + RMSNorm, qkv GEMV, q/k norm + RoPE + KV write, paged attention, o GEMV,
 // add + RMSNorm, gate/up GEMV, SiLU * up, down GEMV, and the final add + RMSNorm, so its output
 // is bit-for-bit the Python path's (at 3-16 rows, the Python path's with its linear layers on the
-// GEMV too; by default float32 sends those to oneDNN, which sums in another order, and bfloat16
-// layers with panel copies send every row count to the panel GEMM, as this step does).
+// GEMV too, where oneDNN would sum in another order; layers with panel copies send every row
+// count to the panel GEMM, as this step does).
 // What it removes is the Python between them: a single stream of the 8-layer llama-32m made ~100
 // kernel calls a step from Python (argument checks, data_ptr() reads, output allocations,
 // slicing, ctypes), ~1 ms of a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer,
@@ -41,8 +41,8 @@ int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t
                      int64_t k, const float* w_scale, const int32_t* w_sum, const float* bias,
                      void* y, int64_t y_stride, int dtype);
 int inferd_gemv_max_rows();
-int inferd_gemm_bf16_panel(const void* x, int64_t rows, int64_t x_stride, const void* w,
-                           int64_t n, int64_t k, const void* bias, void* y, int64_t y_stride);
+int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
+                      int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
 }
 
 namespace {
@@ -107,7 +107,7 @@ struct Step {
 
 int linear(const Lin& l, const void* x, int64_t rows, void* y, int dtype) {
   if (l.panel != nullptr)
-    return inferd_gemm_bf16_panel(x, rows, l.k, l.panel, l.n, l.k, l.bias, y, l.n);
+    return inferd_gemm_panel(x, rows, l.k, l.panel, l.n, l.k, l.bias, y, l.n, dtype);
   if (l.int8)
     return inferd_gemv_int8(x, rows, l.k, static_cast<const int8_t*>(l.w), l.n, l.k, l.scale,
                             l.row_sum, static_cast<const float*>(l.bias), y, l.n, dtype);

@@ -5,9 +5,10 @@ plain row-major weight, at the rate the weight streams from memory (the C++ file
 prepacked GEMM does not reach it); bfloat16 from 3 rows up to `bf16_dot_rows` on AVX512_BF16 dot
 products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 weight
 (`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does.
-`Gemv.panel(x, pw)` multiplies bfloat16 batches of up to `panel_rows` (128) rows by a weight
-packed in VNNI panels (`PanelWeight`, `panel_gemm.cpp`), where the CPU has AVX512_BF16; it beats
-both the GEMV and oneDNN at every row count it takes, so bfloat16 layers send it all of them.
+`Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
+by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
+AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, so the linear layers
+send it all of them.
 Inputs are checked here; the C side trusts them.
 """
 
@@ -47,21 +48,22 @@ PANEL_COLUMNS = 64
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A bfloat16 weight [out, in] packed for panel_gemm.cpp: [ceil(out / 64), in / 2, 64, 2],
-    panel p holding output columns [64p, 64p + 64) (zeros past `out`), the weights of input
-    values 2i and 2i + 1 side by side."""
+    """A weight [out, in] packed for panel_gemm.cpp in panels of 64 output columns, panel p
+    holding columns [64p, 64p + 64) (zeros past `out`): bfloat16 [ceil(out / 64), in / 2, 64, 2],
+    the weights of input values 2i and 2i + 1 side by side; float32 [ceil(out / 64), in, 64]."""
 
     packed: Tensor
     out_features: int
     in_features: int
-    bias: Tensor | None  # [out] bfloat16
+    bias: Tensor | None  # [out], the weight's dtype
 
     @staticmethod
     def padded_out(weight_shape: tuple[int, int], dtype: torch.dtype) -> int:
         """Output columns the packed copy of such a weight holds (whole panels); 0 when the
-        kernel cannot take it (not bfloat16, or an odd number of inputs)."""
+        kernel cannot take it (not float32 or bfloat16, or bfloat16 with an odd number of
+        inputs)."""
         n, k = weight_shape
-        if dtype != torch.bfloat16 or k % 2:
+        if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.bfloat16 and k % 2):
             return 0
         return -(-n // PANEL_COLUMNS) * PANEL_COLUMNS
 
@@ -73,8 +75,11 @@ class PanelWeight:
         if n_pad == 0:
             return None
         w = weight if n_pad == n else torch.nn.functional.pad(weight, (0, 0, 0, n_pad - n))
-        packed = w.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 2, 2).transpose(1, 2)
-        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        pair = 2 if weight.dtype == torch.bfloat16 else 1
+        packed = w.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // pair, pair).transpose(1, 2)
+        if pair == 1:
+            packed = packed.squeeze(-1)
+        b = None if bias is None else bias.to(weight.dtype).contiguous()
         return cls(packed.contiguous(), n, k, b)
 
 
@@ -94,11 +99,14 @@ class Gemv:
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
         # bfloat16 rows up to this many run on dot products (0: the CPU has none).
         self.bf16_dot_rows = int(lib.inferd_gemv_bf16_dot_rows())
-        self._panel = lib.inferd_gemm_bf16_panel
-        self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+        self._panel = lib.inferd_gemm_panel
+        self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
         self._panel.restype = ctypes.c_int
-        # The most bfloat16 rows Gemv.panel takes (0: the CPU has no AVX512_BF16).
-        self.panel_rows = int(lib.inferd_gemm_bf16_panel_rows())
+        # The most rows Gemv.panel takes in each dtype (bfloat16 0: the CPU has no AVX512_BF16).
+        self.panel_rows = {
+            dtype: int(lib.inferd_gemm_panel_rows(DTYPE_CODES[dtype]))
+            for dtype in (torch.float32, torch.bfloat16)
+        }
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
@@ -155,12 +163,16 @@ class Gemv:
         return y
 
     def panel(self, x: Tensor, w: PanelWeight) -> Tensor:
-        """[rows, in] bfloat16 (rows <= panel_rows, unit stride along in) -> [rows, out]."""
-        rows, k = self._rows(x, self.panel_rows)
-        if k != w.in_features or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-            raise ValueError(f"gemm panel: x {tuple(x.shape)} {x.dtype}, weight in {w.in_features}")
+        """[rows, in] in the weight's dtype (rows <= panel_rows[dtype], unit stride along in)
+        -> [rows, out]."""
+        dtype = w.packed.dtype
+        rows, k = self._rows(x, self.panel_rows[dtype])
+        if k != w.in_features or x.dtype != dtype or x.stride(1) != 1:
+            raise ValueError(
+                f"gemm panel: x {tuple(x.shape)} {x.dtype}, weight in {w.in_features} {dtype}"
+            )
         n = w.out_features
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        y = torch.empty(rows, n, dtype=dtype)
         rc = self._panel(
             x.data_ptr(),
             rows,
@@ -171,6 +183,7 @@ class Gemv:
             None if w.bias is None else w.bias.data_ptr(),
             y.data_ptr(),
             n,
+            DTYPE_CODES[dtype],
         )
         check_rc(rc, "gemm panel")
         return y
