@@ -105,8 +105,8 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True)
 class GemvWeight:
     """One linear layer as the GEMV reads it: the plain model-dtype weight [n, k] and bias, or
-    an int8 copy (whose bias is inside it); for bfloat16, also its panel copy, which every row
-    count runs on when present (None: the layer has none)."""
+    an int8 copy (whose bias is inside it); for float32 and bfloat16, also its panel copy, which
+    every row count runs on when present (None: the layer has none)."""
 
     weight: Tensor | Int8Weight
     bias: Tensor | None

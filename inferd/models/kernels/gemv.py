@@ -8,8 +8,7 @@ products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 w
 `Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
 by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
 AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, so the linear layers
-send it all of them.
-Inputs are checked here; the C side trusts them.
+send it all of them. Inputs are checked here; the C side trusts them.
 """
 
 from __future__ import annotations
