@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
-from inferd.models.kernels.gemv import Int8Weight, PanelWeight
+from inferd.models.kernels.gemv import Int8Weight, PanelWeight, panel_rows
 from inferd.models.kv_int8 import row_width
 
 if TYPE_CHECKING:
@@ -155,10 +155,7 @@ class DecodeLayers:
         self.max_rows = int(lib.inferd_gemv_max_rows())
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
         # Layers that all have their panel copies (Linear's 1-128 rows) take this many.
-        self.panel_max_rows = {
-            dtype: int(lib.inferd_gemm_panel_rows(DTYPE_CODES[dtype]))
-            for dtype in (torch.float32, torch.bfloat16)
-        }
+        self.panel_max_rows = panel_rows(lib)
 
     def plan(
         self,

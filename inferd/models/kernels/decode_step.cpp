@@ -40,7 +40,6 @@ int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, in
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,
                      int64_t k, const float* w_scale, const int32_t* w_sum, const float* bias,
                      void* y, int64_t y_stride, int dtype);
-int inferd_gemv_max_rows();
 int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
                       int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
 }

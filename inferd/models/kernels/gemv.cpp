@@ -192,7 +192,6 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
 // ---- bfloat16 dot products (AVX512_BF16) ----------------------------------------------------
 
 #ifdef __AVX512BF16__
-constexpr bool kHasDot = true;
 constexpr int kDotWeightRows = 4;  // weight rows per tile
 // x rows per tile: 4 x 6 accumulators, 4 weights and 1 x in the 32 vector registers.
 constexpr int kDotXRows = 6;
@@ -296,7 +295,6 @@ int gemm_bf16_dot(const void* x, int64_t rows, int64_t x_stride, const void* w, 
   return 0;
 }
 #else
-constexpr bool kHasDot = false;
 int gemm_bf16_dot(const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*,
                   void*, int64_t) {
   return -1;
@@ -382,7 +380,7 @@ int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, in
                 int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
   if (dtype == kF32) return gemv<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
   if (dtype != kBF16) return -1;
-  if (kHasDot && rows >= kDotMinRows && rows <= kDotMaxRows)
+  if (kHasAVX512BF16 && rows >= kDotMinRows && rows <= kDotMaxRows)
     return gemm_bf16_dot(x, rows, x_stride, w, n, k, bias, y, y_stride);
   return gemv<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
 }
@@ -394,7 +392,7 @@ int inferd_gemv_max_rows() { return kMaxGroupedRows; }
 int inferd_gemv_int8_max_rows() { return kMaxRows; }
 
 // The most bfloat16 rows that run on AVX512_BF16 dot products (from kDotMinRows); 0 without them.
-int inferd_gemv_bf16_dot_rows() { return kHasDot ? kDotMaxRows : 0; }
+int inferd_gemv_bf16_dot_rows() { return kHasAVX512BF16 ? kDotMaxRows : 0; }
 
 // Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,

@@ -82,6 +82,14 @@ class PanelWeight:
         return cls(packed.contiguous(), n, k, b)
 
 
+def panel_rows(lib: ctypes.CDLL) -> dict[torch.dtype, int]:
+    """The most rows panel_gemm.cpp takes in each dtype it has (0: none on this CPU)."""
+    return {
+        dtype: int(lib.inferd_gemm_panel_rows(DTYPE_CODES[dtype]))
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+
+
 class Gemv:
     """Bound to a loaded kernel library (kernels.load)."""
 
@@ -102,10 +110,7 @@ class Gemv:
         self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
         self._panel.restype = ctypes.c_int
         # The most rows Gemv.panel takes in each dtype (bfloat16 0: the CPU has no AVX512_BF16).
-        self.panel_rows = {
-            dtype: int(lib.inferd_gemm_panel_rows(DTYPE_CODES[dtype]))
-            for dtype in (torch.float32, torch.bfloat16)
-        }
+        self.panel_rows = panel_rows(lib)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous

@@ -43,11 +43,6 @@
 namespace {
 
 constexpr int kKeyTile = 32;
-#ifdef __AVX512BF16__
-constexpr bool kDotBF16 = true;
-#else
-constexpr bool kDotBF16 = false;
-#endif
 // Bytes of one key tile's K (or V) rows of an item's heads, as float32 (read in place, or widened
 // into scratch): at most a quarter of L1.
 constexpr int kTileBytes = 16 << 10;
@@ -218,7 +213,8 @@ struct Kernel {
     const __m512 vscale = _mm512_set1_ps(p.scale);
     // bfloat16 queries against a bfloat16 cache: scores by AVX512_BF16 dot products on K as it
     // is in the cache (no widened copy), scaled after the sum.
-    const bool dot_bf16 = kDotBF16 && D % 32 == 0 && p.kv_dtype == kBF16 && p.act_dtype == kBF16;
+    const bool dot_bf16 =
+        kHasAVX512BF16 && D % 32 == 0 && p.kv_dtype == kBF16 && p.act_dtype == kBF16;
     alignas(64) uint16_t qraw[kMaxRows * D];
     const char* kraw[kKeyTile];
     const char* vraw[kKeyTile];

@@ -52,12 +52,6 @@ constexpr int kBlockSteps = 512;  // steps per block: 512 x 256 bytes = 128 KiB 
 constexpr int kTileRows = 6;
 constexpr int kMaxRows = 128;
 
-#ifdef __AVX512BF16__
-constexpr bool kHasBF16 = true;
-#else
-constexpr bool kHasBF16 = false;
-#endif
-
 // One step of the packed weight is 256 bytes, 64 columns against 4 bytes of each row of x: a pair
 // of bfloat16 inputs (VDPBF16PS) or one float32 input (VFMADD). Everything else is shared.
 struct StepBF16 {
@@ -166,7 +160,7 @@ int gemm_panel(const void* x, int rows, int64_t x_stride, const void* w, int64_t
 
 int panel_rows(int dtype) {
   if (dtype == kF32) return kMaxRows;
-  return dtype == kBF16 && kHasBF16 ? kMaxRows : 0;
+  return dtype == kBF16 && kHasAVX512BF16 ? kMaxRows : 0;
 }
 
 }  // namespace

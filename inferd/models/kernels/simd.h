@@ -26,6 +26,14 @@ namespace {
 
 enum DType : int { kF32 = 0, kBF16 = 1, kFP8E5M2 = 2, kI8 = 3 };
 
+// Whether this build has the AVX512_BF16 dot products (VDPBF16PS); kernels that use them keep a
+// path without.
+#ifdef __AVX512BF16__
+constexpr bool kHasAVX512BF16 = true;
+#else
+constexpr bool kHasAVX512BF16 = false;
+#endif
+
 inline int64_t dtype_size(int dtype) { return dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1; }
 
 // Bytes of one head's K or V row of d values in the cache (int8 rows end with their scale).
