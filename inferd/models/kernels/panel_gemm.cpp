@@ -22,8 +22,14 @@
 // GFLOP/s at 24 rows; weights kept in L2, 86 %). With 128 KiB blocks the first tile pulls the
 // block into L2 while the next tiles run from there, at L2's bandwidth, far above what a tile
 // takes (256 bytes per 24 multiply-adds); the 24 accumulators stay in registers across 8x as many
-// steps. Software prefetch of the next block cost 3-10 % with L1 blocks and gained less than
-// the larger block (a scratch variant, measured 2026-11-27).
+// steps. The first tile still reads its block from memory at a core's share of the bandwidth,
+// slower than it computes, while the other tiles leave memory idle; so every tile of a block
+// also prefetches (into L2) an equal share of the next block, a line every few steps: the
+// memory traffic spreads over the whole block's time. 24 bfloat16 rows 58-63 ms instead of
+// 63-67, 12-18 rows 9-20 % faster, no change from 48 rows (compute-bound) or at 1-6 rows (one
+// tile: memory-bound, and no prefetch). A division per step to place those prefetches cost more
+// than they gained on llama-32m's layers; the spread is an error counter (docs/benchmarks.md).
+// Prefetching the next block during the first tile only, with 16 KiB blocks, cost 3-10 %.
 //
 // The packing (gemv.py's PanelWeight): panel p holds output columns [64p, 64p + 64) as steps of
 // 256 bytes, one step 64 columns' weights for 4 bytes of x: bfloat16 k / 2 steps of 64 x 2 values,
@@ -74,17 +80,37 @@ struct StepF32 {
   }
 };
 
-// acc[r][0, 64) (+)= x rows [0, R) . `steps` steps of a panel.
+// The next block's weights, fetched into L2 a share per step while the current block's tiles
+// run from L2 (see the header): its `lines` cache lines spread over `tiles` x `steps` steps.
+struct Prefetch {
+  const char* next;  // null: none (a single tile, or the thread's last block)
+  int lines;
+  int tiles;
+};
+
+// acc[r][0, 64) (+)= x rows [0, R) . `steps` steps of a panel; tile `t` of the block prefetches
+// its share of the next.
 template <class S, int R>
 inline void tile(const typename S::W* x, int64_t x_stride, const typename S::W* w, int steps,
-                 float* acc, bool first) {
+                 float* acc, bool first, const Prefetch& pf, int t) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;  // weight values per step
   __m512 c[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v)
       c[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * kPanel + v * 16);
+  // Tile t of the block prefetches lines [line, end) of the next, `share` of them.
+  int line = 0, end = 0, share = 0, err = 0;
+  if (pf.next != nullptr) {
+    line = pf.lines * t / pf.tiles;
+    end = pf.lines * (t + 1) / pf.tiles;
+    share = end - line;
+  }
   for (int p = 0; p < steps; ++p) {
     const typename S::W* wp = w + static_cast<int64_t>(p) * kStepValues;
+    // Spread the tile's share of lines evenly over its steps (integer steps of a line count,
+    // Bresenham-style: no division in the loop).
+    for (err += share; err >= steps && line < end; err -= steps)
+      _mm_prefetch(pf.next + 64 * static_cast<int64_t>(line++), _MM_HINT_T1);
     __m512i wv[4];
     for (int v = 0; v < 4; ++v) wv[v] = _mm512_load_si512(wp + v * kStepValues / 4);
     for (int r = 0; r < R; ++r) {
@@ -100,32 +126,40 @@ inline void tile(const typename S::W* x, int64_t x_stride, const typename S::W* 
 
 template <class S>
 inline void tile_rows(int rows, const typename S::W* x, int64_t x_stride, const typename S::W* w,
-                      int steps, float* acc, bool first) {
+                      int steps, float* acc, bool first, const Prefetch& pf, int t) {
   switch (rows) {
-    case 1: return tile<S, 1>(x, x_stride, w, steps, acc, first);
-    case 2: return tile<S, 2>(x, x_stride, w, steps, acc, first);
-    case 3: return tile<S, 3>(x, x_stride, w, steps, acc, first);
-    case 4: return tile<S, 4>(x, x_stride, w, steps, acc, first);
-    case 5: return tile<S, 5>(x, x_stride, w, steps, acc, first);
-    default: return tile<S, 6>(x, x_stride, w, steps, acc, first);
+    case 1: return tile<S, 1>(x, x_stride, w, steps, acc, first, pf, t);
+    case 2: return tile<S, 2>(x, x_stride, w, steps, acc, first, pf, t);
+    case 3: return tile<S, 3>(x, x_stride, w, steps, acc, first, pf, t);
+    case 4: return tile<S, 4>(x, x_stride, w, steps, acc, first, pf, t);
+    case 5: return tile<S, 5>(x, x_stride, w, steps, acc, first, pf, t);
+    default: return tile<S, 6>(x, x_stride, w, steps, acc, first, pf, t);
   }
 }
 
 // y[:, 64p, 64p + 64) of every row: all of panel p's blocks, then the bias (and rounding).
+// `w_end`: the end of this thread's panels, where prefetching stops.
 template <class S>
 void panel(const typename S::W* x, int rows, int64_t x_stride, const typename S::W* w,
            int64_t steps, const typename S::W* bias, int64_t n, typename S::W* y,
-           int64_t y_stride, int64_t p, float* acc) {
+           int64_t y_stride, int64_t p, float* acc, const typename S::W* w_end) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
   constexpr int dtype = S::kInputsPerStep == 2 ? kBF16 : kF32;
   const typename S::W* wp = w + p * steps * kStepValues;
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   for (int64_t i0 = 0; i0 < steps; i0 += kBlockSteps) {
     const int ns = static_cast<int>(std::min<int64_t>(kBlockSteps, steps - i0));
+    const typename S::W* block = wp + i0 * kStepValues;
+    // The next block is the next ns steps in memory (this panel's next block or the next
+    // panel's first: a thread's panels are contiguous).
+    const typename S::W* next = block + static_cast<int64_t>(ns) * kStepValues;
+    const int64_t left = (w_end - next) * static_cast<int64_t>(sizeof(*next)) / 64;
+    const Prefetch pf{tiles > 1 && left > 0 ? reinterpret_cast<const char*>(next) : nullptr,
+                      static_cast<int>(std::min<int64_t>(4 * ns, left)), tiles};
     for (int t = 0, r0 = 0; t < tiles; ++t) {
       const int r1 = rows * (t + 1) / tiles;
-      tile_rows<S>(r1 - r0, x + r0 * x_stride + S::kInputsPerStep * i0, x_stride,
-                   wp + i0 * kStepValues, ns, acc + r0 * kPanel, i0 == 0);
+      tile_rows<S>(r1 - r0, x + r0 * x_stride + S::kInputsPerStep * i0, x_stride, block, ns,
+                   acc + r0 * kPanel, i0 == 0, pf, t);
       r0 = r1;
     }
   }
@@ -151,9 +185,11 @@ int gemm_panel(const void* x, int rows, int64_t x_stride, const void* w, int64_t
     alignas(64) float acc[kMaxRows * kPanel];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     // Contiguous ranges: one sequential stream of weights per thread.
-    for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p)
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    const W* w_end = static_cast<const W*>(w) + p1 * steps * kPanel * S::kInputsPerStep;
+    for (int64_t p = p0; p < p1; ++p)
       panel<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps,
-               static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p, acc);
+               static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p, acc, w_end);
   }
   return 0;
 }
