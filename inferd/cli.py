@@ -89,9 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--small-batch-gemv",
         default="auto",
         choices=get_args(SmallBatchGemv),
-        help="batches of 1-2 rows, and decode steps of up to 8 sequences (one native call), on "
-        "the native GEMV over a plain copy of the weights; auto: when the copy fits in a quarter "
-        "of RAM",
+        help="batches of up to 128 rows, and decode steps (one native call), on native kernels "
+        "over a second copy of the weights (packed in panels, else plain for the GEMV); auto: "
+        "when the copies fit in a quarter of RAM",
     )
     sched = SchedulerConfig.model_fields
     p.add_argument(

@@ -89,9 +89,10 @@ class DeviceConfig(_Frozen):
     # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
     # dense = F.linear everywhere (the reference path).
     linear_backend: LinearBackend = "auto"
-    # The native GEMV for batches of 1-2 rows and decode steps of up to 8 sequences (one native
-    # call per step), on a second, plain copy of the weights: auto = when the native kernels run
-    # and the copy takes at most a quarter of RAM.
+    # Few-row batches and decode steps (up to 128 rows, one native call per step) on native
+    # kernels over a second copy of the weights beside oneDNN's: packed in panels (float32;
+    # bfloat16 on AVX512_BF16), else plain for the GEMV; auto = when the native kernels run and
+    # the copies take at most a quarter of RAM.
     small_batch_gemv: SmallBatchGemv = "auto"
 
 

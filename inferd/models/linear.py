@@ -34,12 +34,13 @@ GEMV serves the few-row batches:
   is at most a quarter of the machine's memory.
 - panel GEMM (`onednn` float32 and bfloat16 weights with the small-batch GEMV; bfloat16 where
   the CPU has AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included,
-  run `kernels/panel_gemm.cpp` on a third copy of the weight packed in panels of 64 output
+  run `kernels/panel_gemm.cpp` on a copy of the weight packed in panels of 64 output
   columns, each thread streaming its own range of them: over the Qwen2-0.5B shape's decode
   weights 1.1-1.3x the GEMV at 1-16 rows and 1.03-1.2x oneDNN's GEMM at 16-128 (bfloat16 ~400
   GFLOP/s from 48 rows, float32 ~175 at 24-64); the engine 6-18 % faster on the mixes of both
-  shapes in both dtypes (docs/benchmarks.md). That copy counts toward `auto`'s quarter of
-  memory too.
+  shapes in both dtypes (docs/benchmarks.md). As it takes every row count the GEMV would, the
+  plain weight is then freed (unless shared): two copies in all, oneDNN's and the panels. The
+  panel copy counts toward `auto`'s quarter of memory.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class Linear(nn.Module):
         self._panel_rows = 0
         # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
         self._w8: Int8Weight | None = None
+        # prepare(keep_dense=True): another module shares the dense weight, never freed here.
+        self._weight_shared = False
         # A checkpoint already quantized to int8 (models/quantized.py): its integers [out, in] and
         # per-channel scales [out, 1], filled by the loader (expect_int8) and taken by the int8
         # kind as they are; released by prepare(). None for a float checkpoint.
@@ -136,6 +139,7 @@ class Linear(nn.Module):
         self._gemv = None
         self._w8 = None
         self._panel, self._panel_rows = None, 0
+        self._weight_shared = keep_dense
         loaded = None
         if self.qweight is not None and self.weight_scale is not None:
             loaded = self.qweight.detach(), self.weight_scale.detach()[:, 0].contiguous()
@@ -155,15 +159,19 @@ class Linear(nn.Module):
             keep_dense = keep_dense or keep_plain
         self.kind = kind
         if not keep_dense:
-            self.weight = nn.Parameter(weight.new_empty((0, self.in_features)), False)
+            self._free_dense()
+
+    def _free_dense(self) -> None:
+        self.weight = nn.Parameter(self.weight.detach().new_empty((0, self.in_features)), False)
 
     def use_gemv(self, gemv: Gemv | None) -> None:
         """Few-row batches on `gemv` (None: on the prepared kernel). Needs the plain weight kept
-        (prepare(kind, ..., keep_plain=True))."""
+        (prepare(kind, ..., keep_plain=True)); once the panel copy takes every row count the GEMV
+        would, the plain weight is freed (unless shared) and the panel copy stands in for it."""
         if self.kind == "int8":
             plain = self._w8 is not None
         else:
-            plain = self.weight.shape[0] == self.out_features
+            plain = self.weight.shape[0] == self.out_features or self._panel is not None
         if gemv is not None and not plain:
             raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
@@ -182,6 +190,12 @@ class Linear(nn.Module):
                 bias = None if self.bias is None else self.bias.detach()
                 self._panel = PanelWeight.of(self.weight.detach(), bias)
             self._panel_rows = panel_rows if self._panel is not None else 0
+        if self.weight.shape[0] == 0 and self._panel_rows < self._gemv_rows:
+            raise ValueError("the plain weight was freed for a panel copy this GEMV does not run")
+        if self._panel_rows >= self._gemv_rows and not self._weight_shared:
+            # Every row count the GEMV would take runs on the panel copy: the plain weight, a
+            # third copy beside oneDNN's and the panels, would only take memory.
+            self._free_dense()
 
     def padded_rows(self, rows: int) -> int:
         """The rows an input of `rows` rows is padded to before this layer multiplies (the module
@@ -196,7 +210,8 @@ class Linear(nn.Module):
             return None
         if self._w8 is not None:
             return GemvWeight(self._w8, None)
-        return GemvWeight(self.weight, self.bias, self._panel if self._panel_rows else None)
+        plain = self.weight if self.weight.shape[0] == self.out_features else None
+        return GemvWeight(plain, self.bias, self._panel if self._panel_rows else None)
 
 
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,
@@ -376,35 +391,44 @@ def small_batch_gemv(
     """The GEMV the linear layers of `model` should use for few-row batches, or None.
 
     `gemv` is the loaded native kernel (None when the kernels do not run here). Only the kinds
-    that pack their weights (oneDNN, int8) gain from a plain copy; `auto` keeps that copy when it
-    takes at most a quarter of physical memory, `on` always (an error without the kernels)."""
+    that pack their weights (oneDNN, int8) gain from a second copy (panels, or a plain one);
+    `auto` keeps the copies when they take at most a quarter of physical memory, `on` always (an
+    error without the kernels)."""
     if mode == "off" or kind not in GEMV_KINDS:
         return None
     if gemv is None:
         if mode == "on":
             raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
         return None
-    extra = plain_copy_bytes(model, kind)
+    extra = plain_copy_bytes(model, kind, gemv)
     if kind == "onednn":  # int8 layers keep no panel copy
         extra += panel_copy_bytes(model, gemv)
     limit = _physical_memory_bytes() // 4
     if mode == "auto" and extra > limit:
         logger.info(
-            "small-batch GEMV off: the plain weights (%.0f MiB) exceed a quarter of RAM",
+            "small-batch GEMV off: its weight copies (%.0f MiB) exceed a quarter of RAM",
             extra / 2**20,
         )
         return None
     return gemv
 
 
-def plain_copy_bytes(model: nn.Module, kind: LinearKind = "onednn") -> int:
+def plain_copy_bytes(
+    model: nn.Module, kind: LinearKind = "onednn", gemv: Gemv | None = None
+) -> int:
     """Bytes the small-batch GEMV's plain weights add: for `onednn` the dense weights that would
-    otherwise be freed, for `int8` an int8 copy of every weight."""
+    otherwise be freed (but for dtypes `gemv` has the panel GEMM for, whose panel copies stand in
+    for them), for `int8` an int8 copy of every weight."""
     linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
     if kind == "int8":
         return sum(w.numel() for w in linears.values())
     shared = _shared_weights(model)
-    return sum(w.numel() * w.element_size() for k, w in linears.items() if k not in shared)
+    panel = {} if gemv is None else gemv.panel_rows
+    return sum(
+        w.numel() * w.element_size()
+        for k, w in linears.items()
+        if k not in shared and not panel.get(w.dtype, 0)
+    )
 
 
 def panel_copy_bytes(model: nn.Module, gemv: Gemv) -> int:

@@ -179,7 +179,9 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
     weight, bias = m.weight.detach().clone(), m.bias.detach().clone()  # type: ignore[union-attr]
     counting = _Counting(gemv)
     prepare_linears(m, "onednn", counting)
-    assert m.kind == "onednn" and torch.equal(m.weight, weight), "the dense weight is kept"
+    # The dense weight is kept for the GEMV, unless the panel copy takes all its rows (next test).
+    assert m.kind == "onednn"
+    assert torch.equal(m.weight, weight) or (gemv.panel_rows[dtype] and m.weight.numel() == 0)
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
     # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_dot_rows);
     # the panel GEMM takes more still, where it runs (the next test).
@@ -207,6 +209,8 @@ def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.d
     weight, bias = m.weight.detach().float(), m.bias.detach().float()  # type: ignore[union-attr]
     counting = _Counting(gemv)
     prepare_linears(m, "onednn", counting)
+    assert m.weight.numel() == 0, "the panel copy takes the GEMV's rows: the plain one is freed"
+    assert m.gemv_weight() is not None and m.gemv_weight().shape == (64, 96)  # type: ignore[union-attr]
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
     with torch.inference_mode():
         for rows in (1, 2, 16, 17, 33, 100, most, most + 1, 200):
@@ -225,6 +229,19 @@ def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.d
     assert m.padded_rows(33) > 33, "without the GEMV, 33 rows pad to a oneDNN count again"
     m.use_gemv(counting)
     assert m._panel_rows == most, "the packed copy is kept across use_gemv calls"
+
+
+@onednn
+def test_a_shared_weight_stays_beside_its_panel_copy(gemv: Gemv) -> None:
+    if not gemv.panel_rows[torch.float32]:
+        pytest.skip("no float32 panel GEMM here")
+    head = _linear(False)
+    model = torch.nn.Module()
+    model.head = head
+    model.embed = torch.nn.Embedding(64, 96)
+    model.embed.weight = head.weight  # tied, as an lm_head and its embeddings
+    prepare_linears(model, "onednn", gemv)
+    assert head._panel_rows and head.weight.shape == (64, 96), "the embedding still reads it"
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
@@ -284,9 +301,10 @@ def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ModelLoadError, match="native"):
         small_batch_gemv("on", "onednn", None, m)
     assert small_batch_gemv("auto", "onednn", gemv, m) is gemv
-    # auto keeps the copy only while it takes at most a quarter of physical memory; on always.
-    monkeypatch.setattr(
-        linear, "_physical_memory_bytes", lambda: 4 * (linear.plain_copy_bytes(m) + f32_panels) - 4
-    )
+    # Where the panel GEMM runs the dtype, its copy stands in for the plain one (freed).
+    plain = 0 if f32_panels else 2 * 64 * 96 * 4
+    assert linear.plain_copy_bytes(m, "onednn", gemv) == plain
+    # auto keeps the copies only while they take at most a quarter of physical memory; on always.
+    monkeypatch.setattr(linear, "_physical_memory_bytes", lambda: 4 * (plain + f32_panels) - 4)
     assert small_batch_gemv("auto", "onednn", gemv, m) is None
     assert small_batch_gemv("on", "onednn", gemv, m) is gemv

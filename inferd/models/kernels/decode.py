@@ -106,14 +106,22 @@ class _Step(ctypes.Structure):
 class GemvWeight:
     """One linear layer as the GEMV reads it: the plain model-dtype weight [n, k] and bias, or
     an int8 copy (whose bias is inside it); for float32 and bfloat16, also its panel copy, which
-    every row count runs on when present (None: the layer has none)."""
+    every row count runs on when present (None: the layer has none). With a panel copy the plain
+    weight may be gone (None: Linear frees it when the panel takes every row count)."""
 
-    weight: Tensor | Int8Weight
+    weight: Tensor | Int8Weight | None
     bias: Tensor | None
     panel: PanelWeight | None = None
 
+    def __post_init__(self) -> None:
+        if self.weight is None and self.panel is None:
+            raise ValueError("a GemvWeight needs the plain weight or its panel copy")
+
     @property
     def shape(self) -> tuple[int, int]:
+        if self.weight is None:
+            assert self.panel is not None
+            return self.panel.out_features, self.panel.in_features
         w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
         return int(w.shape[0]), int(w.shape[1])
 
@@ -282,7 +290,7 @@ def _lin(g: GemvWeight) -> _Lin:
         return _Lin(w.q.data_ptr(), bias, w.scale.data_ptr(), w.row_sum.data_ptr(), n, k, 1)
     bias = None if g.bias is None else g.bias.data_ptr()
     panel = None if g.panel is None else g.panel.packed.data_ptr()
-    return _Lin(w.data_ptr(), bias, None, None, n, k, 0, panel)
+    return _Lin(None if w is None else w.data_ptr(), bias, None, None, n, k, 0, panel)
 
 
 def _check_layout(
@@ -354,6 +362,9 @@ def _check_linear(g: GemvWeight, size: tuple[int, int], dtype: torch.dtype, name
         if w.bias is not None:
             _check_contiguous(w.bias, torch.float32)
         return
-    _check_contiguous(w, dtype)
+    if w is not None:
+        _check_contiguous(w, dtype)
+    if g.panel is not None:
+        _check_contiguous(g.panel.packed, dtype)
     if g.bias is not None:
         _check_vector(g.bias, size[0], dtype)
