@@ -148,7 +148,7 @@ class Linear(nn.Module):
             self._fn, self.kind = None, kind
             return
         weight = self.weight.detach()
-        bias = None if self.bias is None else self.bias.detach()
+        bias = self._bias_or_none()
         if kind == "int8":
             q, scale = loaded or quantize_int8(weight)
             self._fn = _int8(q, scale, bias)
@@ -164,6 +164,14 @@ class Linear(nn.Module):
     def _free_dense(self) -> None:
         self.weight = nn.Parameter(self.weight.detach().new_empty((0, self.in_features)), False)
 
+    @property
+    def _has_plain(self) -> bool:
+        """Whether the dense weight is still held (not freed by prepare or use_gemv)."""
+        return self.weight.shape[0] == self.out_features
+
+    def _bias_or_none(self) -> Tensor | None:
+        return None if self.bias is None else self.bias.detach()
+
     def use_gemv(self, gemv: Gemv | None) -> None:
         """Few-row batches on `gemv` (None: on the prepared kernel). Needs the plain weight kept
         (prepare(kind, ..., keep_plain=True)); once the panel copy takes every row count the GEMV
@@ -171,7 +179,7 @@ class Linear(nn.Module):
         if self.kind == "int8":
             plain = self._w8 is not None
         else:
-            plain = self.weight.shape[0] == self.out_features or self._panel is not None
+            plain = self._has_plain or self._panel is not None
         if gemv is not None and not plain:
             raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
         self._gemv = gemv
@@ -187,10 +195,9 @@ class Linear(nn.Module):
         panel_rows = gemv.panel_rows.get(self.weight.dtype, 0)
         if panel_rows and self.kind == "onednn":
             if self._panel is None:
-                bias = None if self.bias is None else self.bias.detach()
-                self._panel = PanelWeight.of(self.weight.detach(), bias)
+                self._panel = PanelWeight.of(self.weight.detach(), self._bias_or_none())
             self._panel_rows = panel_rows if self._panel is not None else 0
-        if self.weight.shape[0] == 0 and self._panel_rows < self._gemv_rows:
+        if not self._has_plain and self._panel_rows < self._gemv_rows:
             raise ValueError("the plain weight was freed for a panel copy this GEMV does not run")
         if self._panel_rows >= self._gemv_rows and not self._weight_shared:
             # Every row count the GEMV would take runs on the panel copy: the plain weight, a
@@ -210,7 +217,7 @@ class Linear(nn.Module):
             return None
         if self._w8 is not None:
             return GemvWeight(self._w8, None)
-        plain = self.weight if self.weight.shape[0] == self.out_features else None
+        plain = self.weight if self._has_plain else None
         return GemvWeight(plain, self.bias, self._panel if self._panel_rows else None)
 
 
@@ -419,15 +426,14 @@ def plain_copy_bytes(
     """Bytes the small-batch GEMV's plain weights add: for `onednn` the dense weights that would
     otherwise be freed (but for dtypes `gemv` has the panel GEMM for, whose panel copies stand in
     for them), for `int8` an int8 copy of every weight."""
-    linears = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
+    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
     if kind == "int8":
-        return sum(w.numel() for w in linears.values())
+        return sum(m.weight.numel() for m in linears.values())
     shared = _shared_weights(model)
-    panel = {} if gemv is None else gemv.panel_rows
     return sum(
-        w.numel() * w.element_size()
-        for k, w in linears.items()
-        if k not in shared and not panel.get(w.dtype, 0)
+        m.weight.numel() * m.weight.element_size()
+        for k, m in linears.items()
+        if k not in shared and not (gemv and _panel_bytes(m, gemv))
     )
 
 
@@ -435,13 +441,16 @@ def panel_copy_bytes(model: nn.Module, gemv: Gemv) -> int:
     """Bytes the panel GEMM's packed copies add: every linear weight of a dtype it takes here
     once more."""
     linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
-    return sum(
-        PanelWeight.padded_out((m.out_features, m.in_features), m.weight.dtype)
-        * m.in_features
-        * m.weight.element_size()
-        for m in linears.values()
-        if gemv.panel_rows.get(m.weight.dtype, 0)
-    )
+    return sum(_panel_bytes(m, gemv) for m in linears.values())
+
+
+def _panel_bytes(m: Linear, gemv: Gemv) -> int:
+    """Bytes of `m`'s panel copy; 0 when it gets none here (and keeps its plain weight)."""
+    dtype = m.weight.dtype
+    if not gemv.panel_rows.get(dtype, 0):
+        return 0
+    n_pad = PanelWeight.padded_out((m.out_features, m.in_features), dtype)
+    return n_pad * m.in_features * m.weight.element_size()
 
 
 def _physical_memory_bytes() -> int:
