@@ -17,6 +17,7 @@ after a server has run a while). Cases (the tiny shape's heads, 8 q / 4 kv, and 
     prefill-16    16 prompts of 16-256 tokens, causal, no cached prefix
     prefill-16-bf16, decode-32-qwen-bf16   the same with a bfloat16 cache
     decode-96-bf16model, decode-32-qwen-bf16model, prefill-16-bf16model   bfloat16 queries too
+    prefill-8-qwen, prefill-8-qwen-bf16model   8 prompts of 16-256 tokens, Qwen heads
 
 Prints the median and fastest call of each build, K/V GB/s (bytes of K and V read / median), the
 median ratio, and the largest difference between the two outputs; writes JSON to bench/results/.
@@ -54,6 +55,8 @@ CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
     "decode-96-bf16model": (96, 8, 4, 1, torch.bfloat16),
     "decode-32-qwen-bf16model": (32, 14, 2, 1, torch.bfloat16),
     "prefill-16-bf16model": (16, 8, 4, 256, torch.bfloat16),
+    "prefill-8-qwen": (8, 14, 2, 256, torch.float32),
+    "prefill-8-qwen-bf16model": (8, 14, 2, 256, torch.bfloat16),
 }
 
 
@@ -76,12 +79,12 @@ def sources_at(rev: str | None) -> dict[str, str]:
         return {f.name: f.read_text() for f in files}
     rel = [f.relative_to(REPO_ROOT).as_posix() for f in files]
     show = ["git", "-C", str(REPO_ROOT), "show"]
-    return {
-        Path(r).name: subprocess.run(
-            [*show, f"{rev}:{r}"], check=True, capture_output=True
-        ).stdout.decode()
-        for r in rel
-    }
+    out = {}
+    for r in rel:
+        res = subprocess.run([*show, f"{rev}:{r}"], capture_output=True)
+        if res.returncode == 0:  # a file added since `rev` is left out of its build
+            out[Path(r).name] = res.stdout.decode()
+    return out
 
 
 def batch(case: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, PagedBatch, int]:

@@ -118,6 +118,28 @@ def test_prefill_chunk_with_cached_prefix(kernel: PagedAttentionKernel, group: i
     _check(kernel, seqs, hq=2 * group, hkv=2, bs=16)
 
 
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("bs", [16, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_items_of_many_rows_take_the_tiled_path(
+    kernel: PagedAttentionKernel, group: int, bs: int, dtype: torch.dtype
+) -> None:
+    # Items of >= 16 rows run attention_tile.h (bfloat16: transposed K tiles, interleaved V pairs;
+    # float32: P.V in row blocks): chunks with and without a cached prefix, odd key counts, rows
+    # that see no key of a tile, decode rows beside them.
+    seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (17, 17), (33, 33), (1, 1)]
+    _check(kernel, seqs, hq=2 * group, hkv=2, bs=bs, kv_dtype=dtype, act_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_items_of_several_kv_heads(
+    kernel: PagedAttentionKernel, dtype: torch.dtype
+) -> None:
+    # Many short chunks: an item takes several kv heads (64 rows of 4 heads, 16-key tiles).
+    seqs = [(8, 8 + (13 * i) % 40) for i in range(48)]
+    _check(kernel, seqs, hq=8, hkv=4, bs=16, kv_dtype=dtype, act_dtype=dtype)
+
+
 @pytest.mark.parametrize("ctx", [129, 1000, 4097])
 def test_single_long_stream_splits_keys(kernel: PagedAttentionKernel, ctx: int) -> None:
     # One sequence, few items: the kernel splits keys across threads and merges the splits.

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "attention_tile.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -43,6 +44,7 @@
 namespace {
 
 constexpr int kKeyTile = 32;
+static_assert(kKeyTile == tiling::kKeys, "the tiled path's tile is the per-row path's");
 // Bytes of one key tile's K (or V) rows of an item's heads, as float32 (read in place, or widened
 // into scratch): at most a quarter of L1.
 constexpr int kTileBytes = 16 << 10;
@@ -246,6 +248,11 @@ struct Kernel {
     // the 32-key tile fits and is kept (16 keys measured 0.86-0.94x there).
     const bool narrow = kKeyTile * it.nh * D * 4 > kTileBytes;
     const int tile = narrow ? kKeyTile / 2 : kKeyTile;
+    // Many rows (a prefill item): scores and P.V as small GEMMs over a transposed tile.
+    using T = tiling::Tiled<NC>;
+    const bool tiled = rows >= tiling::kTileRows;
+    const int per_head = nq * g;
+    alignas(64) float ktile[kKeyTile * kMaxItemWidth / 2];  // the transposed bf16 K tile
     TilePrefetch pf;
     pf.plan(p, it.seq, it.head, it.nh, it.k0, std::min(it.k1, it.k0 + tile));
     pf.issue(0, 1);  // the first tile has nothing to hide behind
@@ -257,27 +264,63 @@ struct Kernel {
         gather(p, p.k_cache, it.seq, it.head, it.nh, t0, n, buf, krow);
       const int next = t0 + tile;
       pf.plan(p, it.seq, it.head, it.nh, next, std::min(it.k1, next + tile));
-      for (int r = 0; r < rows; ++r) {
-        pf.issue(r, 2 * rows);
-        tmax[r] = dot_bf16 ? scores_bf16(qraw + r * D, kraw, hoff[r] * 2, n, t0, limit[r],
-                                         sc + r * kKeyTile, p.scale)
-                           : scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r],
-                                        sc + r * kKeyTile);
+      if (tiled && dot_bf16) {
+        auto* kt = reinterpret_cast<uint32_t*>(ktile);
+        T::transpose_k(kraw, it.nh, n, kt);
+        for (int hh = 0; hh < it.nh; ++hh)
+          T::template blocks<tiling::kScoreRows>(hh * per_head, (hh + 1) * per_head,
+                                                 [&](auto rb, int r0) {
+            constexpr int RB = decltype(rb)::value;
+            pf.issue(r0 + RB - 1, 2 * rows);
+            T::template scores<RB>(qraw, kt + hh * (D / 2) * kKeyTile, r0, t0, n, limit, p.scale,
+                                   sc, tmax);
+          });
+      } else {
+        for (int r = 0; r < rows; ++r) {
+          pf.issue(r, 2 * rows);
+          tmax[r] = dot_bf16 ? scores_bf16(qraw + r * D, kraw, hoff[r] * 2, n, t0, limit[r],
+                                           sc + r * kKeyTile, p.scale)
+                             : scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r],
+                                          sc + r * kKeyTile);
+        }
       }
       // V after every row's scores: a widened tile then reuses K's scratch, which stays in L1.
       if (dot_bf16)
         locate(p, p.v_cache, it.seq, it.head, t0, n, vraw);
       else
         gather(p, p.v_cache, it.seq, it.head, it.nh, t0, n, buf, vrow);
-      for (int r = 0; r < rows; ++r) {
-        pf.issue(rows + r, 2 * rows);
-        const int visible = std::min(n, limit[r] - t0 + 1);
-        if (dot_bf16)
-          update_bf16(sc + r * kKeyTile, tmax[r], vraw, hoff[r] * 2, n, visible, acc + r * D,
-                      m + r, l + r);
-        else
-          update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D, m + r,
-                     l + r);
+      if (tiled) {
+        float alpha[kMaxRows];
+        for (int r = 0; r < rows; ++r) {
+          alpha[r] = softmax_tile(sc + r * kKeyTile, tmax[r], n, m + r, l + r);
+          if (alpha[r] < 0.0f) {  // nothing visible yet: weights 0, the accumulator kept
+            std::fill_n(sc + r * kKeyTile, kKeyTile, 0.0f);
+            alpha[r] = 1.0f;
+          }
+        }
+        auto* vi = reinterpret_cast<uint32_t*>(buf);
+        if (dot_bf16) T::interleave_v(vraw, it.nh, n, vi);
+        for (int hh = 0; hh < it.nh; ++hh)
+          T::template blocks<T::kValueRows>(hh * per_head, (hh + 1) * per_head,
+                                            [&](auto rb, int r0) {
+            constexpr int RB = decltype(rb)::value;
+            int upto = 0;
+            for (int k = 0; k < RB; ++k) upto = std::max(upto, std::min(n, limit[r0 + k] - t0 + 1));
+            pf.issue(rows + r0 + RB - 1, 2 * rows);
+            T::template values<RB>(sc, alpha, vrow, hh * D, vi + hh * (kKeyTile / 2) * D,
+                                   dot_bf16, n, upto, r0, acc);
+          });
+      } else {
+        for (int r = 0; r < rows; ++r) {
+          pf.issue(rows + r, 2 * rows);
+          const int visible = std::min(n, limit[r] - t0 + 1);
+          if (dot_bf16)
+            update_bf16(sc + r * kKeyTile, tmax[r], vraw, hoff[r] * 2, n, visible, acc + r * D,
+                        m + r, l + r);
+          else
+            update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D,
+                       m + r, l + r);
+        }
       }
     }
   }
@@ -441,17 +484,19 @@ void write_rows(const Problem& p, int seq, int head, int nh, int j0, int j1, con
   const int d = p.head_dim;
   const int nq = j1 - j0;
   const int esz = p.act_dtype == kF32 ? 4 : 2;
-  float row[256];
   for (int hh = 0; hh < nh; ++hh) {
     for (int j = j0; j < j1; ++j) {
       const int64_t tok = p.q_start[seq] + j;
       for (int h = 0; h < g; ++h) {
         const int r = (hh * nq + (j - j0)) * g + h;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int i = 0; i < d; ++i) row[i] = acc[r * d + i] * inv;
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
         const int64_t qh = static_cast<int64_t>(head + hh) * g + h;
         char* dst = static_cast<char*>(p.out) + (tok * p.num_heads + qh) * d * esz;
-        store_row(dst, row, d, p.act_dtype);
+        for (int i = 0; i < d; i += 16) {  // 16 at a time; bfloat16 rounded to nearest even
+          const __mmask16 m = tail_mask(d - i);
+          const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + r * d + i), inv);
+          store16m(dst + i * esz, v, p.act_dtype, m);
+        }
       }
     }
   }

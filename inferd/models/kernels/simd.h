@@ -91,25 +91,6 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   return static_cast<uint16_t>(u >> 16);
 }
 
-inline void store16m(void* p, __m512 v, int dtype, __mmask16 m);
-inline __mmask16 tail_mask(int64_t left);
-
-inline void store_row(void* dst, const float* src, int d, int dtype) {
-  if (dtype == kF32) {
-    std::memcpy(dst, src, sizeof(float) * d);
-    return;
-  }
-  if (dtype == kFP8E5M2) {
-    for (int i = 0; i < d; i += 16) {
-      const __mmask16 m = tail_mask(d - i);
-      store16m(static_cast<char*>(dst) + i, _mm512_maskz_loadu_ps(m, src + i), dtype, m);
-    }
-    return;
-  }
-  auto* o = static_cast<uint16_t*>(dst);
-  for (int i = 0; i < d; ++i) o[i] = f32_to_bf16(src[i]);
-}
-
 // exp for x <= 0 (scores minus the running max); exactly 0 below -87.
 inline __m512 exp512(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);

@@ -1,0 +1,219 @@
+// The tiled form of paged attention's inner loop, for work items with many query rows (prefill).
+//
+// paged_attention.cpp's per-row path computes a row's scores one key at a time: a dot product of
+// D values into a vector of partial sums, sixteen keys' vectors folded by a transpose-reduce. For
+// the few rows of a decode item that is the cheapest form. A prefill item has up to 64 rows (a
+// query tile times the G heads of a kv head) over the same key tile, and there the fold costs more
+// than the dot products. So an item of at least kTileRows rows instead:
+//
+// - for bfloat16 queries on a bfloat16 cache (the only case it takes scores for), transposes the key tile once, keys fastest (pairs
+//   of dimensions as 32-bit words, [nh][D/2][kKeyTile], the operand VDPBF16PS takes; zero past
+//   the tile's last key) by 16 x 16 register transposes, then computes the scores of kScoreRows
+//   rows at a time as a small GEMM: per dimension pair, the 32 keys' values are loaded once and
+//   multiplied by each row's broadcast query pair into 32 sums per row, no fold. float32 scores
+//   keep the per-row form: they are bound by the FMAs either way (measured level);
+// - for bfloat16 V, interleaves the tile's V rows two keys at a time once ([nh][kKeyTile/2][D]
+//   words), so each row's P.V is one VDPBF16PS per 16 dimensions and key pair; float32 V is read
+//   in place (or from the widened scratch);
+// - runs P.V for kValueRows rows at a time, each V vector loaded once for all of them.
+//
+// bench/kernel_ab.py, 2 threads: prefill of a bfloat16 model 1.30-1.34x (Qwen2-0.5B's and the
+// tiny shape's heads), float32 1.02-1.08x (P.V only). Decode items (7-14 rows) measured 0.73-0.99x
+// on this path: memory-bound, they gain nothing from the transposes, so kTileRows leaves them out.
+//
+// The softmax between the two (running max, sum and rescale, paged_attention.cpp's softmax_tile)
+// and the numerics are the per-row path's: bfloat16 scores and P.V are VDPBF16PS dot products
+// with fp32 sums, P rounded to bfloat16 for P.V; float32 P.V is FMAs.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace tiling {
+
+constexpr int kTileRows = 16;  // an item with fewer rows takes the per-row path
+constexpr int kKeys = 32;      // keys of a tile (paged_attention.cpp's kKeyTile)
+constexpr int kScoreRows = 4;  // rows per score block: 8 accumulators
+
+inline uint32_t word(const char* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+template <int NC>
+struct Tiled {
+  static constexpr int D = NC * 16;
+  // Rows per P.V block: kValueRows x NC accumulators stay in registers.
+  static constexpr int kValueRows = std::max(1, 16 / NC);
+
+  // The bfloat16 key tile transposed: rows `kraw` (in place, hh * D * 2 bytes into each for head
+  // hh) of n keys and nh heads, into `kt` as 32-bit words (a pair of dimensions), [nh][D/2][kKeys],
+  // 16 x 16 blocks at a time.
+  static void transpose_k(const char* const* kraw, int nh, int n, uint32_t* kt) {
+    constexpr int w = D / 2;  // words per key row of one head
+    for (int hh = 0; hh < nh; ++hh)
+      for (int k0 = 0; k0 < kKeys; k0 += 16)
+        for (int c0 = 0; c0 < w; c0 += 16) {
+          __m512 r[16];
+          for (int i = 0; i < 16; ++i)
+            r[i] = k0 + i < n ? _mm512_loadu_ps(kraw[k0 + i] + hh * D * 2 + 4 * c0)
+                              : _mm512_setzero_ps();
+          transpose16(r);
+          uint32_t* o = kt + (hh * w + c0) * kKeys + k0;
+          for (int c = 0; c < 16; ++c) _mm512_store_ps(reinterpret_cast<float*>(o + c * kKeys), r[c]);
+        }
+  }
+
+  // r[i][j] -> r[j][i]: 16 x 16 32-bit values in four rounds of unpacks and lane shuffles.
+  static inline void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int k = 0; k < 8; ++k) {
+      t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+      t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
+      const __m512d c = _mm512_castps_pd(t[4 * k + 1]), d = _mm512_castps_pd(t[4 * k + 3]);
+      r[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      r[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+      r[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int k = 0; k < 2; ++k)
+      for (int j = 0; j < 4; ++j) {
+        t[8 * k + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0x88);
+        t[8 * k + 4 + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0xdd);
+      }
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+      r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+  }
+
+  // Scores of rows [r0, r0 + RB) of one head (bfloat16 queries `qraw`, rows D apart, unscaled)
+  // against its transposed tile `kt` into s (rows kKeys apart), times `scale`, keys past a row's
+  // limit (or the tile's n) -inf; tmax[r] the row's largest.
+  template <int RB>
+  static void scores(const uint16_t* qraw, const uint32_t* kt, int r0, int t0, int n,
+                     const int* limit, float scale, float* s, float* tmax) {
+    __m512 a[RB][2];
+    for (int rb = 0; rb < RB; ++rb) a[rb][0] = a[rb][1] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+    if constexpr (D % 32 == 0) {
+      const uint16_t* q = qraw + r0 * D;
+      for (int p = 0; p < D / 2; ++p) {
+        const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * kKeys);
+        const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + p * kKeys + 16);
+        for (int rb = 0; rb < RB; ++rb) {
+          const __m512bh qp = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(word(reinterpret_cast<const char*>(q + rb * D + 2 * p))));
+          a[rb][0] = _mm512_dpbf16_ps(a[rb][0], k0, qp);
+          a[rb][1] = _mm512_dpbf16_ps(a[rb][1], k1, qp);
+        }
+      }
+    }
+#endif
+    (void)qraw, (void)kt;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int rb = 0; rb < RB; ++rb) {
+      const int r = r0 + rb;
+      const int valid = std::min(n, limit[r] - t0 + 1);
+      __m512 vmax = ninf;
+      for (int c = 0; c < 2; ++c) {
+        const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(valid - 16 * c));
+        const __m512 h = _mm512_mask_blend_ps(ok, ninf, _mm512_mul_ps(a[rb][c], vs));
+        _mm512_store_ps(s + r * kKeys + 16 * c, h);
+        vmax = _mm512_max_ps(vmax, h);
+      }
+      tmax[r] = _mm512_reduce_max_ps(vmax);
+    }
+  }
+
+  // The tile's bfloat16 V rows, two keys interleaved value by value: word (q, d) of head hh holds
+  // V[2q][d] and V[2q + 1][d] (zero past the tile's n keys).
+  static void interleave_v(const char* const* vraw, int nh, int n, uint32_t* vi) {
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                         32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    for (int hh = 0; hh < nh; ++hh)
+      for (int q = 0; 2 * q < n; ++q) {
+        const char* v0 = vraw[2 * q] + hh * D * 2;
+        const char* v1 = 2 * q + 1 < n ? vraw[2 * q + 1] + hh * D * 2 : nullptr;
+        uint32_t* o = vi + (hh * (kKeys / 2) + q) * D;
+        for (int c = 0; c < NC / 2; ++c) {
+          const __m512i x = _mm512_loadu_si512(v0 + c * 64);
+          const __m512i y = v1 ? _mm512_loadu_si512(v1 + c * 64) : _mm512_setzero_si512();
+          _mm512_store_si512(o + c * 32, _mm512_permutex2var_epi16(x, ilo, y));
+          _mm512_store_si512(o + c * 32 + 16, _mm512_permutex2var_epi16(x, ihi, y));
+        }
+      }
+  }
+
+  // acc[r] = acc[r] * alpha[r] + P[r] . V over the tile's first `upto` keys, rows [r0, r0 + RB)
+  // (their weights in s, zero past each row's visible keys): float32 V rows `vrow` (+ hoff), or
+  // the interleaved bfloat16 ones `vi` of the rows' head.
+  template <int RB>
+  static void values(const float* s, const float* alpha, const float* const* vrow, int hoff,
+                     const uint32_t* vi, bool bf16, int n, int upto, int r0, float* acc) {
+    __m512 a[RB][NC];
+    for (int rb = 0; rb < RB; ++rb) {
+      const __m512 va = _mm512_set1_ps(alpha[r0 + rb]);
+      for (int c = 0; c < NC; ++c)
+        a[rb][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + rb) * D + c * 16), va);
+    }
+#ifdef __AVX512BF16__
+    if constexpr (D % 32 == 0) {
+      if (bf16) {
+        alignas(64) uint16_t pw[RB][kKeys];
+        for (int rb = 0; rb < RB; ++rb) {
+          const float* sr = s + (r0 + rb) * kKeys;
+          const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(n), sr);
+          const __m512 hi = _mm512_maskz_loadu_ps(tail_mask(std::max(0, n - 16)), sr + 16);
+          _mm512_store_si512(pw[rb], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        for (int q = 0; 2 * q < upto; ++q) {
+          __m512bh v[NC];
+          for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_load_si512(vi + q * D + c * 16);
+          for (int rb = 0; rb < RB; ++rb) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(
+                static_cast<int>(word(reinterpret_cast<const char*>(pw[rb] + 2 * q))));
+            for (int c = 0; c < NC; ++c) a[rb][c] = _mm512_dpbf16_ps(a[rb][c], v[c], w);
+          }
+        }
+      }
+    }
+#endif
+    (void)vi, (void)n;
+    for (int i = 0; i < (bf16 ? 0 : upto); ++i) {
+      __m512 v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vrow[i] + hoff + c * 16);
+      for (int rb = 0; rb < RB; ++rb) {
+        const __m512 p = _mm512_set1_ps(s[(r0 + rb) * kKeys + i]);
+        for (int c = 0; c < NC; ++c) a[rb][c] = _mm512_fmadd_ps(p, v[c], a[rb][c]);
+      }
+    }
+    for (int rb = 0; rb < RB; ++rb)
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (r0 + rb) * D + c * 16, a[rb][c]);
+  }
+
+  // Calls f.template operator()<RB>(r0) over rows [r0, r1) in blocks of RB (the rest one by one).
+  template <int RB, typename F>
+  static void blocks(int r0, int r1, F f) {
+    int r = r0;
+    for (; r + RB <= r1; r += RB) f(std::integral_constant<int, RB>{}, r);
+    for (; r < r1; ++r) f(std::integral_constant<int, 1>{}, r);
+  }
+};
+
+}  // namespace tiling
