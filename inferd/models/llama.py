@@ -293,9 +293,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] int64 -> [T, hidden]
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        # hidden: [N, hidden] -> [N, vocab] float32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:
+        # hidden: [N, hidden] -> [N, vocab] float32 (or, not `float32`, the model dtype)
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]

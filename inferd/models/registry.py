@@ -20,8 +20,9 @@ class CausalLM(Protocol):
         """[T] token ids and positions of the flat batch -> [T, hidden]."""
         ...
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
+    def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:
+        """[N, hidden] -> [N, vocab] float32 (not `float32`: in the model dtype, for a caller
+        that converts only what needs it)."""
         ...
 
     def attention_layers(self) -> list[PagedAttention]: ...

@@ -75,6 +75,17 @@ class SamplingMetadata:
         return not self.all_greedy
 
     @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, no logprobs, penalties or min_tokens: the token is the argmax of
+        the raw logits."""
+        return (
+            self.all_greedy
+            and self.max_num_logprobs is None
+            and self.penalties is None
+            and self.min_tokens_index is None
+        )
+
+    @property
     def need_top_k(self) -> bool:
         return self.top_k is not None
 

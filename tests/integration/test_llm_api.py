@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from inferd import LLM, SamplingParams
 from inferd.engine.llm_engine import TokensPrompt
@@ -103,6 +104,33 @@ def test_logprobs(llm: LLM) -> None:
     assert c.cumulative_logprob == pytest.approx(
         sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True))
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plain_greedy_rows_take_the_native_argmax(dtype: str) -> None:
+    # Greedy rows with nothing to apply to their logits skip the sampler: the native argmax on
+    # the model-dtype logits. Asking for logprobs sends the same rows through the sampler (a
+    # float32 copy, torch's argmax): the tokens must not change.
+    llm = LLM(dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
+    runner = llm.llm_engine.runner
+    if runner.argmax is None:
+        pytest.skip("no native kernels here")
+    calls: list[int] = []
+    native = runner.argmax
+
+    def counted(x: torch.Tensor) -> list[int]:
+        calls.append(x.shape[0])
+        assert x.dtype == getattr(torch, dtype)
+        return native(x)
+
+    runner.argmax = counted
+    prompts = _random_prompts(5, seed=3)
+    plain = llm.generate(prompts, _greedy(12), use_tqdm=False)
+    assert calls and sum(calls) == 5 * 12
+    calls.clear()
+    sampled = llm.generate(prompts, _greedy(12, logprobs=1), use_tqdm=False)
+    assert not calls
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
 
 
 def test_prefix_cache_hit_gives_same_output(llm: LLM) -> None:

@@ -81,6 +81,33 @@ def test_silu_mul(ops: FusedOps, dtype: torch.dtype, rows: int, inter: int) -> N
     assert padded.shape == (rows + 3, inter) and not padded[rows:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 151936), (3, 1000), (24, 8192), (5, 17), (0, 64)])
+def test_argmax_matches_torch(ops: FusedOps, dtype: torch.dtype, rows: int, vocab: int) -> None:
+    x = _rand(rows, vocab, dtype=dtype)
+    assert ops.argmax(x) == x.float().argmax(-1).tolist()
+
+
+def test_argmax_ties_nan_infinities_and_strided_rows(ops: FusedOps) -> None:
+    # bfloat16 rounding makes ties common: the first index wins, as in torch.argmax, also when
+    # the tie is across the parts a single row is cut into for the threads.
+    x = torch.zeros(6, 1000, dtype=torch.bfloat16)
+    x[0, 3] = x[0, 700] = 2.0
+    x[1, 999] = 1.0
+    x[2] = float("-inf")
+    x[3, 10], x[3, 600] = float("inf"), float("nan")
+    x[4] = -5.0
+    x[4, 500] = x[4, 501] = -1.0  # all negative: a tie past the middle
+    x[5, 16] = x[5, 15] = 3.0
+    want = x.float().argmax(-1).tolist()
+    assert want == [3, 999, 0, 600, 500, 15]
+    assert ops.argmax(x) == want
+    assert ops.argmax(x[:1]) == [3]  # one row: cut in two parts for the two threads
+    wide = _rand(4, 2000, dtype=torch.float32)
+    view = wide[:, :1500]  # rows 2000 apart
+    assert ops.argmax(view) == view.argmax(-1).tolist()
+
+
 def _rope_tables(positions: int, d: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     freqs = torch.outer(torch.arange(positions).float(), inv)

@@ -35,10 +35,12 @@ class FusedOps:
         self._norm.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i64, i64, f32]
         self._silu = lib.inferd_silu_mul
         self._silu.argtypes = [ptr, ptr, i32, i64, i64]
+        self._argmax = lib.inferd_argmax
+        self._argmax.argtypes = [ptr, i32, i64, i64, i64, ptr]
         self._rope = lib.inferd_rope_qkv
         self._rope.argtypes = [ptr, i64, i32, i64, i32, i32, i32, ptr, ptr, ptr, i64]
         self._rope.argtypes += [ptr, ptr, f32, ptr, ptr, i32, i64, ptr]
-        for fn in (self._norm, self._silu, self._rope):
+        for fn in (self._norm, self._silu, self._argmax, self._rope):
             fn.restype = ctypes.c_int
 
     def rms_norm(
@@ -82,6 +84,16 @@ class FusedOps:
         )
         check_rc(rc, "silu_mul")
         return out
+
+    def argmax(self, x: Tensor) -> list[int]:
+        """The index of the largest value of each row of x [N, V] (float32 or bfloat16; the first
+        on ties, the first NaN if any, as torch.argmax), read back as a list."""
+        rows, n = x.shape
+        _check_rows(x, x.dtype)
+        out = torch.empty(rows, dtype=torch.int64)
+        rc = self._argmax(x.data_ptr(), DTYPE_CODES[x.dtype], rows, n, x.stride(0), out.data_ptr())
+        check_rc(rc, "argmax")
+        return out.tolist()
 
     def rope_qkv(
         self,

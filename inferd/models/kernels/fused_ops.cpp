@@ -5,6 +5,8 @@
 //                     first (vLLM's fused_add_rms_norm: the residual add of the previous block and
 //                     this block's norm in one pass)
 //   inferd_silu_mul   out = silu(gate) * up over [T, 2I] -> [T, I]
+//   inferd_argmax     the index of each row's largest value (greedy sampling on the model-dtype
+//                     logits: no float32 copy, and ~4x torch's argmax over the vocabulary)
 //   inferd_rope_qkv   q, k of the fused qkv projection: optional per-head RMSNorm (Qwen3), RoPE
 //                     (rotate-half), q written contiguous for the attention kernel, k and v written
 //                     into the paged KV cache at their slots (the attention kernel then reads them
@@ -18,9 +20,11 @@
 // costs more than the work.
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -70,6 +74,38 @@ inline __m512 silu(__m512 g) {
   __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
   __m512 num = _mm512_mask_blend_ps(pos, e, one);  // sigmoid = 1/(1+e) or e/(1+e)
   return _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+}
+
+// The largest of values [i0, i1) of a row and its index: the first on ties, or the first NaN (as
+// torch's argmax). Each of 16 lanes keeps its running max and where it was (a strict compare keeps
+// a lane's first occurrence); the lanes fold at the end. `i` < 0: an empty range.
+struct Best {
+  float v;
+  int64_t i;
+  bool nan;
+};
+
+Best argmax_range(const void* row, int dtype, int64_t i0, int64_t i1) {
+  if (i0 >= i1) return {-INFINITY, -1, false};
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 vmax = ninf;
+  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i vidx = lane;  // an all -inf range answers its first index
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t i = i0; i < i1; i += 16) {
+    const __mmask16 m = tail_mask(i1 - i);
+    const __m512 v = _mm512_mask_blend_ps(m, ninf, load16m(at(row, i, dtype), dtype, m));
+    if (const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q))
+      return {NAN, i + __builtin_ctz(nan), true};
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+    vmax = _mm512_mask_mov_ps(vmax, gt, v);
+    vidx = _mm512_mask_mov_epi32(vidx, gt, lane);
+    lane = _mm512_add_epi32(lane, step);
+  }
+  const float best = _mm512_reduce_max_ps(vmax);
+  const __mmask16 at_best = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(best), _CMP_EQ_OQ);
+  const __m512i cand = _mm512_mask_blend_epi32(at_best, _mm512_set1_epi32(INT32_MAX), vidx);
+  return {best, i0 + _mm512_reduce_min_epi32(cand), false};
 }
 
 struct Rope {
@@ -150,6 +186,34 @@ int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows, int
       __m512 s = as_dtype(silu(load16m(at(g, i, dtype), dtype, m)), dtype);
       store16m(at(o, i, dtype), _mm512_mul_ps(s, load16m(at(u, i, dtype), dtype, m)), dtype, m);
     }
+  }
+  return 0;
+}
+
+// out [rows] int64 <- the index of the largest of the n values of each row of x [rows, stride]
+// (float32 or bfloat16): the first on ties, the first NaN if any. With fewer rows than threads,
+// each row is cut into parts the threads share. Returns 0, or -1 for a bad dtype or shape.
+int inferd_argmax(const void* x, int dtype, int64_t rows, int64_t n, int64_t stride,
+                  int64_t* out) {
+  if ((dtype != kF32 && dtype != kBF16) || rows < 0 || n <= 0 || n >= INT32_MAX || stride < n)
+    return -1;
+  if (rows == 0) return 0;
+  const int threads = omp_get_max_threads();
+  const int64_t parts = rows >= threads ? 1 : (threads + rows - 1) / rows;
+  const int64_t per = ((n + parts - 1) / parts + 15) / 16 * 16;
+  std::vector<Best> best(static_cast<size_t>(rows * parts));
+#pragma omp parallel for schedule(static) if (rows * n >= kMinParallelElems)
+  for (int64_t k = 0; k < rows * parts; ++k) {
+    const int64_t i0 = std::min(n, k % parts * per);
+    best[k] = argmax_range(at(x, k / parts * stride, dtype), dtype, i0, std::min(n, i0 + per));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    Best b = best[r * parts];
+    for (int64_t p = 1; p < parts && !b.nan; ++p) {
+      const Best& c = best[r * parts + p];
+      if (c.i >= 0 && (c.nan || c.v > b.v)) b = c;
+    }
+    out[r] = b.i;
   }
   return 0;
 }
