@@ -183,8 +183,16 @@ int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows, int
     void* o = at(out, t * inter, dtype);
     for (int64_t i = 0; i < inter; i += 16) {
       const __mmask16 m = tail_mask(inter - i);
-      __m512 s = as_dtype(silu(load16m(at(g, i, dtype), dtype, m)), dtype);
-      store16m(at(o, i, dtype), _mm512_mul_ps(s, load16m(at(u, i, dtype), dtype, m)), dtype, m);
+      const __m512 gv = load16m(at(g, i, dtype), dtype, m), uv = load16m(at(u, i, dtype), dtype, m);
+      if (dtype == kF32) {
+        _mm512_mask_storeu_ps(at(o, i, dtype), m, _mm512_mul_ps(silu(gv), uv));
+        continue;
+      }
+      // bfloat16: SiLU rounded, then the product rounded, as the eager model rounds each op.
+      // to_bf16 is one instruction on AVX512_BF16 (the prefill SiLU ~25 % faster than rounding
+      // through bf16_bits, the same bits).
+      const __m512 s = widen_bf16(to_bf16(silu(gv)));
+      _mm256_mask_storeu_epi16(at(o, i, dtype), m, to_bf16(_mm512_mul_ps(s, uv)));
     }
   }
   return 0;

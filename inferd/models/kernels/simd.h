@@ -73,14 +73,18 @@ inline __m512i e5m2_bits(__m512 v) {
   return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
 }
 
+// 16 bfloat16 values (16-bit patterns) widened to float32, exactly.
+inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // 16 values widened to float; int8 ones unscaled (the caller multiplies by the row's scale).
 inline __m512 load16(const void* p, int dtype) {
   if (dtype == kF32) return _mm512_loadu_ps(p);
   if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
   if (dtype == kI8)
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
-  __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
@@ -122,8 +126,7 @@ inline __m512 load16m(const void* p, int dtype, __mmask16 m) {
   if (dtype == kF32) return _mm512_maskz_loadu_ps(m, p);
   if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_maskz_loadu_epi8(m, p));
   if (dtype == kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
 }
 
 // The 16-bit patterns of v rounded to bfloat16 (nearest even; NaN stays a quiet NaN), in 32-bit
@@ -135,6 +138,16 @@ inline __m512i bf16_bits(__m512 v) {
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
   return _mm512_srli_epi32(r, 16);
+}
+
+// 16 values rounded to bfloat16: VCVTNEPS2BF16 where the CPU has AVX512_BF16 (one instruction,
+// the same bits as bf16_bits but for float32 denormals, which it flushes to zero), else bf16_bits.
+inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(bf16_bits(v));
+#endif
 }
 
 inline void store16m(void* p, __m512 v, int dtype, __mmask16 m) {
