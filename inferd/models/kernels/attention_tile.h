@@ -6,20 +6,23 @@
 // query tile times the G heads of a kv head) over the same key tile, and there the fold costs more
 // than the dot products. So an item of at least kTileRows rows instead:
 //
-// - for bfloat16 queries on a bfloat16 cache (the only case it takes scores for), transposes the key tile once, keys fastest (pairs
-//   of dimensions as 32-bit words, [nh][D/2][kKeyTile], the operand VDPBF16PS takes; zero past
-//   the tile's last key) by 16 x 16 register transposes, then computes the scores of kScoreRows
-//   rows at a time as a small GEMM: per dimension pair, the 32 keys' values are loaded once and
-//   multiplied by each row's broadcast query pair into 32 sums per row, no fold. float32 scores
-//   keep the per-row form: they are bound by the FMAs either way (measured level);
+// - for bfloat16 queries on a bfloat16 cache (the only case it takes scores for), transposes the
+//   key tile once, keys fastest (pairs of dimensions as 32-bit words, [nh][D/2][kKeyTile], the
+//   operand VDPBF16PS takes; zero past the tile's last key) by 16 x 16 register transposes, then
+//   computes the scores of kScoreRows rows at a time as a small GEMM: per dimension pair, the 32
+//   keys' values are loaded once and multiplied by each row's broadcast query pair into 32 sums
+//   per row, no fold. float32 scores keep the per-row form: they are bound by the FMAs either
+//   way (measured level);
 // - for bfloat16 V, interleaves the tile's V rows two keys at a time once ([nh][kKeyTile/2][D]
 //   words), so each row's P.V is one VDPBF16PS per 16 dimensions and key pair; float32 V is read
 //   in place (or from the widened scratch);
 // - runs P.V for kValueRows rows at a time, each V vector loaded once for all of them.
 //
 // bench/kernel_ab.py, 2 threads: prefill of a bfloat16 model 1.30-1.34x (Qwen2-0.5B's and the
-// tiny shape's heads), float32 1.02-1.08x (P.V only). Decode items (7-14 rows) measured 0.73-0.99x
-// on this path: memory-bound, they gain nothing from the transposes, so kTileRows leaves them out.
+// tiny shape's heads), float32 1.02-1.08x (P.V only); with the output rows stored 16 values at a
+// time as well (paged_attention.cpp's write_rows), 1.43-1.47x and 1.14-1.16x. Decode items (7-14
+// rows) measured 0.73-0.99x on this path: memory-bound, they gain nothing from the transposes, so
+// kTileRows leaves them out.
 //
 // The softmax between the two (running max, sum and rescale, paged_attention.cpp's softmax_tile)
 // and the numerics are the per-row path's: bfloat16 scores and P.V are VDPBF16PS dot products
@@ -68,7 +71,8 @@ struct Tiled {
                               : _mm512_setzero_ps();
           transpose16(r);
           uint32_t* o = kt + (hh * w + c0) * kKeys + k0;
-          for (int c = 0; c < 16; ++c) _mm512_store_ps(reinterpret_cast<float*>(o + c * kKeys), r[c]);
+          for (int c = 0; c < 16; ++c)
+            _mm512_store_ps(reinterpret_cast<float*>(o + c * kKeys), r[c]);
         }
   }
 

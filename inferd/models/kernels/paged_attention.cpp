@@ -26,7 +26,9 @@
 // rows the same way (into the same scratch), and the online-softmax update (running max m,
 // running sum l, unnormalised accumulator acc) in fp32. bfloat16 queries on a bfloat16 cache
 // (a bfloat16 model) read K and V in place instead: scores and P.V are AVX512_BF16 dot products
-// (VDPBF16PS, fp32 sums), P rounded to bf16 for P.V as FlashAttention rounds it.
+// (VDPBF16PS, fp32 sums), P rounded to bf16 for P.V as FlashAttention rounds it. Items of many
+// rows (prefill query tiles) run the tiled form of attention_tile.h instead: scores and P.V as
+// small GEMMs over the tile, the same softmax.
 #include <immintrin.h>
 #include <omp.h>
 
