@@ -93,9 +93,7 @@ class ModelRunner:
             model.use_fused_ops(None)
         else:
             model.use_fused_ops(native.ops, native.decode)
-        self.sampler = Sampler()
-        # Greedy rows with no logits processing skip the sampler (FusedOps.argmax).
-        self.argmax = None if native is None else native.ops.argmax
+        self.sampler = Sampler(None if native is None else native.ops.argmax)
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -306,17 +304,16 @@ class ModelRunner:
         return blocks[pos // bs - lo // bs] * bs + pos % bs
 
     def _sample(self, logits: Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        """`logits` in the model dtype: plain greedy rows on CPU take the native argmax on them
-        as they are; anything else the sampler, on a float32 copy."""
+        # logits: in the model dtype; the sampler converts what it has to process.
         rows = [self._sampling_row(c) for c in chunks]
         meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
-        req_ids = [c.request.request_id for c in chunks]
-        if self.argmax is not None and meta.plain_greedy and logits.device.type == "cpu":
-            token_ids = self.argmax(logits)
-            return ModelRunnerOutput(req_ids, token_ids, [None] * len(rows))
-        out = self.sampler(logits.float(), meta)
-        token_ids = out.token_ids.tolist()
-        return ModelRunnerOutput(req_ids, token_ids, out.to_sample_logprobs(rows, token_ids))
+        out = self.sampler(logits, meta)
+        token_ids: list[int] = out.token_ids.tolist()
+        return ModelRunnerOutput(
+            req_ids=[c.request.request_id for c in chunks],
+            sampled_token_ids=token_ids,
+            logprobs=out.to_sample_logprobs(rows, token_ids),
+        )
 
     def _sampling_row(self, c: ScheduledChunk) -> SamplingRow:
         req = c.request

@@ -13,7 +13,7 @@ generators; nothing reads a device value back until the caller reads the token i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +99,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row. `logits` is consumed: it is modified in place."""
+    """Samples one token per row. `logits` is consumed: it is modified in place.
+
+    `argmax` (optional): a native argmax over CPU logits in the model dtype (FusedOps.argmax).
+    A batch whose rows are all greedy with nothing to apply to their logits (`plain_greedy`)
+    takes it on the logits as they are; everything else runs on a float32 copy."""
+
+    def __init__(self, argmax: Callable[[Tensor], Tensor] | None = None) -> None:
+        self.argmax = argmax
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if self.argmax is not None and meta.plain_greedy and logits.device.type == "cpu":
+            return SamplerOutput(token_ids=self.argmax(logits))
+        logits = logits.float()
         # Raw logprobs (vLLM v1's default): before penalties, temperature and filters.
         raw = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.min_tokens_index is not None:

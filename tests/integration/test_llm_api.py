@@ -112,18 +112,18 @@ def test_plain_greedy_rows_take_the_native_argmax(dtype: str) -> None:
     # the model-dtype logits. Asking for logprobs sends the same rows through the sampler (a
     # float32 copy, torch's argmax): the tokens must not change.
     llm = LLM(dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
-    runner = llm.llm_engine.runner
-    if runner.argmax is None:
+    sampler = llm.llm_engine.runner.sampler
+    if sampler.argmax is None:
         pytest.skip("no native kernels here")
     calls: list[int] = []
-    native = runner.argmax
+    native = sampler.argmax
 
-    def counted(x: torch.Tensor) -> list[int]:
+    def counted(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         assert x.dtype == getattr(torch, dtype)
         return native(x)
 
-    runner.argmax = counted
+    sampler.argmax = counted
     prompts = _random_prompts(5, seed=3)
     plain = llm.generate(prompts, _greedy(12), use_tqdm=False)
     assert calls and sum(calls) == 5 * 12

@@ -51,6 +51,24 @@ inline uint32_t word(const char* p) {
   return w;
 }
 
+#ifdef __AVX512BF16__
+// VPERMT2W indices that interleave two rows of 32 bfloat16 values value by value: `lo` pairs
+// values 0-15 of the two rows, `hi` values 16-31 (the operand layout VDPBF16PS takes for two keys).
+inline __m512i pair_lo() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+}
+inline __m512i pair_hi() { return _mm512_add_epi16(pair_lo(), _mm512_set1_epi16(16)); }
+
+// The softmax weights s[0, n) of one row (n <= kKeys) rounded to bfloat16 into pw[0, kKeys),
+// zero past n (as FlashAttention rounds P for P.V).
+inline void weights_bf16(const float* s, int n, uint16_t* pw) {
+  const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(n), s);
+  const __m512 hi = _mm512_maskz_loadu_ps(tail_mask(std::max(0, n - 16)), s + 16);
+  _mm512_storeu_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+#endif
+
 template <int NC>
 struct Tiled {
   static constexpr int D = NC * 16;
@@ -126,7 +144,7 @@ struct Tiled {
     }
 #endif
     (void)qraw, (void)kt;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane = lane_index();
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512 vs = _mm512_set1_ps(scale);
     for (int rb = 0; rb < RB; ++rb) {
@@ -146,10 +164,7 @@ struct Tiled {
   // The tile's bfloat16 V rows, two keys interleaved value by value: word (q, d) of head hh holds
   // V[2q][d] and V[2q + 1][d] (zero past the tile's n keys).
   static void interleave_v(const char* const* vraw, int nh, int n, uint32_t* vi) {
-    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                         32, 0);
-    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    const __m512i ilo = pair_lo(), ihi = pair_hi();
     for (int hh = 0; hh < nh; ++hh)
       for (int q = 0; 2 * q < n; ++q) {
         const char* v0 = vraw[2 * q] + hh * D * 2;
@@ -180,12 +195,7 @@ struct Tiled {
     if constexpr (D % 32 == 0) {
       if (bf16) {
         alignas(64) uint16_t pw[RB][kKeys];
-        for (int rb = 0; rb < RB; ++rb) {
-          const float* sr = s + (r0 + rb) * kKeys;
-          const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(n), sr);
-          const __m512 hi = _mm512_maskz_loadu_ps(tail_mask(std::max(0, n - 16)), sr + 16);
-          _mm512_store_si512(pw[rb], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        for (int rb = 0; rb < RB; ++rb) weights_bf16(s + (r0 + rb) * kKeys, n, pw[rb]);
         for (int q = 0; 2 * q < upto; ++q) {
           __m512bh v[NC];
           for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_load_si512(vi + q * D + c * 16);

@@ -85,15 +85,15 @@ class FusedOps:
         check_rc(rc, "silu_mul")
         return out
 
-    def argmax(self, x: Tensor) -> list[int]:
-        """The index of the largest value of each row of x [N, V] (float32 or bfloat16; the first
-        on ties, the first NaN if any, as torch.argmax), read back as a list."""
+    def argmax(self, x: Tensor) -> Tensor:
+        """[N] int64: the index of the largest value of each row of x [N, V] (float32 or
+        bfloat16; the first on ties, the first NaN if any, as torch.argmax)."""
         rows, n = x.shape
         _check_rows(x, x.dtype)
         out = torch.empty(rows, dtype=torch.int64)
         rc = self._argmax(x.data_ptr(), DTYPE_CODES[x.dtype], rows, n, x.stride(0), out.data_ptr())
         check_rc(rc, "argmax")
-        return out.tolist()
+        return out
 
     def rope_qkv(
         self,

@@ -90,7 +90,7 @@ Best argmax_range(const void* row, int dtype, int64_t i0, int64_t i1) {
   if (i0 >= i1) return {-INFINITY, -1, false};
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   __m512 vmax = ninf;
-  __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i lane = lane_index();
   __m512i vidx = lane;  // an all -inf range answers its first index
   const __m512i step = _mm512_set1_epi32(16);
   for (int64_t i = i0; i < i1; i += 16) {

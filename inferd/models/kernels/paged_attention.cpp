@@ -335,7 +335,7 @@ struct Kernel {
   static inline __attribute__((always_inline)) float fold_scores(int n, int t0, int lim, float* s,
                                                                 float scale, Dot dot) {
     const int valid = std::min(n, lim - t0 + 1);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane = lane_index();
     const __m512 vs = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(kNegInf);
     for (int i0 = 0; i0 < n; i0 += 16) {
@@ -443,23 +443,15 @@ struct Kernel {
       // visible <= 0: a query row of a prefill chunk none of whose keys here it may see.
       if (alpha < 0.0f || visible <= 0) return;
       alignas(64) uint16_t pw[kKeyTile + 2];
-      for (int i = 0; i < n; i += 32) {  // n <= kKeyTile = 32: one or two conversions
-        const __m512 lo = _mm512_maskz_loadu_ps(tail_mask(n - i), s + i);
-        const __m512 hi = _mm512_maskz_loadu_ps(tail_mask(std::max(0, n - i - 16)), s + i + 16);
-        _mm512_store_si512(pw + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
+      tiling::weights_bf16(s, n, pw);
       pw[visible] = 0;  // an odd last key pairs with a zero weight
-      const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                           40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                           32, 0);
-      const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+      const __m512i ilo = tiling::pair_lo(), ihi = tiling::pair_hi();
       __m512 a[NC];
       const __m512 va = _mm512_set1_ps(alpha);
       for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
       for (int i = 0; i < visible; i += 2) {
-        uint32_t pair;
-        std::memcpy(&pair, pw + i, sizeof(pair));
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(
+            static_cast<int>(tiling::word(reinterpret_cast<const char*>(pw + i))));
         const char* v0 = vrow[i] + hoff;
         const char* v1 = i + 1 < visible ? vrow[i + 1] + hoff : nullptr;
         for (int c = 0; c < NC / 2; ++c) {

@@ -34,6 +34,9 @@ constexpr bool kHasAVX512BF16 = true;
 constexpr bool kHasAVX512BF16 = false;
 #endif
 
+// Each lane's own index, 0-15 (masks of the first n lanes, positions within a vector).
+inline __m512i lane_index() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 inline int64_t dtype_size(int dtype) { return dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1; }
 
 // Bytes of one head's K or V row of d values in the cache (int8 rows end with their scale).
