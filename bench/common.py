@@ -13,6 +13,7 @@ import platform
 import shlex
 import sys
 import time
+from argparse import ArgumentParser, RawTextHelpFormatter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -318,6 +319,28 @@ def command_line() -> str:
 def default_result_path(prefix: str, model: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return RESULTS_DIR / f"{prefix}_{model}_{stamp}.json"
+
+
+def weight_bench_parser(doc: str | None, shape: str, dtype: str, rows: str) -> ArgumentParser:
+    """The options of the scripts that time kernels over a shape's weights (gemv_rows.py,
+    greedy_head.py): --shape, --dtype, --rows, --repeats, --threads, --out."""
+    p = ArgumentParser(description=doc, formatter_class=RawTextHelpFormatter)
+    p.add_argument("--shape", choices=["llama-32m", "qwen2-0.5b-shape"], default=shape)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=dtype)
+    p.add_argument("--rows", default=rows)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    return p
+
+
+def save_result(out: Path | None, prefix: str, tag: str, fields: dict[str, Any]) -> Path:
+    """Writes {command, machine, **fields} to `out` (default: a stamped file under
+    bench/results/ named by `prefix` and `tag`), says where, and returns the path."""
+    path = out or default_result_path(prefix, tag)
+    write_result(path, {"command": command_line(), "machine": machine_info(), **fields})
+    print(f"wrote {path}")
+    return path
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:

@@ -19,13 +19,11 @@ machine hits all of them. Row counts a kernel does not take are skipped for it.
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import command_line, default_result_path, machine_info, write_result
+from common import save_result, weight_bench_parser
 from peers import SHAPES
 
 from inferd.config import read_environment
@@ -59,13 +57,7 @@ def format_row(rows: int, best: dict[str, float], flops: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", choices=["llama-32m", "qwen2-0.5b-shape"], default="llama-32m")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--rows", default="1,2,3,4,6,8,12,16,24")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=None)
+    p = weight_bench_parser(__doc__, "llama-32m", "bfloat16", "1,2,3,4,6,8,12,16,24")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -121,18 +113,9 @@ def main() -> None:
         row: dict[str, Any] = {"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in best.items()}}
         print(format_row(rows, best, flops))
         table.append(row)
-    result = {
-        "command": command_line(),
-        "machine": machine_info(),
-        "shape": args.shape,
-        "dtype": args.dtype,
-        "weight_bytes": weight_bytes,
-        "gemv_max_rows": most,
-        "rows": table,
-    }
-    out = args.out or default_result_path("gemv_rows", f"{args.shape}-{args.dtype}")
-    write_result(out, result)
-    print(f"wrote {out}")
+    fields = {"shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes}
+    fields |= {"gemv_max_rows": most, "rows": table}
+    save_result(args.out, "gemv_rows", f"{args.shape}-{args.dtype}", fields)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from inferd.config import (
     DType,
     EngineConfig,
     Environment,
+    GreedyScreen,
     KVCacheDType,
     LinearBackend,
     LoadFormat,
@@ -93,6 +94,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "over a second copy of the weights (packed in panels, else plain for the GEMV); auto: "
         "when the copies fit in a quarter of RAM",
     )
+    p.add_argument(
+        "--greedy-screen",
+        default="auto",
+        choices=get_args(GreedyScreen),
+        help="greedy tokens from an int8 screen of the lm_head and the exact logits of the "
+        "columns that can win (the same tokens); auto: where the lm_head runs the panel GEMM",
+    )
     sched = SchedulerConfig.model_fields
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
@@ -124,6 +132,7 @@ _ENGINE_ARGS = (
     "quantization",
     "linear_backend",
     "small_batch_gemv",
+    "greedy_screen",
     "max_num_batched_tokens",
     "max_num_seqs",
     "policy",

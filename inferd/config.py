@@ -27,6 +27,7 @@ AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 LinearBackend = Literal["auto", "onednn", "dense"]
 # Linear layers of 1-2 rows on the plain weight, kept beside the packed one (models/linear.py).
 SmallBatchGemv = Literal["auto", "on", "off"]
+GreedyScreen = Literal["auto", "off"]
 Quantization = Literal["int8"]
 
 
@@ -94,6 +95,10 @@ class DeviceConfig(_Frozen):
     # bfloat16 on AVX512_BF16), else plain for the GEMV; auto = when the native kernels run and
     # the copies take at most a quarter of RAM.
     small_batch_gemv: SmallBatchGemv = "auto"
+    # Greedy batches' tokens from an int8 screen of the lm_head and the exact logits of the
+    # columns that can win (kernels/greedy.py), the same tokens as the whole lm_head; auto = where
+    # the lm_head runs the panel GEMM.
+    greedy_screen: GreedyScreen = "auto"
 
 
 class EngineConfig(_Frozen):

@@ -92,7 +92,15 @@ class LLMEngine:
         prepare_linears(self.model, kind, gemv, float_kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.tokenizer_path = tok_path
-        self.runner = ModelRunner(self.model, self.arch, self.device, dtype, config.cache, native)
+        self.runner = ModelRunner(
+            self.model,
+            self.arch,
+            self.device,
+            dtype,
+            config.cache,
+            native,
+            greedy_screen=config.device.greedy_screen != "off",
+        )
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
         if self.device.type == "cuda" and not config.device.enforce_eager:
             self.runner.enable_decode_graphs(

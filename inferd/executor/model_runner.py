@@ -25,9 +25,10 @@ from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
 from inferd.models.config import ArchConfig
+from inferd.models.kernels.greedy import GreedyHead
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
-from inferd.sampling.sampler import Sampler, make_generator
+from inferd.sampling.sampler import Sampler, SamplerOutput, make_generator
 from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.telemetry.step_stats import StepStat, timed
 from inferd.types import ModelRunnerOutput
@@ -58,8 +59,11 @@ class ModelRunner:
         dtype: torch.dtype,
         cache: CacheConfig,
         native: kernels.NativeKernels | None,
+        greedy_screen: bool = True,
     ) -> None:
-        """`native`: the native CPU kernels (kernels.select), None for the PyTorch path."""
+        """`native`: the native CPU kernels (kernels.select), None for the PyTorch path.
+        `greedy_screen`: plain greedy batches take their tokens from the lm_head's greedy screen
+        (kernels/greedy.py) where it runs."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -94,6 +98,7 @@ class ModelRunner:
         else:
             model.use_fused_ops(native.ops, native.decode)
         self.sampler = Sampler(None if native is None else native.ops.argmax)
+        self.greedy_head = _greedy_head(model, native) if greedy_screen else None
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -124,39 +129,55 @@ class ModelRunner:
             stat.num_decode_tokens = inp.meta.num_decode_tokens
             stat.num_prefill_tokens = int(inp.input_ids.numel()) - inp.meta.num_decode_tokens
 
-        def forward() -> tuple[Tensor, list[ScheduledChunk]]:
+        def forward() -> Tensor:
             hidden = self.model(inp.input_ids, inp.positions, inp.meta)
-            logits = self.model.compute_logits(hidden[inp.logits_indices], float32=False)
-            return logits, inp.sampling_chunks
+            return hidden[inp.logits_indices]
 
-        return self._forward_and_sample(stat, forward)
+        return self._forward_and_sample(stat, inp.sampling_chunks, forward)
 
     def _execute_graph(
         self, graphs: DecodeGraphs, sched: SchedulerOutput, stat: StepStat
     ) -> ModelRunnerOutput:
         stat.num_decode_tokens = len(sched.chunks)
 
-        def forward() -> tuple[Tensor, list[ScheduledChunk]]:
-            hidden = graphs.run(sched.chunks)
-            rows = [i for i, c in enumerate(sched.chunks) if c.samples]
-            logits = self.model.compute_logits(hidden[self._tensor(rows)], float32=False)
-            return logits, [sched.chunks[i] for i in rows]
+        rows = [i for i, c in enumerate(sched.chunks) if c.samples]
 
-        return self._forward_and_sample(stat, forward)
+        def forward() -> Tensor:
+            return graphs.run(sched.chunks)[self._tensor(rows)]
+
+        return self._forward_and_sample(stat, [sched.chunks[i] for i in rows], forward)
 
     def _forward_and_sample(
-        self, stat: StepStat, forward: Callable[[], tuple[Tensor, list[ScheduledChunk]]]
+        self, stat: StepStat, chunks: list[ScheduledChunk], forward: Callable[[], Tensor]
     ) -> ModelRunnerOutput:
-        """`forward()` -> (logits of the sampling rows, their chunks), timed as the forward
-        stage (on a GPU by CUDA events: _charge_device_time), then sampled."""
+        """`forward()` -> the hidden states of the sampling rows (`chunks`'); the lm_head is
+        timed with it as the forward stage (on a GPU by CUDA events: _charge_device_time), then
+        the rows are sampled. A plain greedy batch the greedy screen takes skips the full lm_head
+        and the sampler: the screen gives the same tokens (kernels/greedy.py)."""
+        with timed(stat, "sample"):
+            rows = [self._sampling_row(c) for c in chunks]
+            meta = SamplingMetadata.build(rows, self.arch.vocab_size, self.device)
         with timed(stat, "forward"):
             start = _device_event(self.device)
-            logits, chunks = forward()
+            hidden = forward()
+            tokens = None
+            if self.greedy_head is not None and meta.plain_greedy:
+                tokens = self.greedy_head(hidden)
+            logits = None if tokens is not None else self.model.compute_logits(hidden, False)
             end = _device_event(self.device)
         with timed(stat, "sample"):
-            out = self._sample(logits, chunks)
+            if logits is not None:
+                out = self.sampler(logits, meta)
+            else:
+                assert tokens is not None
+                out = SamplerOutput(token_ids=tokens)
+            token_ids: list[int] = out.token_ids.tolist()
         _charge_device_time(stat, start, end)
-        return out
+        return ModelRunnerOutput(
+            req_ids=[c.request.request_id for c in chunks],
+            sampled_token_ids=token_ids,
+            logprobs=out.to_sample_logprobs(rows, token_ids),
+        )
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
@@ -303,18 +324,6 @@ class ModelRunner:
         blocks = np.asarray(c.block_ids[lo // bs : (hi + bs - 1) // bs], dtype=np.int64)
         return blocks[pos // bs - lo // bs] * bs + pos % bs
 
-    def _sample(self, logits: Tensor, chunks: list[ScheduledChunk]) -> ModelRunnerOutput:
-        # logits: in the model dtype; the sampler converts what it has to process.
-        rows = [self._sampling_row(c) for c in chunks]
-        meta = SamplingMetadata.build(rows, logits.shape[-1], self.device)
-        out = self.sampler(logits, meta)
-        token_ids: list[int] = out.token_ids.tolist()
-        return ModelRunnerOutput(
-            req_ids=[c.request.request_id for c in chunks],
-            sampled_token_ids=token_ids,
-            logprobs=out.to_sample_logprobs(rows, token_ids),
-        )
-
     def _sampling_row(self, c: ScheduledChunk) -> SamplingRow:
         req = c.request
         gen = None
@@ -339,6 +348,24 @@ def _device_event(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     event.record()
     return event
+
+
+def _greedy_head(model: CausalLM, native: kernels.NativeKernels | None) -> GreedyHead | None:
+    """The greedy screen of the model's lm_head, where the native kernels run and the lm_head has
+    a panel copy (kernels/greedy.py has the other conditions)."""
+    head = model.logits_head()
+    if native is None or head is None:
+        return None
+    greedy = GreedyHead.of(
+        native.screen, native.gemv, native.ops, head.panel_copy(), head.plain_weight()
+    )
+    if greedy is not None:
+        logger.info(
+            "greedy batches: int8 screen of the lm_head (%d columns) + exact logits of the "
+            "candidates",
+            greedy.panel.out_features,
+        )
+    return greedy
 
 
 def _charge_device_time(

@@ -211,6 +211,14 @@ class Linear(nn.Module):
             return rows
         return padded_rows(self.kind, rows, self.weight.dtype)
 
+    def panel_copy(self) -> PanelWeight | None:
+        """The panel copy batches of up to `Gemv.panel_rows` rows run on, or None."""
+        return self._panel if self._panel_rows else None
+
+    def plain_weight(self) -> Tensor | None:
+        """The dense row-major weight [out, in], where it is still held (shared, or kept)."""
+        return self.weight.detach() if self._has_plain else None
+
     def gemv_weight(self) -> GemvWeight | None:
         """The plain weight few-row batches run the GEMV on; None when they do not."""
         if self._gemv is None:

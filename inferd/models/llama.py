@@ -298,6 +298,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
 
+    def logits_head(self) -> Linear:
+        return self.lm_head
+
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]
 

@@ -10,6 +10,7 @@ from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import FusedOps
+from inferd.models.linear import Linear
 from inferd.models.llama import LlamaForCausalLM
 
 
@@ -23,6 +24,11 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:
         """[N, hidden] -> [N, vocab] float32 (not `float32`: in the model dtype, for a caller
         that converts only what needs it)."""
+        ...
+
+    def logits_head(self) -> Linear | None:
+        """The Linear that compute_logits is and nothing more (so that the greedy screen can
+        stand in for it), or None."""
         ...
 
     def attention_layers(self) -> list[PagedAttention]: ...

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from inferd import LLM, SamplingParams
+from inferd.config import read_environment
 from inferd.engine.llm_engine import TokensPrompt
 from inferd.errors import InvalidRequestError
+from inferd.models import kernels
+from inferd.models.kernels.greedy import GreedyHead
 from inferd.types import RequestStatus
 
 
@@ -131,6 +134,45 @@ def test_plain_greedy_rows_take_the_native_argmax(dtype: str) -> None:
     sampled = llm.generate(prompts, _greedy(12, logprobs=1), use_tqdm=False)
     assert not calls
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_screen_gives_the_full_lm_heads_tokens(dtype: str) -> None:
+    # The tiny model's lm_head is below the screen's MIN_COLUMNS, so the test builds the screen
+    # for it anyway, with every row count: plain greedy steps take their tokens from it, and they
+    # must be the tokens of the whole lm_head (the runner without a screen, same prompts).
+    llm = LLM(dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
+    runner = llm.llm_engine.runner
+    native = kernels.load(read_environment().cache_dir) if kernels.kernel_available() else None
+    head = runner.model.logits_head()
+    if native is None or head is None or head.panel_copy() is None:
+        pytest.skip("no native kernels or panel copies here")
+    assert runner.greedy_head is None  # too small a vocabulary for the default
+    prompts = _random_prompts(6, seed=21)
+    want = llm.generate(prompts, _greedy(16), use_tqdm=False)
+    greedy = GreedyHead.of(
+        native.screen,
+        native.gemv,
+        native.ops,
+        head.panel_copy(),
+        head.plain_weight(),
+        min_columns=0,
+        max_rows={torch.float32: 128, torch.bfloat16: 128},
+    )
+    assert greedy is not None
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor) -> torch.Tensor | None:
+        calls.append(x.shape[0])
+        return greedy(x)
+
+    runner.greedy_head = counted  # type: ignore[assignment]
+    got = llm.generate(prompts, _greedy(16), use_tqdm=False)
+    assert sum(calls) == 6 * 16  # every token, prefill steps' first tokens included
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    calls.clear()
+    llm.generate(prompts, _greedy(4, logprobs=1), use_tqdm=False)
+    assert not calls  # logprobs need the logits
 
 
 def test_prefix_cache_hit_gives_same_output(llm: LLM) -> None:

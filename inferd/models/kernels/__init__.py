@@ -2,8 +2,10 @@
 
 `paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
-`gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`) and
-`decode_step.cpp` (a 1-16 row decode step through every layer in one call; `decode.py`) are
+`gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`),
+`panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; and the int8
+greedy screen of the lm_head, `greedy.py`) and `decode_step.cpp` (a decode step of up to 128
+rows through every layer in one call; `decode.py`) are
 compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
@@ -48,6 +50,7 @@ from inferd.errors import ModelLoadError
 from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, FusedOps
 from inferd.models.kernels.gemv import Gemv
+from inferd.models.kernels.greedy import GreedyScreen
 
 logger = logging.getLogger("inferd.executor")
 
@@ -97,14 +100,15 @@ class PagedBatch:
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library: its attention kernel, fused elementwise ops, small-batch GEMV and the
-    decode step that chains them through every layer."""
+    """The loaded library: its attention kernel, fused elementwise ops, small-batch GEMV, the
+    decode step that chains them through every layer and the greedy lm_head screen."""
 
     path: Path
     attention: PagedAttentionKernel
     ops: FusedOps
     gemv: Gemv
     decode: DecodeLayers
+    screen: GreedyScreen
 
 
 class PagedAttentionKernel:
@@ -267,8 +271,14 @@ def load(cache_dir: Path) -> NativeKernels:
     path = build(cache_dir)
     try:
         lib = ctypes.CDLL(str(path))
-        kernels = (PagedAttentionKernel(lib), FusedOps(lib), Gemv(lib), DecodeLayers(lib))
-        return NativeKernels(path, *kernels)
+        return NativeKernels(
+            path,
+            PagedAttentionKernel(lib),
+            FusedOps(lib),
+            Gemv(lib),
+            DecodeLayers(lib),
+            GreedyScreen(lib),
+        )
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
 

@@ -120,38 +120,6 @@ inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, con
 
 // ---- int8 weights ----------------------------------------------------------------------------
 
-// x row [k] (model dtype) -> q [kpad] uint8 (zero past k), its scale and zero point: the range
-// [min(x, 0), max(x, 0)] over 0..255, values rounded to nearest even, as a dynamic int8 GEMM
-// quantizes its activations.
-inline void quantize_row(const void* x, int dtype, int64_t k, int64_t kpad, uint8_t* q,
-                         float* scale, int32_t* zero) {
-  const int64_t esz = dtype == kF32 ? 4 : 2;
-  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) {
-    const __m512 v = load16m(byte_at(x, i, esz), dtype, tail_mask(k - i));
-    lo = _mm512_min_ps(lo, v);
-    hi = _mm512_max_ps(hi, v);
-  }
-  const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
-  float s = (mx - mn) / 255.0f;
-  if (!(s > 0.0f)) s = 1.0f;  // an all-zero row: every value quantizes to the zero point
-  int32_t z = static_cast<int32_t>(std::nearbyint(-mn / s));
-  z = z < 0 ? 0 : z > 255 ? 255 : z;
-  const __m512 inv = _mm512_set1_ps(1.0f / s);
-  const __m512i vz = _mm512_set1_epi32(z), v0 = _mm512_setzero_si512(),
-                v255 = _mm512_set1_epi32(255);
-  for (int64_t i = 0; i < kpad; i += 16) {
-    const __mmask16 m = i < k ? tail_mask(k - i) : 0;
-    const __m512 v = load16m(byte_at(x, i, esz), dtype, m);
-    __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), vz);
-    r = _mm512_min_epi32(_mm512_max_epi32(r, v0), v255);
-    r = _mm512_maskz_mov_epi32(m, r);  // padding stays 0, so it adds nothing to the dot
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
-  }
-  *scale = s;
-  *zero = z;
-}
-
 struct Int8Rows {
   const uint8_t* q;  // [R][kpad]
   int64_t kpad;
@@ -406,8 +374,8 @@ int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t
   Int8Rows xr{buf.data(), kpad, {}, {}};
   const int64_t esz = dtype == kF32 ? 4 : 2;
   for (int64_t r = 0; r < rows; ++r)
-    quantize_row(byte_at(x, r * x_stride, esz), dtype, k, kpad, buf.data() + r * kpad,
-                 &xr.scale[r], &xr.zero[r]);
+    quantize_u8(byte_at(x, r * x_stride, esz), dtype, k, kpad, buf.data() + r * kpad,
+                &xr.scale[r], &xr.zero[r]);
   if (dtype == kF32) return gemv_int8<kF32>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
   return gemv_int8<kBF16>(xr, rows, w, n, k, w_scale, w_sum, bias, y, y_stride);
 }

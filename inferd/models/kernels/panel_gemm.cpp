@@ -4,6 +4,9 @@
 //                      columns), all of one dtype:
 //     bfloat16  W [n_pad / 64][k / 2][64][2] (VNNI pairs), on AVX512_BF16;
 //     float32   W [n_pad / 64][k][64].
+//   inferd_greedy_screen  the same loop over an int8 copy of an lm_head, [n_pad / 64][k / 4][64][4]
+//                      (VPDPBUSD), on x quantized to uint8: the columns whose exact logit can be a
+//                      row's largest, from error bounds (kernels/greedy.py has the design).
 //
 // Why: a decode step of 1-128 sequences multiplies that many rows by every weight of the model,
 // once per step, the weights streaming from memory. Each thread here takes its own contiguous
@@ -46,8 +49,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 
@@ -63,6 +68,7 @@ constexpr int kMaxRows = 128;
 struct StepBF16 {
   static constexpr int kInputsPerStep = 2;
   using W = uint16_t;
+  using X = uint16_t;
   static __m512 madd(__m512 c, __m512i x, __m512i w) {
 #ifdef __AVX512BF16__
     return _mm512_dpbf16_ps(c, (__m512bh)x, (__m512bh)w);
@@ -75,8 +81,20 @@ struct StepBF16 {
 struct StepF32 {
   static constexpr int kInputsPerStep = 1;
   using W = float;
+  using X = float;
   static __m512 madd(__m512 c, __m512i x, __m512i w) {
     return _mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w), c);
+  }
+};
+// The greedy screen's int8 weights: 4 inputs a step, x quantized to uint8, VPDPBUSD (u8 x s8
+// summed into int32 lanes). The int32 sums travel in the float registers and buffers as bit
+// patterns, never as floats.
+struct StepI8 {
+  static constexpr int kInputsPerStep = 4;
+  using W = int8_t;
+  using X = uint8_t;
+  static __m512 madd(__m512 c, __m512i x, __m512i w) {
+    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(c), x, w));
   }
 };
 
@@ -91,7 +109,7 @@ struct Prefetch {
 // acc[r][0, 64) (+)= x rows [0, R) . `steps` steps of a panel; tile `t` of the block prefetches
 // its share of the next.
 template <class S, int R>
-inline void tile(const typename S::W* x, int64_t x_stride, const typename S::W* w, int steps,
+inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* w, int steps,
                  float* acc, bool first, const Prefetch& pf, int t) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;  // weight values per step
   __m512 c[R][4];
@@ -125,7 +143,7 @@ inline void tile(const typename S::W* x, int64_t x_stride, const typename S::W* 
 }
 
 template <class S>
-inline void tile_rows(int rows, const typename S::W* x, int64_t x_stride, const typename S::W* w,
+inline void tile_rows(int rows, const typename S::X* x, int64_t x_stride, const typename S::W* w,
                       int steps, float* acc, bool first, const Prefetch& pf, int t) {
   switch (rows) {
     case 1: return tile<S, 1>(x, x_stride, w, steps, acc, first, pf, t);
@@ -137,14 +155,12 @@ inline void tile_rows(int rows, const typename S::W* x, int64_t x_stride, const 
   }
 }
 
-// y[:, 64p, 64p + 64) of every row: all of panel p's blocks, then the bias (and rounding).
-// `w_end`: the end of this thread's panels, where prefetching stops.
+// acc[r][0, 64) = x rows [0, rows) . panel p, over all of its blocks. `w_end`: the end of this
+// thread's panels, where prefetching stops.
 template <class S>
-void panel(const typename S::W* x, int rows, int64_t x_stride, const typename S::W* w,
-           int64_t steps, const typename S::W* bias, int64_t n, typename S::W* y,
-           int64_t y_stride, int64_t p, float* acc, const typename S::W* w_end) {
+void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typename S::W* w,
+                int64_t steps, int64_t p, float* acc, const typename S::W* w_end) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
-  constexpr int dtype = S::kInputsPerStep == 2 ? kBF16 : kF32;
   const typename S::W* wp = w + p * steps * kStepValues;
   const int tiles = (rows + kTileRows - 1) / kTileRows;
   for (int64_t i0 = 0; i0 < steps; i0 += kBlockSteps) {
@@ -163,6 +179,13 @@ void panel(const typename S::W* x, int rows, int64_t x_stride, const typename S:
       r0 = r1;
     }
   }
+}
+
+// y[:, 64p, 64p + 64) of every row from panel p's sums: the bias added (and rounded).
+template <class S>
+void store_panel(const float* acc, int rows, const typename S::W* bias, int64_t n,
+                 typename S::W* y, int64_t y_stride, int64_t p) {
+  constexpr int dtype = S::kInputsPerStep == 2 ? kBF16 : kF32;
   const int64_t c0 = p * kPanel;
   const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - c0));
   for (int v = 0; v * 16 < cols; ++v) {
@@ -187,11 +210,169 @@ int gemm_panel(const void* x, int rows, int64_t x_stride, const void* w, int64_t
     // Contiguous ranges: one sequential stream of weights per thread.
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
     const W* w_end = static_cast<const W*>(w) + p1 * steps * kPanel * S::kInputsPerStep;
-    for (int64_t p = p0; p < p1; ++p)
-      panel<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps,
-               static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p, acc, w_end);
+    for (int64_t p = p0; p < p1; ++p) {
+      panel_sums<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps, p,
+                    acc, w_end);
+      store_panel<S>(acc, rows, static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p);
+    }
   }
   return 0;
+}
+
+// ---- the greedy screen ------------------------------------------------------------------------
+// See the header of kernels/greedy.py for the bound and why it is exact.
+
+// x's rows quantized to uint8 (quantize_u8: x ~ s (u - z) + e) and the norms the bound needs.
+struct ScreenRows {
+  const uint8_t* u;  // [rows][stride]
+  int64_t stride;
+  float s[kMaxRows];
+  int32_t z[kMaxRows];
+  float nx[kMaxRows];  // ||x||_2, rounded up
+  float ne[kMaxRows];  // ||e||_2, rounded up
+};
+
+// Per output column of the int8 weight (W ~ scale * q + d): scale, the sum of q, ||W||_2, ||d||_2.
+struct ScreenCols {
+  const float* scale;
+  const int32_t* sum;
+  const float* norm_w;
+  const float* norm_d;
+};
+
+struct Hit {
+  int32_t row;
+  int32_t col;
+  float hi;
+};
+
+// The least exact logit a row's winner can have when m is its largest lower bound: m less the
+// rounding of the logits (`rel`: bfloat16's relative spacing, twice over; float32 logits are not
+// rounded) and an absolute floor for values near 0.
+inline float threshold(float m, float rel) { return m - std::fabs(m) * rel - 1e-30f; }
+
+// Rounds a non-negative double up to a float that is not below it.
+inline float up(double v) {
+  const float f = static_cast<float>(v);
+  return static_cast<double>(f) >= v ? f : std::nextafter(f, INFINITY);
+}
+
+// Quantizes every row; -2 if a value is not finite.
+int screen_rows(const void* x, int rows, int64_t x_stride, int dtype, int64_t k, uint8_t* u,
+                int64_t stride, ScreenRows& xr) {
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  for (int r = 0; r < rows; ++r) {
+    const char* xrow = static_cast<const char*>(x) + r * x_stride * esz;
+    uint8_t* ur = u + r * stride;
+    quantize_u8(xrow, dtype, k, stride, ur, &xr.s[r], &xr.z[r]);
+    double nx2 = 0.0, ne2 = 0.0;
+    for (int64_t i = 0; i < k; ++i) {
+      float xi;
+      if (dtype == kF32) {
+        std::memcpy(&xi, xrow + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, xrow + 2 * i, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&xi, &bits, 4);
+      }
+      const double e = xi - static_cast<double>(xr.s[r]) * (ur[i] - xr.z[r]);  // exact
+      nx2 += static_cast<double>(xi) * xi;
+      ne2 += e * e;
+    }
+    if (!std::isfinite(nx2) || !std::isfinite(ne2)) return -2;
+    // sqrt of a double sum of squares: relative error ~1e-16 x k, far inside the 2^-10 margin.
+    xr.nx[r] = up(std::sqrt(nx2));
+    xr.ne[r] = up(std::sqrt(ne2));
+  }
+  return 0;
+}
+
+// Panel p's bounds for every row: lo = A - eps raises the row's running largest lower bound,
+// columns whose hi = A + eps reaches the threshold of it are kept. A thread's running maximum is
+// at most the final one, so every column that passes the final threshold is kept here.
+void screen_panel(const float* acc, int rows, const ScreenRows& xr, const ScreenCols& cols,
+                  int64_t n, int64_t p, float kslack, float rel, float* row_max,
+                  std::vector<Hit>& hits) {
+  const int64_t c0 = p * kPanel;
+  const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - c0));
+  const __m512 margin = _mm512_set1_ps(1.0f + 0x1p-10f), rel_a = _mm512_set1_ps(0x1p-16f),
+               tiny = _mm512_set1_ps(1e-30f), ks = _mm512_set1_ps(kslack);
+  __mmask16 valid[4];
+  for (int v = 0; v < 4; ++v) valid[v] = ncols > 16 * v ? tail_mask(ncols - 16 * v) : 0;
+  for (int r = 0; r < rows; ++r) {
+    const __m512 sx = _mm512_set1_ps(xr.s[r]), nx = _mm512_set1_ps(xr.nx[r]),
+                 ne = _mm512_set1_ps(xr.ne[r]);
+    const __m512i z = _mm512_set1_epi32(xr.z[r]);
+    __m512 hi[4], lo_max = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < 4; ++v) {
+      const __mmask16 m = valid[v];
+      const int64_t c = c0 + 16 * v;
+      const __m512 sw = _mm512_maskz_loadu_ps(m, cols.scale + c);
+      const __m512 nw = _mm512_maskz_loadu_ps(m, cols.norm_w + c);
+      const __m512 nd = _mm512_maskz_loadu_ps(m, cols.norm_d + c);
+      const __m512i sum = _mm512_maskz_loadu_epi32(m, cols.sum + c);
+      const __m512i dot = _mm512_sub_epi32(
+          _mm512_castps_si512(_mm512_load_ps(acc + r * kPanel + 16 * v)), _mm512_mullo_epi32(z, sum));
+      const __m512 a = _mm512_mul_ps(_mm512_mul_ps(sx, sw), _mm512_cvtepi32_ps(dot));
+      // |x.w - A| <= |x| |d| + |e| |w| + |e| |d|, and the exact path's float32 sums add at most
+      // kslack |x| |w|.
+      __m512 eps = _mm512_fmadd_ps(nx, nd, _mm512_mul_ps(ne, nw));
+      eps = _mm512_fmadd_ps(ne, nd, eps);
+      eps = _mm512_fmadd_ps(_mm512_mul_ps(ks, nx), nw, eps);
+      eps = _mm512_fmadd_ps(eps, margin, _mm512_fmadd_ps(_mm512_abs_ps(a), rel_a, tiny));
+      hi[v] = _mm512_add_ps(a, eps);
+      lo_max = _mm512_mask_max_ps(lo_max, m, lo_max, _mm512_sub_ps(a, eps));
+    }
+    row_max[r] = std::max(row_max[r], _mm512_reduce_max_ps(lo_max));
+    const __m512 thr = _mm512_set1_ps(threshold(row_max[r], rel));
+    for (int v = 0; v < 4; ++v) {
+      uint32_t keep = _mm512_mask_cmp_ps_mask(valid[v], hi[v], thr, _CMP_GE_OQ);
+      alignas(64) float h[16];
+      if (keep) _mm512_store_ps(h, hi[v]);
+      for (; keep; keep &= keep - 1) {
+        const int j = __builtin_ctz(keep);
+        hits.push_back({r, static_cast<int32_t>(c0 + 16 * v + j), h[j]});
+      }
+    }
+  }
+}
+
+int64_t greedy_screen(const ScreenRows& xr, int rows, const int8_t* w, const ScreenCols& cols,
+                      int64_t n, int64_t k, float rel, int32_t* cand, int64_t max_cand) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, steps = k / 4;
+  const float kslack = 2.0f * static_cast<float>(k) * 0x1p-24f;
+  const int nt_max = omp_get_max_threads();
+  std::vector<float> maxes(static_cast<size_t>(nt_max) * rows, -INFINITY);
+  std::vector<std::vector<Hit>> hits(nt_max);
+#pragma omp parallel if (panels > 1)
+  {
+    alignas(64) float acc[kMaxRows * kPanel];
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    const int8_t* w_end = w + p1 * steps * kPanel * 4;
+    for (int64_t p = p0; p < p1; ++p) {
+      panel_sums<StepI8>(xr.u, rows, xr.stride, w, steps, p, acc, w_end);
+      screen_panel(acc, rows, xr, cols, n, p, kslack, rel, &maxes[t * rows], hits[t]);
+    }
+  }
+  float thr[kMaxRows];
+  for (int r = 0; r < rows; ++r) {
+    float m = -INFINITY;
+    for (int t = 0; t < nt_max; ++t) m = std::max(m, maxes[t * rows + r]);
+    thr[r] = threshold(m, rel);
+  }
+  std::vector<uint8_t> mark(static_cast<size_t>(n), 0);
+  for (const auto& th : hits)
+    for (const Hit& h : th)
+      if (h.hi >= thr[h.row]) mark[h.col] = 1;
+  int64_t count = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (!mark[c]) continue;
+    if (count == max_cand) return -3;
+    cand[count++] = static_cast<int32_t>(c);
+  }
+  return count;
 }
 
 int panel_rows(int dtype) {
@@ -212,6 +393,28 @@ int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void*
   if (dtype == kF32) return gemm_panel<StepF32>(x, r, x_stride, w, n, k, bias, y, y_stride);
   if (k % 2 != 0) return -1;
   return gemm_panel<StepBF16>(x, r, x_stride, w, n, k, bias, y, y_stride);
+}
+
+// The columns of an lm_head whose exact logit can be a row's largest (ascending), from the int8
+// screen: x [rows, x_stride] float32 or bfloat16 (the lm_head's input rows), w its int8 copy in
+// panels [n_pad / 64][k / 4][64][4] with the per-column scale, sum, ||W||_2 and ||d||_2 (n_pad
+// each), `bf16_logits` whether the exact logits are rounded to bfloat16. Returns how many were
+// written to `cand`; -1 for bad arguments (rows outside [1, 128], k not a multiple of 4), -2 for a
+// value of x that is not finite, -3 for more than `max_cand` (the caller runs the whole lm_head).
+int64_t inferd_greedy_screen(const void* x, int64_t rows, int64_t x_stride, int dtype,
+                             const int8_t* w, int64_t n, int64_t k, const float* scale,
+                             const int32_t* sum, const float* norm_w, const float* norm_d,
+                             int bf16_logits, int32_t* cand, int64_t max_cand) {
+  if (rows < 1 || rows > kMaxRows || k % 4 != 0 || (dtype != kF32 && dtype != kBF16)) return -1;
+  const int r = static_cast<int>(rows);
+  const int64_t stride = (k + 63) / 64 * 64;
+  thread_local std::vector<uint8_t> buf;  // the quantized rows, reused across calls
+  buf.resize(static_cast<size_t>(rows * stride));
+  ScreenRows xr{buf.data(), stride, {}, {}, {}, {}};
+  if (screen_rows(x, r, x_stride, dtype, k, buf.data(), stride, xr) != 0) return -2;
+  const float rel = bf16_logits ? 0x1p-6f : 0x1p-20f;
+  return greedy_screen(xr, r, w, ScreenCols{scale, sum, norm_w, norm_d}, n, k, rel, cand,
+                       max_cand);
 }
 
 // The most rows inferd_gemm_panel takes for `dtype` (a DType code); 0 where it takes none.

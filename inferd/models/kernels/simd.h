@@ -15,6 +15,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -130,6 +131,39 @@ inline __m512 load16m(const void* p, int dtype, __mmask16 m) {
   if (dtype == kFP8E5M2) return e5m2_to_ps(_mm_maskz_loadu_epi8(m, p));
   if (dtype == kI8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
   return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// x row [k] (model dtype) -> q [kpad] uint8 (zero past k), its scale and zero point: the range
+// [min(x, 0), max(x, 0)] over 0..255, values rounded to nearest even, as a dynamic int8 GEMM
+// quantizes its activations (gemv.cpp's int8 GEMV, panel_gemm.cpp's greedy screen). kpad: a
+// multiple of 16.
+inline void quantize_u8(const void* x, int dtype, int64_t k, int64_t kpad, uint8_t* q,
+                        float* scale, int32_t* zero) {
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __m512 v = load16m(static_cast<const char*>(x) + i * esz, dtype, tail_mask(k - i));
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  const float mn = _mm512_reduce_min_ps(lo), mx = _mm512_reduce_max_ps(hi);
+  float s = (mx - mn) / 255.0f;
+  if (!(s > 0.0f)) s = 1.0f;  // an all-zero row: every value quantizes to the zero point
+  int32_t z = static_cast<int32_t>(std::nearbyint(-mn / s));
+  z = z < 0 ? 0 : z > 255 ? 255 : z;
+  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  const __m512i vz = _mm512_set1_epi32(z), v0 = _mm512_setzero_si512(),
+                v255 = _mm512_set1_epi32(255);
+  for (int64_t i = 0; i < kpad; i += 16) {
+    const __mmask16 m = i < k ? tail_mask(k - i) : 0;
+    const __m512 v = load16m(static_cast<const char*>(x) + i * esz, dtype, m);
+    __m512i r = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), vz);
+    r = _mm512_min_epi32(_mm512_max_epi32(r, v0), v255);
+    r = _mm512_maskz_mov_epi32(m, r);  // padding stays 0, so it adds nothing to the dot
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(r));
+  }
+  *scale = s;
+  *zero = z;
 }
 
 // The 16-bit patterns of v rounded to bfloat16 (nearest even; NaN stays a quiet NaN), in 32-bit

@@ -1,0 +1,223 @@
+"""Exact greedy tokens without multiplying the whole lm_head: an int8 screen with error bounds
+(`inferd_greedy_screen` in kernels/panel_gemm.cpp), then the exact logits of the few columns that
+can still be a row's largest.
+
+    head = GreedyHead.of(model.lm_head, native)     # None where it cannot run
+    tokens = head(x)     # x: [rows, hidden], the lm_head's input rows -> [rows] int64, or None:
+                         # run the lm_head and the argmax as usual
+
+Why: a greedy step needs only the argmax of each row's logits, and the lm_head is the largest
+weight of a small model (the Qwen2-0.5B shape: 136 M of its 494 M parameters, 28 % of a decode
+token's multiply-adds). VNNI's u8 x s8 dot products do 64 multiply-adds a cycle against
+AVX512_BF16's 32 and float32 FMA's 16, and read one byte a weight.
+
+The bound. Each row of x is quantized to uint8 from its own range, x = sx (u - z) + e, and each
+column of the lm_head to int8 symmetrically, W_v = s_v q_v + d_v. The screen's
+A_v = sx s_v (u . q_v - z sum(q_v)) is integer arithmetic, exact, and (Cauchy-Schwarz, 2-norms)
+
+    |x . W_v - A_v| <= |x| |d_v| + |e| |W_v| + |e| |d_v|
+
+|W_v| and |d_v| are computed once here (float64, rounded up), |x| and |e| per row by the kernel
+(e value by value, exactly, in double). The logit the full path computes differs from x . W_v by
+its float32 sums' rounding, at most 2 k 2^-24 |x| |W_v|; the kernel adds that, then 2^-10 of the
+whole, 2^-16 of |A_v| and 1e-30 for its own float32 arithmetic. So each exact logit lies in
+[lo_v, hi_v] = A_v -/+ eps_v, and m = max_v lo_v is at most the largest. A winner (a column whose
+logit, as the full path rounds it, equals the largest) has a logit of at least m less that
+rounding: bfloat16 logits keep 8 significant bits, so m - 2^-6 |m| - 1e-30 (float32 logits are not
+rounded: 2^-20, for ties). Every column whose hi_v reaches that is a candidate; any other column's
+logit is strictly below every winner's.
+
+The candidates of all rows (ascending) are then multiplied exactly by the lm_head's own kernel,
+the panel GEMM, on the same values (gathered from the lm_head's panel copy and packed again; a
+column's sum runs the same instructions in the same order in any panel), so their logits are bit
+for bit the full path's. The argmax over them (the first on ties, as FusedOps.argmax and torch)
+is the full path's: a column that is only another row's candidate is below this row's winners.
+
+None (the caller runs the lm_head): a row with a value that is not finite, more than
+`max_candidates` candidates (an all-zero row ties every column), a batch larger than the panel
+GEMM takes (oneDNN orders its sums otherwise). The lm_head must have a panel copy and no bias.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
+from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
+
+# Columns of the exact weight unpacked from the panel copy at a time while building (float64).
+_BUILD_CHUNK = 4096
+# The most rows a screen takes, by the lm_head's dtype. VPDPBUSD does as many multiply-adds a cycle
+# as VDPBF16PS on the CPUs measured (AMD Zen 4: half the instructions a cycle, twice the work
+# each), so a bfloat16 screen gains only where the lm_head streams from memory (few rows);
+# float32 FMAs do half as many at any row count (docs/benchmarks.md).
+MAX_ROWS = {torch.float32: 128, torch.bfloat16: 8}
+# Smaller lm_heads run whole: the candidates' exact logits and the fixed costs of a call take
+# about what the screen saves (llama-32m's 8,192 columns: 0.4-1.3x).
+MIN_COLUMNS = 32768
+
+
+@dataclass(frozen=True)
+class ScreenWeight:
+    """The lm_head quantized for the screen: int8 in panels of 64 columns,
+    [n_pad / 64][k / 4][64][4] (VPDPBUSD's four inputs a lane), and per column (n_pad each) the
+    scale, the sum of the integers, |W_v| and |d_v| (float32, rounded up)."""
+
+    q: Tensor
+    scale: Tensor
+    col_sum: Tensor
+    norm_w: Tensor
+    norm_d: Tensor
+
+    @classmethod
+    def of(cls, panel: PanelWeight) -> ScreenWeight:
+        packed = panel.packed
+        n_pad, k = packed.shape[0] * PANEL_COLUMNS, panel.in_features
+        q = torch.empty(n_pad, k, dtype=torch.int8)
+        scale, norm_w, norm_d = (torch.empty(n_pad, dtype=torch.float32) for _ in range(3))
+        per = _BUILD_CHUNK // PANEL_COLUMNS
+        for p0 in range(0, packed.shape[0], per):
+            w = _unpack(packed[p0 : p0 + per]).double()
+            c0 = p0 * PANEL_COLUMNS
+            s = (w.abs().amax(dim=1) / 127).float()  # the scale the kernel multiplies by
+            sd = s.double()
+            qi = torch.where(sd[:, None] > 0, w / sd.clamp_min(1e-300)[:, None], 0.0).round()
+            qi = qi.clamp(-127, 127)
+            d = w - sd[:, None] * qi
+            rows = slice(c0, c0 + w.shape[0])
+            q[rows], scale[rows] = qi.to(torch.int8), s
+            norm_w[rows], norm_d[rows] = _round_up(w.norm(dim=1)), _round_up(d.norm(dim=1))
+        col_sum = q.sum(dim=1, dtype=torch.int32)
+        vnni = q.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 4, 4).transpose(1, 2)
+        return cls(vnni.contiguous(), scale, col_sum, norm_w, norm_d)
+
+
+def panel_columns(packed: Tensor, cols: Tensor) -> Tensor:
+    """The exact weight rows [len(cols), k] (the model dtype) of output columns `cols`, read from
+    a PanelWeight's packed copy (float32 [P, k, 64]; bfloat16 [P, k / 2, 64, 2])."""
+    p, j = cols // PANEL_COLUMNS, cols % PANEL_COLUMNS
+    if packed.dim() == 3:
+        return packed[p, :, j]
+    pairs = packed.view(torch.int32)[..., 0]  # a bfloat16 pair as one 32-bit value
+    return pairs[p, :, j].view(torch.bfloat16)
+
+
+def _unpack(panels: Tensor) -> Tensor:
+    """Whole panels of a packed copy -> their weight rows [panels * 64, k], in order."""
+    if panels.dim() == 3:
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1])
+    return panels.transpose(1, 2).reshape(panels.shape[0] * PANEL_COLUMNS, -1)
+
+
+def _round_up(v: Tensor) -> Tensor:
+    """float64 -> the least float32 not below it."""
+    f = v.float()
+    return torch.where(f.double() < v, torch.nextafter(f, torch.full_like(f, torch.inf)), f)
+
+
+class GreedyScreen:
+    """`inferd_greedy_screen`, bound to a loaded kernel library (kernels.load)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.inferd_greedy_screen
+        i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i64]
+        fn.restype = ctypes.c_int64
+        self._fn = fn
+
+    def __call__(self, x: Tensor, w: ScreenWeight, out_features: int, cand: Tensor) -> int:
+        """Writes the candidate columns of x's rows (unit stride along k) to `cand` (int32);
+        returns how many, or < 0 (-2: a value of x not finite, -3: more than cand holds)."""
+        rc = int(
+            self._fn(
+                x.data_ptr(),
+                x.shape[0],
+                x.stride(0),
+                DTYPE_CODES[x.dtype],
+                w.q.data_ptr(),
+                out_features,
+                x.shape[1],
+                w.scale.data_ptr(),
+                w.col_sum.data_ptr(),
+                w.norm_w.data_ptr(),
+                w.norm_d.data_ptr(),
+                int(x.dtype == torch.bfloat16),
+                cand.data_ptr(),
+                cand.numel(),
+            )
+        )
+        if rc == -1:
+            raise ValueError(f"greedy screen rejected x {tuple(x.shape)} {x.dtype}")
+        return rc
+
+
+class GreedyHead:
+    """See the module docstring. Built once at load; called on each plain greedy batch."""
+
+    def __init__(
+        self,
+        screen: GreedyScreen,
+        gemv: Gemv,
+        ops: FusedOps,
+        panel: PanelWeight,
+        plain: Tensor | None,
+        max_rows: int,
+    ) -> None:
+        self._screen = screen
+        self._gemv = gemv
+        self._argmax = ops.argmax
+        self.panel = panel
+        self._plain = plain
+        self.weight = ScreenWeight.of(panel)
+        self.max_rows = max_rows
+        self.max_candidates = max(PANEL_COLUMNS, panel.out_features // 8)
+        self._cand = torch.empty(self.max_candidates, dtype=torch.int32)
+
+    @classmethod
+    def of(
+        cls,
+        screen: GreedyScreen,
+        gemv: Gemv,
+        ops: FusedOps,
+        panel: PanelWeight | None,
+        plain: Tensor | None = None,
+        min_columns: int = MIN_COLUMNS,
+        max_rows: dict[torch.dtype, int] = MAX_ROWS,
+    ) -> GreedyHead | None:
+        """None unless the lm_head runs the panel GEMM (`panel`, its copy) on a float32 or
+        bfloat16 weight of at least `min_columns` outputs without bias, with a multiple of 4
+        inputs, all finite; batches of up to `max_rows[dtype]` rows. `plain`: the row-major
+        weight, if kept (tied embeddings): the candidates' rows are read from it (from the
+        panels, one cache line a value, otherwise)."""
+        if panel is None or panel.bias is not None or panel.in_features % 4:
+            return None
+        dtype = panel.packed.dtype
+        rows = min(gemv.panel_rows.get(dtype, 0), max_rows.get(dtype, 0))
+        if rows < 1 or panel.out_features < min_columns:
+            return None
+        if not bool(torch.isfinite(panel.packed).all()):
+            return None
+        return cls(screen, gemv, ops, panel, plain, rows)
+
+    def candidates(self, x: Tensor) -> Tensor | None:
+        """The columns (int64, ascending) whose exact logit can be a row's largest, or None."""
+        rows, k = x.shape
+        if not 0 < rows <= self.max_rows or x.dtype != self.panel.packed.dtype:
+            return None
+        if k != self.panel.in_features or x.stride(1) != 1:
+            raise ValueError(f"greedy head: x {tuple(x.shape)} for {self.panel.in_features} inputs")
+        count = self._screen(x, self.weight, self.panel.out_features, self._cand)
+        return None if count < 0 else self._cand[:count].long()
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        cols = self.candidates(x)
+        if cols is None:
+            return None
+        rows = panel_columns(self.panel.packed, cols) if self._plain is None else self._plain[cols]
+        exact = PanelWeight.of(rows, None)
+        assert exact is not None
+        return cols[self._argmax(self._gemv.panel(x, exact))]
