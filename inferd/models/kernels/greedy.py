@@ -2,14 +2,20 @@
 (`inferd_greedy_screen` in kernels/panel_gemm.cpp), then the exact logits of the few columns that
 can still be a row's largest.
 
-    head = GreedyHead.of(model.lm_head, native)     # None where it cannot run
+    head = GreedyHead.of(native.screen, native.gemv, native.ops, lm_head.panel_copy(),
+                         lm_head.plain_weight())      # None where it does not run
     tokens = head(x)     # x: [rows, hidden], the lm_head's input rows -> [rows] int64, or None:
                          # run the lm_head and the argmax as usual
 
+"The full path" below is what a plain greedy batch runs without it: the panel GEMM over the whole
+lm_head (logits in the model dtype), then FusedOps.argmax.
+
 Why: a greedy step needs only the argmax of each row's logits, and the lm_head is the largest
 weight of a small model (the Qwen2-0.5B shape: 136 M of its 494 M parameters, 28 % of a decode
-token's multiply-adds). VNNI's u8 x s8 dot products do 64 multiply-adds a cycle against
-AVX512_BF16's 32 and float32 FMA's 16, and read one byte a weight.
+token's multiply-adds). VNNI's u8 x s8 dot product does twice the multiply-adds of an AVX512_BF16
+one per instruction and reads one byte a weight. On AMD Zen 4 it issues half as often, so against
+a bfloat16 lm_head the screen gains only where the weights stream from memory (few rows,
+MAX_ROWS); against float32 FMAs it gains at every row count.
 
 The bound. Each row of x is quantized to uint8 from its own range, x = sx (u - z) + e, and each
 column of the lm_head to int8 symmetrically, W_v = s_v q_v + d_v. The screen's
@@ -28,14 +34,16 @@ rounded: 2^-20, for ties). Every column whose hi_v reaches that is a candidate; 
 logit is strictly below every winner's.
 
 The candidates of all rows (ascending) are then multiplied exactly by the lm_head's own kernel,
-the panel GEMM, on the same values (gathered from the lm_head's panel copy and packed again; a
-column's sum runs the same instructions in the same order in any panel), so their logits are bit
-for bit the full path's. The argmax over them (the first on ties, as FusedOps.argmax and torch)
-is the full path's: a column that is only another row's candidate is below this row's winners.
+the panel GEMM, on the same values (rows of the row-major weight where one is kept, else gathered
+from the panel copy, packed again; a column's sum runs the same instructions in the same order in
+any panel), so their logits are bit for bit the full path's. The argmax over them (the first on
+ties, as FusedOps.argmax and torch) is the full path's: a column that is only another row's
+candidate is below this row's winners.
 
 None (the caller runs the lm_head): a row with a value that is not finite, more than
-`max_candidates` candidates (an all-zero row ties every column), a batch larger than the panel
-GEMM takes (oneDNN orders its sums otherwise). The lm_head must have a panel copy and no bias.
+`max_candidates` candidates (an eighth of the columns; an all-zero row ties every column), more
+rows than MAX_ROWS[dtype] (at most the panel GEMM's 128: larger batches run oneDNN, whose sums
+are ordered otherwise). The lm_head must have a panel copy and no bias.
 """
 
 from __future__ import annotations

@@ -312,8 +312,8 @@ void screen_panel(const float* acc, int rows, const ScreenRows& xr, const Screen
       const __m512 nw = _mm512_maskz_loadu_ps(m, cols.norm_w + c);
       const __m512 nd = _mm512_maskz_loadu_ps(m, cols.norm_d + c);
       const __m512i sum = _mm512_maskz_loadu_epi32(m, cols.sum + c);
-      const __m512i dot = _mm512_sub_epi32(
-          _mm512_castps_si512(_mm512_load_ps(acc + r * kPanel + 16 * v)), _mm512_mullo_epi32(z, sum));
+      const __m512i raw = _mm512_castps_si512(_mm512_load_ps(acc + r * kPanel + 16 * v));
+      const __m512i dot = _mm512_sub_epi32(raw, _mm512_mullo_epi32(z, sum));
       const __m512 a = _mm512_mul_ps(_mm512_mul_ps(sx, sw), _mm512_cvtepi32_ps(dot));
       // |x.w - A| <= |x| |d| + |e| |w| + |e| |d|, and the exact path's float32 sums add at most
       // kslack |x| |w|.
