@@ -34,6 +34,7 @@ from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight  # noqa: E402
+from inferd.models.kernels.greedy import MIN_COLUMNS  # noqa: E402
 from inferd.models.linear import Linear, has_int8_gemm  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -179,6 +180,44 @@ def test_greedy_matches_transformers(
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert not engine.scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_screen_matches_transformers(tied: bool, tmp_path: Path) -> None:
+    # A vocabulary of 32,768 (the greedy screen's smallest): every step is plain greedy, so its
+    # tokens come from the int8 screen and the candidates' exact logits (read from the tied
+    # embedding, or from the panel copy of an untied lm_head) under chunking and preemption;
+    # they must still be transformers' token for token. With the screen off, the same.
+    if not kernel_available():
+        pytest.skip("native kernels unavailable here")
+    extra = {"vocab_size": MIN_COLUMNS, "tie_word_embeddings": tied}
+    path = save_checkpoint("LlamaConfig", extra, tmp_path / "wide", seed=1234)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    work = _workload(seed=5)
+    want = [_hf_greedy(hf, prompt, n) for prompt, n in work]
+    for mode in ("auto", "off"):
+        engine = _engine(path, greedy_screen=mode)
+        head = engine.runner.greedy_head
+        assert (head is None) == (mode == "off"), mode
+        calls: list[int] = []
+        if head is not None:
+            real = head.__call__
+
+            def counted(
+                x: torch.Tensor, real: Any = real, calls: list[int] = calls
+            ) -> torch.Tensor | None:
+                out = real(x)
+                if out is not None:  # the screen gave these rows' tokens (None: the lm_head did)
+                    calls.append(x.shape[0])
+                return out
+
+            engine.runner.greedy_head = counted  # type: ignore[assignment]
+        results = _run(engine, work)
+        got = _tokens(results)
+        assert [got[str(i)] for i in range(len(work))] == want, mode
+        assert sum(out.metrics.num_preemptions for out in results.values()) > 0
+        # Every sampled token, recomputed ones after a preemption included, came from the screen.
+        assert (sum(calls) >= sum(n for _, n in work)) == (mode == "auto")
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

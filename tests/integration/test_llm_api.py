@@ -160,19 +160,23 @@ def test_greedy_screen_gives_the_full_lm_heads_tokens(dtype: str) -> None:
         max_rows={torch.float32: 128, torch.bfloat16: 128},
     )
     assert greedy is not None
-    calls: list[int] = []
+    asked: list[int] = []
+    calls: list[int] = []  # rows whose tokens came from the screen
 
     def counted(x: torch.Tensor) -> torch.Tensor | None:
-        calls.append(x.shape[0])
-        return greedy(x)
+        asked.append(x.shape[0])
+        out = greedy(x)
+        if out is not None:
+            calls.append(x.shape[0])
+        return out
 
     runner.greedy_head = counted  # type: ignore[assignment]
     got = llm.generate(prompts, _greedy(16), use_tqdm=False)
     assert sum(calls) == 6 * 16  # every token, prefill steps' first tokens included
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    calls.clear()
+    asked.clear()
     llm.generate(prompts, _greedy(4, logprobs=1), use_tqdm=False)
-    assert not calls  # logprobs need the logits
+    assert not asked  # logprobs need the logits: the screen is not asked
 
 
 def test_prefix_cache_hit_gives_same_output(llm: LLM) -> None:
