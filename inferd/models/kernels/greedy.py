@@ -88,17 +88,21 @@ class ScreenWeight:
         q = torch.empty(n_pad, k, dtype=torch.int8)
         scale, norm_w, norm_d = (torch.empty(n_pad, dtype=torch.float32) for _ in range(3))
         per = _BUILD_CHUNK // PANEL_COLUMNS
+        # float32 throughout (the weights are float32 or bfloat16, exact in it): the rounding of
+        # the norms' float32 sums (< k 2^-24 relative) and of d = W - s q (< 2^-21 |W| a value:
+        # |s q| < 3 |W| where q != 0) are added to the norms, so they stay upper bounds.
+        sums = 1.0 + k * 2.0**-23
         for p0 in range(0, packed.shape[0], per):
-            w = _unpack(packed[p0 : p0 + per]).double()
-            c0 = p0 * PANEL_COLUMNS
-            s = (w.abs().amax(dim=1) / 127).float()  # the scale the kernel multiplies by
-            sd = s.double()
-            qi = torch.where(sd[:, None] > 0, w / sd.clamp_min(1e-300)[:, None], 0.0).round()
-            qi = qi.clamp(-127, 127)
-            d = w - sd[:, None] * qi
-            rows = slice(c0, c0 + w.shape[0])
+            w = _unpack(packed[p0 : p0 + per]).float()
+            s = w.abs().amax(dim=1) / 127  # the scale the kernel multiplies by
+            inv = torch.where(s > 0, 1.0 / s, 0.0)
+            qi = (w * inv[:, None]).round_().clamp_(-127, 127)
+            nw = torch.linalg.vector_norm(w, dim=1)
+            d = torch.addcmul(w, s[:, None], qi, value=-1.0)
+            nd = torch.linalg.vector_norm(d, dim=1) * sums + nw * 2.0**-20
+            rows = slice(p0 * PANEL_COLUMNS, (p0 + per) * PANEL_COLUMNS)
             q[rows], scale[rows] = qi.to(torch.int8), s
-            norm_w[rows], norm_d[rows] = _round_up(w.norm(dim=1)), _round_up(d.norm(dim=1))
+            norm_w[rows], norm_d[rows] = _round_up(nw.double() * sums), _round_up(nd.double())
         col_sum = q.sum(dim=1, dtype=torch.int32)
         vnni = q.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 4, 4).transpose(1, 2)
         return cls(vnni.contiguous(), scale, col_sum, norm_w, norm_d)
