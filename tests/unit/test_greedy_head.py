@@ -72,6 +72,21 @@ def test_tokens_are_the_full_lm_heads(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_sums_carry_across_blocks(
+    native_kernels: kernels.NativeKernels, dtype: torch.dtype
+) -> None:
+    # 2,304 inputs are 576 steps of 4: a panel takes two 512-step blocks, so the int32 sums are
+    # stored and reloaded (as float bit patterns) between them.
+    _runs(native_kernels, dtype)
+    head, pw = _head(native_kernels, _rand(20000, 2304, seed=31, scale=0.03).to(dtype))
+    for seed, rows in ((1, 1), (2, 3), (3, 3)):
+        x = _rand(rows, 2304, seed=seed).to(dtype)
+        got = head(x)
+        assert got is not None
+        assert torch.equal(got, _full(native_kernels, x, pw)), seed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_go_to_the_first_column(
     native_kernels: kernels.NativeKernels, dtype: torch.dtype
 ) -> None:
