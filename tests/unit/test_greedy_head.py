@@ -30,6 +30,7 @@ def _rand(*shape: int, seed: int, scale: float = 1.0) -> Tensor:
 def _head(
     native: kernels.NativeKernels, w: Tensor, plain: bool = False
 ) -> tuple[GreedyHead, PanelWeight]:
+    _runs(native, w.dtype)
     pw = PanelWeight.of(w, None)
     assert pw is not None
     head = GreedyHead.of(
@@ -49,6 +50,14 @@ def _full(native: kernels.NativeKernels, x: Tensor, pw: PanelWeight) -> Tensor:
     return native.ops.argmax(native.gemv.panel(x, pw))
 
 
+def _same(native: kernels.NativeKernels, head: GreedyHead, pw: PanelWeight, x: Tensor) -> Tensor:
+    """The screen's tokens for x, which it must give, and which must be the full path's."""
+    got = head(x)
+    assert got is not None
+    assert torch.equal(got, _full(native, x, pw))
+    return got
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), [(5000, 256), (1000, 64), (130, 36), (64, 4), (8200, 512)])
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 13, 24, 40])
@@ -57,7 +66,6 @@ def test_tokens_are_the_full_lm_heads(
 ) -> None:
     # n off the 64-column panel, k a multiple of 4 but not of 16 or 64, rows in uneven tiles;
     # weights at a trained lm_head's scale, hidden rows of unit RMS.
-    _runs(native_kernels, dtype)
     head, pw = _head(native_kernels, _rand(n, k, seed=n + k, scale=0.05).to(dtype))
     declined = 0
     for seed in range(8):
@@ -77,13 +85,9 @@ def test_int8_sums_carry_across_blocks(
 ) -> None:
     # 2,304 inputs are 576 steps of 4: a panel takes two 512-step blocks, so the int32 sums are
     # stored and reloaded (as float bit patterns) between them.
-    _runs(native_kernels, dtype)
     head, pw = _head(native_kernels, _rand(20000, 2304, seed=31, scale=0.03).to(dtype))
     for seed, rows in ((1, 1), (2, 3), (3, 3)):
-        x = _rand(rows, 2304, seed=seed).to(dtype)
-        got = head(x)
-        assert got is not None
-        assert torch.equal(got, _full(native_kernels, x, pw)), seed
+        _same(native_kernels, head, pw, _rand(rows, 2304, seed=seed).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,15 +95,12 @@ def test_ties_go_to_the_first_column(
     native_kernels: kernels.NativeKernels, dtype: torch.dtype
 ) -> None:
     # Equal columns give equal logits: the first of them wins.
-    _runs(native_kernels, dtype)
     w = _rand(3000, 128, seed=1, scale=0.05)
     w[2999] = w[1500] = w[7]
     w[2000] = w[40]
     head, pw = _head(native_kernels, w.to(dtype))
     x = torch.stack([w[7], w[40], -w[7]]).to(dtype) * 40  # rows that pick the duplicated columns
-    got = head(x)
-    assert got is not None
-    assert torch.equal(got, _full(native_kernels, x, pw))
+    got = _same(native_kernels, head, pw, x)
     assert got[0].item() == 7 and got[1].item() == 40
 
 
@@ -110,7 +111,6 @@ def test_bfloat16_rounding_ties_keep_the_first_column(
     # the screen's bounds are tight: column 20's float32 logit is above column 10's by 0.1, far
     # more than the bounds, but both round to the same bfloat16 logit (its step there is 2), so
     # the full path's argmax is 10. Only the bound's allowance for that rounding keeps 10.
-    _runs(native_kernels, torch.bfloat16)
     k, c = 64, 2.0**-10
     g = torch.Generator().manual_seed(21)
     x = torch.randint(-128, 128, (k,), generator=g).float()
@@ -126,15 +126,12 @@ def test_bfloat16_rounding_ties_keep_the_first_column(
     xb = x[None].to(torch.bfloat16)
     logits = native_kernels.gemv.panel(xb, pw)
     assert logits[0, 10] == logits[0, 20] == logits[0].max()
-    got = head(xb)
-    assert got is not None and got.tolist() == [10]
-    assert torch.equal(got, _full(native_kernels, xb, pw))
+    assert _same(native_kernels, head, pw, xb).tolist() == [10]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["large", "tiny", "one-hot", "outliers", "negative"])
 def test_extreme_rows(native_kernels: kernels.NativeKernels, dtype: torch.dtype, kind: str) -> None:
-    _runs(native_kernels, dtype)
     head, pw = _head(native_kernels, _rand(3000, 128, seed=6, scale=0.05).to(dtype))
     x = {
         "large": _rand(5, 128, seed=7, scale=1e4),
@@ -143,16 +140,13 @@ def test_extreme_rows(native_kernels: kernels.NativeKernels, dtype: torch.dtype,
         "outliers": _rand(6, 128, seed=8) * (_rand(6, 128, seed=9) > 1.6) * 100,
         "negative": -_rand(5, 128, seed=7).abs(),
     }[kind].to(dtype)
-    got = head(x)
-    assert got is not None
-    assert torch.equal(got, _full(native_kernels, x, pw))
+    _same(native_kernels, head, pw, x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_declines_rows_it_cannot_bound(
     native_kernels: kernels.NativeKernels, dtype: torch.dtype
 ) -> None:
-    _runs(native_kernels, dtype)
     head, _ = _head(native_kernels, _rand(1000, 64, seed=1, scale=0.05).to(dtype))
     ok = _rand(2, 64, seed=2)
     for bad in (float("nan"), float("inf")):
