@@ -225,8 +225,7 @@ class Linear(nn.Module):
             return None
         if self._w8 is not None:
             return GemvWeight(self._w8, None)
-        plain = self.weight if self._has_plain else None
-        return GemvWeight(plain, self.bias, self._panel if self._panel_rows else None)
+        return GemvWeight(self.plain_weight(), self.bias, self.panel_copy())
 
 
 # oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,

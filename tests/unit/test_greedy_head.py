@@ -10,7 +10,7 @@ from torch import Tensor
 
 from inferd.models import kernels
 from inferd.models.kernels.gemv import PANEL_COLUMNS, PanelWeight
-from inferd.models.kernels.greedy import MIN_COLUMNS, GreedyHead, ScreenWeight, panel_columns
+from inferd.models.kernels.greedy import MIN_COLUMNS, GreedyHead, ScreenWeight
 
 pytestmark = pytest.mark.unit
 
@@ -167,7 +167,7 @@ def test_reads_candidates_from_the_plain_weight_the_same(
     x = _rand(20, 256, seed=12)
     cols = from_panels.candidates(x)
     assert cols is not None and 0 < len(cols) < 3000
-    assert torch.equal(panel_columns(pw.packed, cols), w[cols])
+    assert torch.equal(pw.columns(cols), w[cols])
     assert torch.equal(from_plain(x), from_panels(x))  # type: ignore[arg-type]
     assert torch.equal(from_plain(x), _full(native_kernels, x, pw))  # type: ignore[arg-type]
 
@@ -179,6 +179,7 @@ def test_screen_weight_layout_and_bounds(dtype: torch.dtype) -> None:
     pw = PanelWeight.of(w, None)
     assert pw is not None
     s = ScreenWeight.of(pw)
+    assert s is not None
     n_pad = 2 * PANEL_COLUMNS
     assert s.q.shape == (2, 3, PANEL_COLUMNS, 4) and s.q.dtype == torch.int8
     q = s.q.transpose(1, 2).reshape(n_pad, 12)

@@ -82,9 +82,10 @@ class ScreenWeight:
     norm_d: Tensor
 
     @classmethod
-    def of(cls, panel: PanelWeight) -> ScreenWeight:
-        packed = panel.packed
-        n_pad, k = packed.shape[0] * PANEL_COLUMNS, panel.in_features
+    def of(cls, panel: PanelWeight) -> ScreenWeight | None:
+        """None when a weight is not finite (no bound holds then)."""
+        num_panels, k = panel.packed.shape[0], panel.in_features
+        n_pad = num_panels * PANEL_COLUMNS
         q = torch.empty(n_pad, k, dtype=torch.int8)
         scale, norm_w, norm_d = (torch.empty(n_pad, dtype=torch.float32) for _ in range(3))
         per = _BUILD_CHUNK // PANEL_COLUMNS
@@ -92,9 +93,12 @@ class ScreenWeight:
         # the norms' float32 sums (< k 2^-24 relative) and of d = W - s q (< 2^-21 |W| a value:
         # |s q| < 3 |W| where q != 0) are added to the norms, so they stay upper bounds.
         sums = 1.0 + k * 2.0**-23
-        for p0 in range(0, packed.shape[0], per):
-            w = _unpack(packed[p0 : p0 + per]).float()
-            s = w.abs().amax(dim=1) / 127  # the scale the kernel multiplies by
+        for p0 in range(0, num_panels, per):
+            w = panel.unpack(p0, min(num_panels, p0 + per)).float()
+            amax = w.abs().amax(dim=1)
+            if not bool(torch.isfinite(amax).all()):
+                return None
+            s = amax / 127  # the scale the kernel multiplies by
             inv = torch.where(s > 0, 1.0 / s, 0.0)
             qi = (w * inv[:, None]).round_().clamp_(-127, 127)
             nw = torch.linalg.vector_norm(w, dim=1)
@@ -106,23 +110,6 @@ class ScreenWeight:
         col_sum = q.sum(dim=1, dtype=torch.int32)
         vnni = q.view(n_pad // PANEL_COLUMNS, PANEL_COLUMNS, k // 4, 4).transpose(1, 2)
         return cls(vnni.contiguous(), scale, col_sum, norm_w, norm_d)
-
-
-def panel_columns(packed: Tensor, cols: Tensor) -> Tensor:
-    """The exact weight rows [len(cols), k] (the model dtype) of output columns `cols`, read from
-    a PanelWeight's packed copy (float32 [P, k, 64]; bfloat16 [P, k / 2, 64, 2])."""
-    p, j = cols // PANEL_COLUMNS, cols % PANEL_COLUMNS
-    if packed.dim() == 3:
-        return packed[p, :, j]
-    pairs = packed.view(torch.int32)[..., 0]  # a bfloat16 pair as one 32-bit value
-    return pairs[p, :, j].view(torch.bfloat16)
-
-
-def _unpack(panels: Tensor) -> Tensor:
-    """Whole panels of a packed copy -> their weight rows [panels * 64, k], in order."""
-    if panels.dim() == 3:
-        return panels.transpose(1, 2).reshape(-1, panels.shape[1])
-    return panels.transpose(1, 2).reshape(panels.shape[0] * PANEL_COLUMNS, -1)
 
 
 def _round_up(v: Tensor) -> Tensor:
@@ -176,6 +163,7 @@ class GreedyHead:
         gemv: Gemv,
         ops: FusedOps,
         panel: PanelWeight,
+        weight: ScreenWeight,
         plain: Tensor | None,
         max_rows: int,
     ) -> None:
@@ -184,7 +172,7 @@ class GreedyHead:
         self._argmax = ops.argmax
         self.panel = panel
         self._plain = plain
-        self.weight = ScreenWeight.of(panel)
+        self.weight = weight
         self.max_rows = max_rows
         self.max_candidates = max(PANEL_COLUMNS, panel.out_features // 8)
         self._cand = torch.empty(self.max_candidates, dtype=torch.int32)
@@ -211,9 +199,10 @@ class GreedyHead:
         rows = min(gemv.panel_rows.get(dtype, 0), max_rows.get(dtype, 0))
         if rows < 1 or panel.out_features < min_columns:
             return None
-        if not bool(torch.isfinite(panel.packed).all()):
+        weight = ScreenWeight.of(panel)
+        if weight is None:
             return None
-        return cls(screen, gemv, ops, panel, plain, rows)
+        return cls(screen, gemv, ops, panel, weight, plain, rows)
 
     def candidates(self, x: Tensor) -> Tensor | None:
         """The columns (int64, ascending) whose exact logit can be a row's largest, or None."""
@@ -229,7 +218,7 @@ class GreedyHead:
         cols = self.candidates(x)
         if cols is None:
             return None
-        rows = panel_columns(self.panel.packed, cols) if self._plain is None else self._plain[cols]
+        rows = self.panel.columns(cols) if self._plain is None else self._plain[cols]
         exact = PanelWeight.of(rows, None)
         assert exact is not None
         return cols[self._argmax(self._gemv.panel(x, exact))]
