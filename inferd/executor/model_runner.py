@@ -130,8 +130,7 @@ class ModelRunner:
             stat.num_prefill_tokens = int(inp.input_ids.numel()) - inp.meta.num_decode_tokens
 
         def forward() -> Tensor:
-            hidden = self.model(inp.input_ids, inp.positions, inp.meta)
-            return hidden[inp.logits_indices]
+            return self.model(inp.input_ids, inp.positions, inp.meta, inp.logits_indices)
 
         return self._forward_and_sample(stat, inp.sampling_chunks, forward)
 
@@ -193,7 +192,7 @@ class ModelRunner:
         slots: list[int] = [c.block_ids[c.start // bs] * bs + c.start % bs for c in decode]
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=len(decode))
         if self.attn_kernel is not None:
-            meta.paged = self._paged_batch(decode, prefill)
+            meta.paged, meta.sampled = self._paged_batches(decode, prefill)
         elif self.varlen:
             meta.varlen = self._varlen_batch(decode + prefill)
         else:
@@ -248,13 +247,15 @@ class ModelRunner:
             i = j
         return groups
 
-    def _paged_batch(
+    def _paged_batches(
         self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]
-    ) -> kernels.PagedBatch | None:
-        """Kernel metadata for every row of the batch: decode rows first, then prefill chunks."""
+    ) -> tuple[kernels.PagedBatch | None, kernels.PagedBatch | None]:
+        """Kernel metadata for every row of the batch (decode rows first, then prefill chunks)
+        and, where some rows do not sample, for the sampling rows alone (AttentionMetadata's
+        `sampled`)."""
         chunks = decode + prefill
         if not chunks:
-            return None
+            return None, None
         q_len = np.array([c.num_tokens for c in chunks], dtype=np.int32)
         starts = np.cumsum(q_len, dtype=np.int32) - q_len
         bs = self.block_size
@@ -263,12 +264,23 @@ class ModelRunner:
         table = np.zeros((len(chunks), int(nbs.max())), dtype=np.int32)
         for r, c in enumerate(chunks):
             table[r, : nbs[r]] = c.block_ids[: nbs[r]]
-        return kernels.PagedBatch(
+        paged = kernels.PagedBatch(
             block_tables=torch.from_numpy(table),
             q_start=torch.from_numpy(starts),
             q_len=torch.from_numpy(q_len),
             ctx_len=torch.from_numpy(ctx),
         )
+        samples = np.array([c.samples for c in chunks])
+        if int(q_len.sum()) == int(samples.sum()):
+            return paged, None  # every row samples
+        n = int(samples.sum())
+        sampled = kernels.PagedBatch(
+            block_tables=torch.from_numpy(np.ascontiguousarray(table[samples])),
+            q_start=torch.from_numpy(np.arange(n, dtype=np.int32)),
+            q_len=torch.from_numpy(np.ones(n, dtype=np.int32)),
+            ctx_len=torch.from_numpy(ctx[samples]),
+        )
+        return paged, sampled
 
     def _varlen_batch(self, chunks: list[ScheduledChunk]) -> VarlenBatch | None:
         """Varlen metadata for every row of the batch: each chunk's queries against its whole

@@ -84,6 +84,10 @@ class AttentionMetadata:
     # Native-kernel path: every row of the batch, read in place (decode_groups and prefills are
     # then empty).
     paged: PagedBatch | None = None
+    # Native-kernel path, where some rows do not sample: the sampling rows' queries alone (each
+    # the last row of its sequence's chunk, q_len 1), in the order of the rows that sample. The
+    # model's last layer attends for these rows only (LlamaModel.forward, `out_rows`).
+    sampled: PagedBatch | None = None
     # CUDA varlen path: every row of the batch in one call (decode_groups and prefills empty).
     varlen: VarlenBatch | None = None
 

@@ -17,8 +17,15 @@ from inferd.models.llama import LlamaForCausalLM
 class CausalLM(Protocol):
     """What the model runner needs from any model class (all are nn.Modules too)."""
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """[T] token ids and positions of the flat batch -> [T, hidden]."""
+    def __call__(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        out_rows: Tensor | None = None,
+    ) -> Tensor:
+        """[T] token ids and positions of the flat batch -> [T, hidden]; with `out_rows` [N]
+        (ascending), only those rows' hidden states, [N, hidden]."""
         ...
 
     def compute_logits(self, hidden: Tensor, float32: bool = True) -> Tensor:

@@ -28,7 +28,7 @@ from varlen_reference import reference_varlen  # noqa: E402
 from inferd import LLMEngine, RequestOutput, SamplingParams, cli  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
-from inferd.executor.model_runner import kv_bytes_per_block  # noqa: E402
+from inferd.executor.model_runner import ModelRunner, kv_bytes_per_block  # noqa: E402
 from inferd.models import attention  # noqa: E402
 from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402
@@ -36,6 +36,7 @@ from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight  # noqa: E402
 from inferd.models.kernels.greedy import MIN_COLUMNS  # noqa: E402
 from inferd.models.linear import Linear, has_int8_gemm  # noqa: E402
+from inferd.models.llama import DecoderLayer, Step  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -486,6 +487,46 @@ def _first_logprobs(
             if o.finished and logprobs:
                 out[o.request_id] = {t: lp.logprob for t, lp in logprobs[0].items()}
     return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_last_layer_runs_only_the_sampling_rows(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past the last layer's K/V only the rows that sample have a use, so on the fused path that
+    # layer's attention, o_proj and MLP run for them alone (LlamaModel.forward, `out_rows`). The
+    # first tokens' log-probabilities (computed by the pruned layer from each prompt's last row)
+    # equal, to float32 rounding, those of the same engine with every row through every layer;
+    # a step where nothing samples (a long prompt's first chunks, alone) writes the K/V only.
+    if not kernel_available():
+        pytest.skip("native kernels unavailable here")
+    path = _make_checkpoint(name, tmp_path)
+    work = [*_workload(seed=3), ([(7 * i) % 300 + 5 for i in range(90)], 1)]
+    seen: list[tuple[int, int]] = []  # (rows of the step, rows through the last layer)
+    real_rows = DecoderLayer.forward_rows
+
+    def spy(layer: DecoderLayer, step: Step, part: Step, *args: Any) -> Any:
+        seen.append((step.rows, part.rows))
+        return real_rows(layer, step, part, *args)
+
+    monkeypatch.setattr(DecoderLayer, "forward_rows", spy)
+    pruned = _first_logprobs(_engine(path), work)
+    assert any(n == 0 for _, n in seen), "no step without a sampling row"
+    assert any(0 < n < t for t, n in seen), "no step with both kinds of rows"
+
+    real_batches = ModelRunner._paged_batches
+
+    def unpruned(runner: ModelRunner, *args: Any) -> Any:
+        return real_batches(runner, *args)[0], None
+
+    monkeypatch.setattr(ModelRunner, "_paged_batches", unpruned)
+    seen.clear()
+    full = _first_logprobs(_engine(path), work)
+    assert not seen and full.keys() == pruned.keys() and len(full) == len(work)
+    for rid, want in full.items():
+        assert max(want, key=want.__getitem__) == max(pruned[rid], key=pruned[rid].__getitem__)
+        for token, lp in want.items():
+            assert pruned[rid].get(token) == pytest.approx(lp, abs=1e-4), (rid, token)
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
