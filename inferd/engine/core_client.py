@@ -107,7 +107,7 @@ class EngineCoreClient:
         sent it ShutdownCore. Unconnected means exited or exiting; the watcher (`wait_exit`)
         then fails every request in flight."""
         try:
-            self._input.send(self._encoder.encode(message), copy=False, flags=zmq.NOBLOCK)
+            self._input.send(self._encoder.encode(message), flags=zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

@@ -124,7 +124,7 @@ class KVEventPublisher:
             return
         batch = KVEventBatch(seq=self._seq, ts=time.time(), events=events)
         self._seq += 1
-        self._socket.send_multipart([self.topic, self._encoder.encode(batch)], copy=False)
+        self._socket.send_multipart([self.topic, self._encoder.encode(batch)])
 
     def close(self) -> None:
         self._socket.close(linger=0)
