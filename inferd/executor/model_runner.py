@@ -271,9 +271,9 @@ class ModelRunner:
             ctx_len=torch.from_numpy(ctx),
         )
         samples = np.array([c.samples for c in chunks])
-        if int(q_len.sum()) == int(samples.sum()):
-            return paged, None  # every row samples
         n = int(samples.sum())
+        if n == int(q_len.sum()):
+            return paged, None  # every row samples
         sampled = kernels.PagedBatch(
             block_tables=torch.from_numpy(np.ascontiguousarray(table[samples])),
             q_start=torch.from_numpy(np.arange(n, dtype=np.int32)),

@@ -239,11 +239,12 @@ class LlamaModel(nn.Module):
     ) -> Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
         t = h.shape[0]
+        if out_rows is not None and out_rows.shape[0] == t:
+            out_rows = None  # every row (ascending and distinct): nothing to select
         paged, plan = meta.paged, self.decode
         if plan is not None and paged is not None and t <= plan.max_rows and paged.num_seqs == t:
             # Every row a decoding sequence (one query each): the whole step natively.
-            out = plan(h, positions, meta.slot_mapping, paged)
-            return out if out_rows is None else out[out_rows]
+            return plan(h, positions, meta.slot_mapping, paged)
         # The fused path needs the native attention kernel's batch (it writes K/V for it).
         fused = self.fused if meta.paged is not None else None
         if fused is None:
