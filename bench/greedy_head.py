@@ -75,9 +75,13 @@ def main() -> None:
             return native.ops.argmax(native.gemv.panel(x, panel))
 
         want, got = full(), head(x)
-        assert got is not None and torch.equal(got, want), "the screen's tokens differ"
         cols = head.candidates(x)
-        assert cols is not None
+        if got is None or cols is None:
+            # More candidates than the head takes (an eighth of the columns): it declines and the
+            # engine runs the whole lm_head, so there is nothing to time.
+            print(f"{rows:>4}  more candidates than the screen takes: the whole lm_head runs")
+            continue
+        assert torch.equal(got, want), "the screen's tokens differ"
         t_full = best_ms(full, args.repeats)
         t_head = best_ms(lambda x=x: head(x), args.repeats)  # type: ignore[misc]
         t_screen = best_ms(lambda x=x: head.candidates(x), args.repeats)  # type: ignore[misc]

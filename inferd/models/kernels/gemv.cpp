@@ -144,7 +144,7 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
     for (int j = 0; j < NB; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(wrow[j] + i) + kPrefetchBytes, _MM_HINT_T1);
       const __m512i wv = _mm512_maskz_loadu_epi8(m, wrow[j] + i);
-      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbusd_epi32(acc[j][r], xv[r], wv);
+      for (int r = 0; r < R; ++r) acc[j][r] = dpbusd(acc[j][r], xv[r], wv);
     }
   }
   for (int j = 0; j < NB; ++j) {

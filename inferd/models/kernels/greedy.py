@@ -13,9 +13,9 @@ lm_head (logits in the model dtype), then FusedOps.argmax.
 Why: a greedy step needs only the argmax of each row's logits, and the lm_head is the largest
 weight of a small model (the Qwen2-0.5B shape: 136 M of its 494 M parameters, 28 % of a decode
 token's multiply-adds). VNNI's u8 x s8 dot product does twice the multiply-adds of an AVX512_BF16
-one per instruction and reads one byte a weight. On AMD Zen 4 it issues half as often, so against
-a bfloat16 lm_head the screen gains only where the weights stream from memory (few rows,
-MAX_ROWS); against float32 FMAs it gains at every row count.
+one per instruction, four times a float32 FMA's, at the same rate (AMD Zen 4: one 512-bit
+instruction a cycle each), and reads one byte a weight; so the screen gains against a float32 and
+a bfloat16 lm_head at every row count.
 
 The bound. Each row of x is quantized to uint8 from its own range, x = sx (u - z) + e, and each
 column of the lm_head to int8 symmetrically, W_v = s_v q_v + d_v. The screen's
@@ -59,11 +59,10 @@ from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
 
 # Columns of the exact weight unpacked from the panel copy at a time while building (float64).
 _BUILD_CHUNK = 4096
-# The most rows a screen takes, by the lm_head's dtype. VPDPBUSD does as many multiply-adds a cycle
-# as VDPBF16PS on the CPUs measured (AMD Zen 4: half the instructions a cycle, twice the work
-# each), so a bfloat16 screen gains only where the lm_head streams from memory (few rows);
-# float32 FMAs do half as many at any row count (docs/benchmarks.md).
-MAX_ROWS = {torch.float32: 128, torch.bfloat16: 8}
+# The most rows a screen takes, by the lm_head's dtype: the panel GEMM's 128 (bench/greedy_head.py
+# on the Qwen2-0.5B shape: float32 3.2-3.7x the whole lm_head at 1-48 rows, bfloat16 1.3-1.5x at
+# 1-96; docs/benchmarks.md).
+MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # Smaller lm_heads run whole: the candidates' exact logits and the fixed costs of a call take
 # about what the screen saves (llama-32m's 8,192 columns: 0.4-1.3x).
 MIN_COLUMNS = 32768

@@ -65,7 +65,15 @@ constexpr int kMaxRows = 128;
 
 // One step of the packed weight is 256 bytes, 64 columns against 4 bytes of each row of x: a pair
 // of bfloat16 inputs (VDPBF16PS) or one float32 input (VFMADD). Everything else is shared.
-struct StepBF16 {
+// `Acc` is the accumulators' register type: float32 sums for the float kernels, int32 for the
+// int8 one.
+struct FloatAcc {
+  using Acc = __m512;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, Acc c) { _mm512_store_ps(p, c); }
+};
+struct StepBF16 : FloatAcc {
   static constexpr int kInputsPerStep = 2;
   using W = uint16_t;
   using X = uint16_t;
@@ -78,7 +86,7 @@ struct StepBF16 {
 #endif
   }
 };
-struct StepF32 {
+struct StepF32 : FloatAcc {
   static constexpr int kInputsPerStep = 1;
   using W = float;
   using X = float;
@@ -87,15 +95,17 @@ struct StepF32 {
   }
 };
 // The greedy screen's int8 weights: 4 inputs a step, x quantized to uint8, VPDPBUSD (u8 x s8
-// summed into int32 lanes). The int32 sums travel in the float registers and buffers as bit
-// patterns, never as floats.
+// summed into int32 lanes). The int32 sums are stored in the float buffers as bit patterns,
+// never read as floats.
 struct StepI8 {
   static constexpr int kInputsPerStep = 4;
   using W = int8_t;
   using X = uint8_t;
-  static __m512 madd(__m512 c, __m512i x, __m512i w) {
-    return _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(c), x, w));
-  }
+  using Acc = __m512i;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc load(const float* p) { return _mm512_load_si512(p); }
+  static void store(float* p, Acc c) { _mm512_store_si512(p, c); }
+  static __m512i madd(__m512i c, __m512i x, __m512i w) { return dpbusd(c, x, w); }
 };
 
 // The next block's weights, fetched into L2 a share per step while the current block's tiles
@@ -112,10 +122,9 @@ template <class S, int R>
 inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* w, int steps,
                  float* acc, bool first, const Prefetch& pf, int t) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;  // weight values per step
-  __m512 c[R][4];
+  typename S::Acc c[R][4];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v)
-      c[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * kPanel + v * 16);
+    for (int v = 0; v < 4; ++v) c[r][v] = first ? S::zero() : S::load(acc + r * kPanel + v * 16);
   // Tile t of the block prefetches lines [line, end) of the next, `share` of them.
   int line = 0, end = 0, share = 0, err = 0;
   if (pf.next != nullptr) {
@@ -139,7 +148,7 @@ inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_store_ps(acc + r * kPanel + v * 16, c[r][v]);
+    for (int v = 0; v < 4; ++v) S::store(acc + r * kPanel + v * 16, c[r][v]);
 }
 
 template <class S>

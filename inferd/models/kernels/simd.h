@@ -19,8 +19,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
-#error "the native kernels need AVX-512 F/BW/VL (the loader falls back to the PyTorch path)"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
+    !defined(__AVX512VNNI__)
+#error "the native kernels need AVX-512 F/BW/VL/VNNI (the loader falls back to the PyTorch path)"
 #endif
 
 namespace {
@@ -120,6 +121,16 @@ inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
+
+// acc + u . s: 64 uint8 x int8 products summed into acc's 16 int32 lanes (VPDPBUSD), in place.
+// Inline asm, not _mm512_dpbusd_epi32: GCC 12 does not accumulate that builtin in place. It copied
+// every accumulator into a scratch register and back around each VPDPBUSD and spilled a third of
+// them to the stack, and the int8 loops (the greedy screen, the int8 GEMV) ran at ~40 % of the
+// instruction's rate (docs/benchmarks.md).
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
 
 // ---- masked forms, for rows whose length is not a multiple of 16 -------------------------------
 inline __mmask16 tail_mask(int64_t left) {
