@@ -216,17 +216,25 @@ def resolve_repository(path: str, cache_dir: Path) -> Path:
 
 
 async def _wait_for_end(
-    stop: asyncio.Event, llm: object | None, http_task: asyncio.Task[None]
+    stop: asyncio.Event, llm: AsyncLLM | None, http_task: asyncio.Task[None]
 ) -> int:
-    while not stop.is_set():
-        if getattr(llm, "dead", False):
-            logger.error("the engine process died; exiting with code %d", EXIT_ENGINE_DEAD)
-            return EXIT_ENGINE_DEAD
-        if http_task.done():
-            return EXIT_ENGINE_DEAD if http_task.exception() else EXIT_OK
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), _POLL_S)
-    return EXIT_OK
+    """Waits for the first of: a stop signal, the engine's death, the HTTP server's end. Waits on
+    each, not by polling: an idle server wakes for none of them."""
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), http_task]
+    if llm is not None:
+        waits.append(asyncio.ensure_future(llm.wait_dead()))
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            if w is not http_task:
+                w.cancel()
+    if stop.is_set():
+        return EXIT_OK
+    if llm is not None and llm.dead:
+        logger.error("the engine process died; exiting with code %d", EXIT_ENGINE_DEAD)
+        return EXIT_ENGINE_DEAD
+    return EXIT_ENGINE_DEAD if http_task.exception() else EXIT_OK
 
 
 async def _wait_inflight(state: object, timeout_s: float) -> None:

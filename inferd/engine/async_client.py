@@ -77,6 +77,7 @@ class AsyncLLM:
         self._started = False
         self._draining = False
         self._dead = False
+        self._died = asyncio.Event()  # set with _dead, for `wait_dead`
         self._closed = False
         self._death_reason = "the engine core process exited"
 
@@ -121,6 +122,10 @@ class AsyncLLM:
     def dead(self) -> bool:
         return self._dead
 
+    async def wait_dead(self) -> None:
+        """Returns once the engine is dead (its core exited) or shut down."""
+        await self._died.wait()
+
     async def drain(self, timeout_s: float) -> None:
         """Stops admitting; waits up to `timeout_s` for accepted requests, then aborts the rest."""
         self._draining = True
@@ -148,6 +153,7 @@ class AsyncLLM:
                 await task
         await self._core.stop()
         self._dead = True
+        self._died.set()
         self._core.close()
 
     # -- requests ------------------------------------------------------------------------------
@@ -318,6 +324,7 @@ class AsyncLLM:
 
     def _on_death(self, reason: str) -> None:
         self._dead = True
+        self._died.set()
         self._death_reason = reason
         self._fail_all(EngineDeadError(reason))
 
