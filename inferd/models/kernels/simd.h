@@ -125,8 +125,8 @@ inline __m512 exp512(__m512 x) {
 // acc + u . s: 64 uint8 x int8 products summed into acc's 16 int32 lanes (VPDPBUSD), in place.
 // Inline asm, not _mm512_dpbusd_epi32: GCC 12 does not accumulate that builtin in place. It copied
 // every accumulator into a scratch register and back around each VPDPBUSD and spilled a third of
-// them to the stack, and the int8 loops (the greedy screen, the int8 GEMV) ran at ~40 % of the
-// instruction's rate (docs/benchmarks.md).
+// them to the stack: the greedy screen ran at ~40 % of the instruction's rate (docs/benchmarks.md).
+// The int8 GEMV uses it too, though it streams memory at the rows it takes.
 inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;
