@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/greedy_head.py --shape qwen2-0.5b-shape --dtype float32
     .venv/bin/python bench/greedy_head.py --shape qwen2-0.5b-shape --dtype bfloat16 --rows 1,4,8,12
+    .venv/bin/python bench/greedy_head.py --dtype bfloat16 --rows 8,24,32 --base 073f63b
 
 `full` is what a greedy step runs without the screen: the panel GEMM over the whole lm_head (its
 logits in the model dtype), then the native argmax. `screen` is the int8 screen alone (quantize
@@ -11,37 +12,53 @@ tied to the embedding, as the Qwen2-0.5B shape's is; `--from-panels` reads them 
 copy instead, as an untied lm_head's are) and their argmax. Random weights at a trained lm_head's
 scale (std 0.02, the shapes' initializer) and hidden rows of unit RMS, as the final RMSNorm gives.
 Each cell is the best of `--repeats` calls; the tokens are checked equal every time.
+`--base REV`: also the screen of the kernel sources at that git revision (built as
+bench/kernel_ab.py builds them), timed alternately with this tree's on the same rows and checked
+to find the same candidates; `base ms` and this tree's speed-up over it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from common import save_result, weight_bench_parser
+from kernel_ab import build, sources_at
 from peers import SHAPES
 
 from inferd.config import read_environment
 from inferd.models import kernels
 from inferd.models.kernels.gemv import PanelWeight
-from inferd.models.kernels.greedy import GreedyHead
+from inferd.models.kernels.greedy import GreedyHead, GreedyScreen
 
 
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def best_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each function's best of `repeats` calls, in ms, the functions taking turns."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: t * 1e3 for name, t in best.items()}
+
+
+def base_screen(rev: str, tmp: Path) -> GreedyScreen:
+    """The greedy screen of the kernel sources at git revision `rev`."""
+    return GreedyScreen(ctypes.CDLL(str(build(sources_at(rev), tmp / "base.so"))))
 
 
 def main() -> None:
     p = weight_bench_parser(__doc__, "qwen2-0.5b-shape", "float32", "1,8,16,24,48,96")
     p.add_argument("--from-panels", action="store_true")
+    p.add_argument("--base", default=None, help="git revision whose screen to time alongside")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -52,21 +69,19 @@ def main() -> None:
     panel = PanelWeight.of(w, None)
     assert panel is not None
     t0 = time.perf_counter()
-    every_row = {torch.float32: 128, torch.bfloat16: 128}  # time rows the default would not take
-    head = GreedyHead.of(
-        native.screen,
-        native.gemv,
-        native.ops,
-        panel,
-        None if args.from_panels else w,
-        min_columns=0,
-        max_rows=every_row,
-    )
+    plain = None if args.from_panels else w
+    head = GreedyHead.of(native.screen, native.gemv, native.ops, panel, plain, min_columns=0)
     build_s = time.perf_counter() - t0
     assert head is not None, "the greedy screen does not run here"
     print(f"{args.shape} lm_head {tuple(w.shape)} {args.dtype}: screen built in {build_s:.2f} s")
-    header = ("rows", "full ms", "head ms", "screen ms", "candidates", "speed-up")
-    print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 8, 8, 9, 10, 8), strict=True)))
+    tmp = tempfile.TemporaryDirectory()
+    base = base_screen(args.base, Path(tmp.name)) if args.base else None
+    cand = torch.empty(head.max_candidates, dtype=torch.int32)
+    header: tuple[str, ...] = ("rows", "full ms", "head ms", "screen ms", "candidates", "speed-up")
+    widths: tuple[int, ...] = (4, 8, 8, 9, 10, 8)
+    if base is not None:
+        header, widths = (*header, "base ms", "screen/base"), (*widths, 8, 11)
+    print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     table: list[dict[str, Any]] = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, shape.hidden_size, generator=gen).to(dtype)
@@ -82,23 +97,29 @@ def main() -> None:
             print(f"{rows:>4}  more candidates than the screen takes: the whole lm_head runs")
             continue
         assert torch.equal(got, want), "the screen's tokens differ"
-        t_full = best_ms(full, args.repeats)
-        t_head = best_ms(lambda x=x: head(x), args.repeats)  # type: ignore[misc]
-        t_screen = best_ms(lambda x=x: head.candidates(x), args.repeats)  # type: ignore[misc]
-        print(
-            f"{rows:>4}  {t_full:>8.2f}  {t_head:>8.2f}  {t_screen:>9.2f}  {len(cols):>10}  "
-            f"{t_full / t_head:.2f}x"
+        fns: dict[str, Callable[[], object]] = {
+            "full": full,
+            "head": lambda x=x: head(x),  # type: ignore[misc]
+            "screen": lambda x=x: head.candidates(x),  # type: ignore[misc]
+        }
+        if base is not None:
+            n = base(x, head.weight, panel.out_features, cand)
+            assert torch.equal(cand[:n].long(), cols), "the base screen's candidates differ"
+            fns["base"] = lambda x=x: base(x, head.weight, panel.out_features, cand)  # type: ignore[misc]
+        t = best_ms(fns, args.repeats)
+        line = (
+            f"{rows:>4}  {t['full']:>8.2f}  {t['head']:>8.2f}  {t['screen']:>9.2f}  "
+            f"{len(cols):>10}  {t['full'] / t['head']:.2f}x"
         )
+        if base is not None:
+            line += f"  {t['base']:>8.2f}  {t['base'] / t['screen']:10.2f}x"
+        print(line)
         table.append(
-            {
-                "rows": rows,
-                "full_ms": t_full,
-                "head_ms": t_head,
-                "screen_ms": t_screen,
-                "candidates": len(cols),
-            }
+            {"rows": rows, **{f"{k}_ms": v for k, v in t.items()}, "candidates": len(cols)}
         )
+    tmp.cleanup()
     fields = {"shape": args.shape, "dtype": args.dtype, "from_panels": args.from_panels}
+    fields |= {"base": args.base}
     fields |= {"build_s": build_s, "rows": table}
     save_result(args.out, "greedy_head", f"{args.shape}-{args.dtype}", fields)
 

@@ -42,8 +42,8 @@ candidate is below this row's winners.
 
 None (the caller runs the lm_head): a row with a value that is not finite, more than
 `max_candidates` candidates (an eighth of the columns; an all-zero row ties every column), more
-rows than MAX_ROWS[dtype] (at most the panel GEMM's 128: larger batches run oneDNN, whose sums
-are ordered otherwise). The lm_head must have a panel copy and no bias.
+rows than the panel GEMM takes (128: larger batches run oneDNN, whose sums are ordered
+otherwise). The lm_head must have a panel copy and no bias.
 """
 
 from __future__ import annotations
@@ -59,10 +59,6 @@ from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
 
 # Columns of the exact weight unpacked from the panel copy at a time while building (float64).
 _BUILD_CHUNK = 4096
-# The most rows a screen takes, by the lm_head's dtype: the panel GEMM's 128 (bench/greedy_head.py
-# on the Qwen2-0.5B shape: float32 3.2-3.7x the whole lm_head at 1-48 rows, bfloat16 1.3-1.5x at
-# 1-96; docs/benchmarks.md).
-MAX_ROWS = {torch.float32: 128, torch.bfloat16: 128}
 # Smaller lm_heads run whole: the candidates' exact logits and the fixed costs of a call take
 # about what the screen saves (llama-32m's 8,192 columns: 0.4-1.3x).
 MIN_COLUMNS = 32768
@@ -185,17 +181,22 @@ class GreedyHead:
         panel: PanelWeight | None,
         plain: Tensor | None = None,
         min_columns: int = MIN_COLUMNS,
-        max_rows: dict[torch.dtype, int] = MAX_ROWS,
+        max_rows: dict[torch.dtype, int] | None = None,
     ) -> GreedyHead | None:
         """None unless the lm_head runs the panel GEMM (`panel`, its copy) on a float32 or
         bfloat16 weight of at least `min_columns` outputs without bias, with a multiple of 4
-        inputs, all finite; batches of up to `max_rows[dtype]` rows. `plain`: the row-major
+        inputs, all finite; batches of as many rows as the panel GEMM takes (fewer with
+        `max_rows[dtype]`): the screen gains at every row count it takes (bench/greedy_head.py on
+        the Qwen2-0.5B shape: float32 3.2-3.7x the whole lm_head at 1-48 rows, bfloat16 1.3-1.5x
+        at 12-96; docs/benchmarks.md). `plain`: the row-major
         weight, if kept (tied embeddings): the candidates' rows are read from it (from the
         panels, one cache line a value, otherwise)."""
         if panel is None or panel.bias is not None or panel.in_features % 4:
             return None
         dtype = panel.packed.dtype
-        rows = min(gemv.panel_rows.get(dtype, 0), max_rows.get(dtype, 0))
+        rows = gemv.panel_rows.get(dtype, 0)
+        if max_rows is not None:
+            rows = min(rows, max_rows.get(dtype, 0))
         if rows < 1 or panel.out_features < min_columns:
             return None
         weight = ScreenWeight.of(panel)
