@@ -52,12 +52,27 @@ class App:
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
 
 
+def _start_serve(tries: int = 3) -> int:
+    """Starts Ray Serve's HTTP proxy on a free loopback port; returns the port. A port found free
+    can be taken before the proxy binds it (Ray's own processes bind ephemeral ports too: seen once
+    in CI as "Failed to bind to address"), so a failed bind is retried on another."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ray.exceptions.RayTaskError:
+            serve.shutdown()
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("not reached")
+
+
 @pytest.fixture(scope="module")
 def app() -> Iterator[App]:
-    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         options = RayServeOptions(config=serve_config(["inferd-tiny", *SMALL]), num_replicas=2)
         serve.run(build_app(options), name="inferd", route_prefix="/")
         yield App(f"http://127.0.0.1:{port}")
