@@ -70,7 +70,7 @@ def main() -> None:
     assert panel is not None
     t0 = time.perf_counter()
     plain = None if args.from_panels else w
-    head = GreedyHead.of(native.screen, native.gemv, native.ops, panel, plain, min_columns=0)
+    head = GreedyHead.of(native.screen, native.gemv.panel_rows, panel, plain, min_columns=0)
     build_s = time.perf_counter() - t0
     assert head is not None, "the greedy screen does not run here"
     print(f"{args.shape} lm_head {tuple(w.shape)} {args.dtype}: screen built in {build_s:.2f} s")

@@ -369,7 +369,7 @@ def _greedy_head(model: CausalLM, native: kernels.NativeKernels | None) -> Greed
     if native is None or head is None:
         return None
     greedy = GreedyHead.of(
-        native.screen, native.gemv, native.ops, head.panel_copy(), head.plain_weight()
+        native.screen, native.gemv.panel_rows, head.panel_copy(), head.plain_weight()
     )
     if greedy is not None:
         logger.info(

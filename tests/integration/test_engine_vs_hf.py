@@ -185,7 +185,7 @@ def test_greedy_matches_transformers(
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_greedy_screen_matches_transformers(tied: bool, tmp_path: Path) -> None:
-    # A vocabulary of 32,768 (the greedy screen's smallest): every step is plain greedy, so its
+    # A vocabulary of 4,096 (the greedy screen's smallest): every step is plain greedy, so its
     # tokens come from the int8 screen and the candidates' exact logits (read from the tied
     # embedding, or from the panel copy of an untied lm_head) under chunking and preemption;
     # they must still be transformers' token for token. With the screen off, the same.

@@ -113,8 +113,11 @@ def test_logprobs(llm: LLM) -> None:
 def test_plain_greedy_rows_take_the_native_argmax(dtype: str) -> None:
     # Greedy rows with nothing to apply to their logits skip the sampler: the native argmax on
     # the model-dtype logits. Asking for logprobs sends the same rows through the sampler (a
-    # float32 copy, torch's argmax): the tokens must not change.
-    llm = LLM(dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
+    # float32 copy, torch's argmax): the tokens must not change. (The greedy screen, off here,
+    # would take the plain rows before the sampler: the next test.)
+    llm = LLM(
+        dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256, greedy_screen="off"
+    )
     sampler = llm.llm_engine.runner.sampler
     if sampler.argmax is None:
         pytest.skip("no native kernels here")
@@ -138,22 +141,23 @@ def test_plain_greedy_rows_take_the_native_argmax(dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_screen_gives_the_full_lm_heads_tokens(dtype: str) -> None:
-    # The tiny model's lm_head is below the screen's MIN_COLUMNS, so the test builds the screen
-    # for it anyway, with every row count: plain greedy steps take their tokens from it, and they
-    # must be the tokens of the whole lm_head (the runner without a screen, same prompts).
-    llm = LLM(dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
+    # The engine runs without its screen first (the tokens of the whole lm_head), then the test
+    # builds one for every row count: plain greedy steps take their tokens from it, and they must
+    # be the same.
+    llm = LLM(
+        dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=256, greedy_screen="off"
+    )
     runner = llm.llm_engine.runner
     native = kernels.load(read_environment().cache_dir) if kernels.kernel_available() else None
     head = runner.model.logits_head()
     if native is None or head is None or head.panel_copy() is None:
         pytest.skip("no native kernels or panel copies here")
-    assert runner.greedy_head is None  # too small a vocabulary for the default
+    assert runner.greedy_head is None
     prompts = _random_prompts(6, seed=21)
     want = llm.generate(prompts, _greedy(16), use_tqdm=False)
     greedy = GreedyHead.of(
         native.screen,
-        native.gemv,
-        native.ops,
+        native.gemv.panel_rows,
         head.panel_copy(),
         head.plain_weight(),
         min_columns=0,

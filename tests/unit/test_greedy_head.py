@@ -1,6 +1,6 @@
-"""The greedy screen (`kernels/greedy.py`, `inferd_greedy_screen` in `kernels/panel_gemm.cpp`):
-its tokens must be the full path's (the panel GEMM over the whole lm_head, then the native argmax)
-bit for bit, ties to the first column included, or it must decline (None)."""
+"""The greedy screen (`kernels/greedy.py`; `inferd_greedy_screen`, `inferd_greedy_head` in
+`kernels/greedy.cpp`): its tokens must be the full path's (the panel GEMM over the whole lm_head,
+then the native argmax) bit for bit, ties to the first column included, or it must decline."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def _head(
     assert pw is not None
     head = GreedyHead.of(
         native.screen,
-        native.gemv,
-        native.ops,
+        native.gemv.panel_rows,
         pw,
         w if plain else None,
         min_columns=0,
@@ -75,7 +74,7 @@ def test_tokens_are_the_full_lm_heads(
             declined += 1
             continue
         assert torch.equal(got, _full(native_kernels, x, pw)), seed
-    # Few rows always fit the screen's candidate budget (an eighth of the columns, 64 at least).
+    # Few rows always fit the screen's candidate budget (a quarter of the columns, 64 at least).
     assert declined == 0 or rows > 7
 
 
@@ -158,18 +157,46 @@ def test_declines_rows_it_cannot_bound(
     assert head(_rand(129, 64, seed=3).to(dtype)) is None  # more rows than it takes
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(3000, 256), (1000, 36)])
 def test_reads_candidates_from_the_plain_weight_the_same(
-    native_kernels: kernels.NativeKernels,
+    native_kernels: kernels.NativeKernels, dtype: torch.dtype, n: int, k: int
 ) -> None:
-    w = _rand(3000, 256, seed=11, scale=0.05)
+    # The candidates' weights are packed from the row-major weight (16 x 16 word transposes; k =
+    # 36 leaves a partial block of words) or from the panel copy: the same tokens either way.
+    w = _rand(n, k, seed=11, scale=0.05).to(dtype)
     from_panels, pw = _head(native_kernels, w)
     from_plain, _ = _head(native_kernels, w, plain=True)
-    x = _rand(20, 256, seed=12)
+    x = _rand(20, k, seed=12).to(dtype)
     cols = from_panels.candidates(x)
-    assert cols is not None and 0 < len(cols) < 3000
-    assert torch.equal(pw.columns(cols), w[cols])
+    assert cols is not None and 0 < len(cols) < n
     assert torch.equal(from_plain(x), from_panels(x))  # type: ignore[arg-type]
     assert torch.equal(from_plain(x), _full(native_kernels, x, pw))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("plain", [False, True])
+def test_many_candidates_run_in_chunks(
+    native_kernels: kernels.NativeKernels, dtype: torch.dtype, plain: bool
+) -> None:
+    # Columns close together (a shared direction plus a little noise) leave more candidates than
+    # the native head packs at once (2,048): later chunks must keep the earlier chunks' winners
+    # on ties and take a strictly larger logit.
+    g = torch.Generator().manual_seed(16)
+    w = torch.randn(1, 64, generator=g) * 0.05 + torch.randn(40000, 64, generator=g) * 0.006
+    w = w.to(dtype)
+    w[5] *= 3
+    w[39000] = w[5]  # the same logit in the first chunk and the last
+    head, pw = _head(native_kernels, w, plain)
+    x = _rand(16, 64, seed=17).to(dtype)
+    cols = head.candidates(x)
+    assert cols is not None and len(cols) > 2048
+    _same(native_kernels, head, pw, x)
+    x[3] = w[5] * 4  # row 3's largest logit is column 5's, and column 39000's
+    cols = head.candidates(x)
+    assert cols is not None and len(cols) > 2048 and {5, 39000} <= set(cols.tolist())
+    got = _same(native_kernels, head, pw, x)
+    assert got[3] == 5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,14 +224,14 @@ def test_builds_only_where_it_runs(native_kernels: kernels.NativeKernels) -> Non
     n = native_kernels
     w = _rand(MIN_COLUMNS, 64, seed=14, scale=0.05)
     pw = PanelWeight.of(w, None)
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, pw) is not None
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, pw) is not None
     small = PanelWeight.of(w[: MIN_COLUMNS - 1], None)
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, small) is None  # the whole lm_head is cheaper
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, small) is None  # the whole lm_head is cheaper
     biased = PanelWeight.of(w, torch.zeros(MIN_COLUMNS))
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, biased) is None
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, biased) is None
     odd = PanelWeight.of(_rand(MIN_COLUMNS, 66, seed=15), None)
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, odd) is None  # inputs not a multiple of 4
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, odd) is None  # inputs not a multiple of 4
     inf = w.clone()
     inf[5, 5] = float("inf")
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, PanelWeight.of(inf, None)) is None
-    assert GreedyHead.of(n.screen, n.gemv, n.ops, None) is None
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, PanelWeight.of(inf, None)) is None
+    assert GreedyHead.of(n.screen, n.gemv.panel_rows, None) is None

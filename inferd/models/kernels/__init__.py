@@ -3,8 +3,9 @@
 `paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
 `gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`),
-`panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; and the int8
-greedy screen of the lm_head, `greedy.py`) and `decode_step.cpp` (a decode step of up to 128
+`panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; the kernel in
+`panel.h`), `greedy.cpp` (the int8 greedy screen of the lm_head over the same loop and the
+candidates' exact logits, `greedy.py`) and `decode_step.cpp` (a decode step of up to 128
 rows through every layer in one call; `decode.py`) are
 compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
@@ -62,11 +63,12 @@ SOURCES = tuple(
         "fused_ops.cpp",
         "gemv.cpp",
         "panel_gemm.cpp",
+        "greedy.cpp",
         "decode_step.cpp",
     )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
-HEADERS = (_HERE / "simd.h", _HERE / "attention_tile.h")
+HEADERS = (_HERE / "simd.h", _HERE / "attention_tile.h", _HERE / "panel.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
 _BUILD_TIMEOUT_S = 120

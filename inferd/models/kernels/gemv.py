@@ -81,15 +81,6 @@ class PanelWeight:
         b = None if bias is None else bias.to(weight.dtype).contiguous()
         return cls(packed.contiguous(), n, k, b)
 
-    def columns(self, cols: Tensor) -> Tensor:
-        """The weight rows [len(cols), in] (exact, the packed dtype) of output columns `cols`:
-        one cache line a value, for a few columns."""
-        p, j = cols // PANEL_COLUMNS, cols % PANEL_COLUMNS
-        if self.packed.dim() == 3:
-            return self.packed[p, :, j]
-        pairs = self.packed.view(torch.int32)[..., 0]  # a bfloat16 pair as one 32-bit value
-        return pairs[p, :, j].view(torch.bfloat16)
-
     def unpack(self, p0: int, p1: int) -> Tensor:
         """The weight rows [(p1 - p0) * 64, in] of panels [p0, p1) (zeros past `out_features`)."""
         panels = self.packed[p0:p1]

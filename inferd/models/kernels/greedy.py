@@ -1,8 +1,8 @@
 """Exact greedy tokens without multiplying the whole lm_head: an int8 screen with error bounds
-(`inferd_greedy_screen` in kernels/panel_gemm.cpp), then the exact logits of the few columns that
+(`inferd_greedy_screen` in kernels/greedy.cpp), then the exact logits of the few columns that
 can still be a row's largest.
 
-    head = GreedyHead.of(native.screen, native.gemv, native.ops, lm_head.panel_copy(),
+    head = GreedyHead.of(native.screen, native.gemv.panel_rows, lm_head.panel_copy(),
                          lm_head.plain_weight())      # None where it does not run
     tokens = head(x)     # x: [rows, hidden], the lm_head's input rows -> [rows] int64, or None:
                          # run the lm_head and the argmax as usual
@@ -34,14 +34,14 @@ rounded: 2^-20, for ties). Every column whose hi_v reaches that is a candidate; 
 logit is strictly below every winner's.
 
 The candidates of all rows (ascending) are then multiplied exactly by the lm_head's own kernel,
-the panel GEMM, on the same values (rows of the row-major weight where one is kept, else gathered
-from the panel copy, packed again; a column's sum runs the same instructions in the same order in
-any panel), so their logits are bit for bit the full path's. The argmax over them (the first on
-ties, as FusedOps.argmax and torch) is the full path's: a column that is only another row's
-candidate is below this row's winners.
+the panel GEMM, on the same values (their weights packed into panels again, in the same native
+call, from the row-major weight where one is kept, else from the panel copy; a column's sum runs
+the same instructions in the same order in any panel), so their logits are bit for bit the full
+path's. The argmax over them (the first on ties, as FusedOps.argmax and torch) is the full path's:
+a column that is only another row's candidate is below this row's winners.
 
 None (the caller runs the lm_head): a row with a value that is not finite, more than
-`max_candidates` candidates (an eighth of the columns; an all-zero row ties every column), more
+`max_candidates` candidates (a quarter of the columns; an all-zero row ties every column), more
 rows than the panel GEMM takes (128: larger batches run oneDNN, whose sums are ordered
 otherwise). The lm_head must have a panel copy and no bias.
 """
@@ -54,14 +54,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inferd.models.kernels.fused import DTYPE_CODES, FusedOps
-from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
+from inferd.models.kernels.fused import DTYPE_CODES
+from inferd.models.kernels.gemv import PANEL_COLUMNS, PanelWeight
 
 # Columns of the exact weight unpacked from the panel copy at a time while building (float64).
 _BUILD_CHUNK = 4096
-# Smaller lm_heads run whole: the candidates' exact logits and the fixed costs of a call take
-# about what the screen saves (llama-32m's 8,192 columns: 0.4-1.3x).
-MIN_COLUMNS = 32768
+# Smaller lm_heads run whole: a call's fixed costs take about what the screen saves (bfloat16
+# lm_heads of 1,024 columns measured 0.86-1.09x; 4,096 columns 1.3-1.9x in both dtypes).
+MIN_COLUMNS = 4096
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,11 @@ class GreedyScreen:
         fn.argtypes = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i64]
         fn.restype = ctypes.c_int64
         self._fn = fn
+        head = lib.inferd_greedy_head
+        head.argtypes = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        head.argtypes += [i64, ptr]
+        head.restype = ctypes.c_int64
+        self._head = head
 
     def __call__(self, x: Tensor, w: ScreenWeight, out_features: int, cand: Tensor) -> int:
         """Writes the candidate columns of x's rows (unit stride along k) to `cand` (int32);
@@ -148,6 +153,38 @@ class GreedyScreen:
             raise ValueError(f"greedy screen rejected x {tuple(x.shape)} {x.dtype}")
         return rc
 
+    def tokens(
+        self, x: Tensor, w: ScreenWeight, panel: PanelWeight, plain: Tensor | None, cand: Tensor
+    ) -> Tensor | None:
+        """x's greedy tokens (int64, [rows]) from the screen, then the candidates' exact logits
+        (their weights packed from `plain`, the row-major lm_head, or else from `panel`) and their
+        argmax, in one native call; None where the screen declines (the caller runs the whole
+        lm_head). The candidates are left in `cand` (int32)."""
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = int(
+            self._head(
+                x.data_ptr(),
+                x.shape[0],
+                x.stride(0),
+                DTYPE_CODES[x.dtype],
+                w.q.data_ptr(),
+                panel.out_features,
+                x.shape[1],
+                w.scale.data_ptr(),
+                w.col_sum.data_ptr(),
+                w.norm_w.data_ptr(),
+                w.norm_d.data_ptr(),
+                None if plain is None else plain.data_ptr(),
+                panel.packed.data_ptr(),
+                cand.data_ptr(),
+                cand.numel(),
+                tokens.data_ptr(),
+            )
+        )
+        if rc == -1:
+            raise ValueError(f"greedy head rejected x {tuple(x.shape)} {x.dtype}")
+        return tokens if rc > 0 else None
+
 
 class GreedyHead:
     """See the module docstring. Built once at load; called on each plain greedy batch."""
@@ -155,29 +192,26 @@ class GreedyHead:
     def __init__(
         self,
         screen: GreedyScreen,
-        gemv: Gemv,
-        ops: FusedOps,
         panel: PanelWeight,
         weight: ScreenWeight,
         plain: Tensor | None,
         max_rows: int,
     ) -> None:
         self._screen = screen
-        self._gemv = gemv
-        self._argmax = ops.argmax
         self.panel = panel
         self._plain = plain
         self.weight = weight
         self.max_rows = max_rows
-        self.max_candidates = max(PANEL_COLUMNS, panel.out_features // 8)
+        # Past this many candidates the screen's own cost plus theirs nears the whole lm_head's
+        # (llama-32m's 8,192 columns at 128 rows: 15 % of the columns, still 1.3x in bfloat16).
+        self.max_candidates = max(PANEL_COLUMNS, panel.out_features // 4)
         self._cand = torch.empty(self.max_candidates, dtype=torch.int32)
 
     @classmethod
     def of(
         cls,
         screen: GreedyScreen,
-        gemv: Gemv,
-        ops: FusedOps,
+        panel_rows: dict[torch.dtype, int],
         panel: PanelWeight | None,
         plain: Tensor | None = None,
         min_columns: int = MIN_COLUMNS,
@@ -190,11 +224,11 @@ class GreedyHead:
         the Qwen2-0.5B shape: float32 3.2-3.7x the whole lm_head at 1-48 rows, bfloat16 1.3-1.5x
         at 12-96; docs/benchmarks.md). `plain`: the row-major
         weight, if kept (tied embeddings): the candidates' rows are read from it (from the
-        panels, one cache line a value, otherwise)."""
+        panels, one cache line a value, otherwise). `panel_rows`: Gemv.panel_rows."""
         if panel is None or panel.bias is not None or panel.in_features % 4:
             return None
         dtype = panel.packed.dtype
-        rows = gemv.panel_rows.get(dtype, 0)
+        rows = panel_rows.get(dtype, 0)
         if max_rows is not None:
             rows = min(rows, max_rows.get(dtype, 0))
         if rows < 1 or panel.out_features < min_columns:
@@ -202,23 +236,30 @@ class GreedyHead:
         weight = ScreenWeight.of(panel)
         if weight is None:
             return None
-        return cls(screen, gemv, ops, panel, weight, plain, rows)
+        if plain is not None and (
+            plain.dtype != dtype
+            or plain.shape != (panel.out_features, panel.in_features)
+            or not plain.is_contiguous()
+        ):
+            plain = None
+        return cls(screen, panel, weight, plain, rows)
 
     def candidates(self, x: Tensor) -> Tensor | None:
         """The columns (int64, ascending) whose exact logit can be a row's largest, or None."""
-        rows, k = x.shape
-        if not 0 < rows <= self.max_rows or x.dtype != self.panel.packed.dtype:
+        if not self._takes(x):
             return None
-        if k != self.panel.in_features or x.stride(1) != 1:
-            raise ValueError(f"greedy head: x {tuple(x.shape)} for {self.panel.in_features} inputs")
         count = self._screen(x, self.weight, self.panel.out_features, self._cand)
         return None if count < 0 else self._cand[:count].long()
 
     def __call__(self, x: Tensor) -> Tensor | None:
-        cols = self.candidates(x)
-        if cols is None:
+        if not self._takes(x):
             return None
-        rows = self.panel.columns(cols) if self._plain is None else self._plain[cols]
-        exact = PanelWeight.of(rows, None)
-        assert exact is not None
-        return cols[self._argmax(self._gemv.panel(x, exact))]
+        return self._screen.tokens(x, self.weight, self.panel, self._plain, self._cand)
+
+    def _takes(self, x: Tensor) -> bool:
+        rows, k = x.shape
+        if not 0 < rows <= self.max_rows or x.dtype != self.panel.packed.dtype:
+            return False
+        if k != self.panel.in_features or x.stride(1) != 1:
+            raise ValueError(f"greedy head: x {tuple(x.shape)} for {self.panel.in_features} inputs")
+        return True

@@ -133,6 +133,32 @@ inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
 }
 
 // ---- masked forms, for rows whose length is not a multiple of 16 -------------------------------
+// r[i][j] -> r[j][i]: 16 x 16 32-bit values in four rounds of unpacks and lane shuffles.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * k + 1]), d = _mm512_castps_pd(t[4 * k + 3]);
+    r[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int k = 0; k < 2; ++k)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * k + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0x88);
+      t[8 * k + 4 + j] = _mm512_shuffle_f32x4(r[8 * k + j], r[8 * k + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
