@@ -244,15 +244,20 @@ struct Kernel {
     }
     std::memset(acc, 0, sizeof(float) * rows * D);
 
-    // A tile stays within kTileBytes: for an item of 4 heads of 64, 16 keys (16 KiB) instead of
-    // 32, whose K and V (64 KiB) the row passes read back from L2. Measured on decode with 96
-    // sequences: 1.09x (float32 cache), 1.29x (bfloat16), 1.12-1.17x (int8); with fewer heads
-    // the 32-key tile fits and is kept (16 keys measured 0.86-0.94x there).
-    const bool narrow = kKeyTile * it.nh * D * 4 > kTileBytes;
-    const int tile = narrow ? kKeyTile / 2 : kKeyTile;
     // Many rows (a prefill item): scores and P.V as small GEMMs over a transposed tile.
     using T = tiling::Tiled<NC>;
     const bool tiled = rows >= tiling::kTileRows;
+    // A tile stays within kTileBytes: for an item of 4 heads of 64, 16 keys (16 KiB) instead of
+    // 32, whose K and V (64 KiB) the row passes read back from L2. Measured on decode with 96
+    // sequences: 1.09x (float32 cache), 1.29x (bfloat16), 1.12-1.17x (int8); with fewer heads
+    // the 32-key tile fits and is kept (16 keys measured 0.86-0.94x there). A float32 cache read
+    // in place by a decode item goes 8 keys at a time: the tile's K and V (16 KiB) and the next
+    // tile's, prefetched meanwhile, then fit L1 together (bench/kernel_ab.py decode-96 1.03-1.08x;
+    // widened or bfloat16 tiles measured 0.92-1.02x at 8 keys, so they stay at 16).
+    const bool narrow = kKeyTile * it.nh * D * 4 > kTileBytes;
+    const int tile = !narrow                             ? kKeyTile
+                     : p.kv_dtype == kF32 && !tiled      ? kKeyTile / 4
+                                                         : kKeyTile / 2;
     const int per_head = nq * g;
     alignas(64) float ktile[kKeyTile * kMaxItemWidth / 2];  // the transposed bf16 K tile
     TilePrefetch pf;
