@@ -9,8 +9,11 @@ logits in the model dtype), then the native argmax. `screen` is the int8 screen 
 the rows, VPDPBUSD over the int8 copy, the bounds, the candidates); `head` the whole greedy head:
 the screen, then the candidates' exact logits from the row-major weight (the shape's lm_head is
 tied to the embedding, as the Qwen2-0.5B shape's is; `--from-panels` reads them from the panel
-copy instead, as an untied lm_head's are) and their argmax. Random weights at a trained lm_head's
-scale (std 0.02, the shapes' initializer) and hidden rows of unit RMS, as the final RMSNorm gives.
+copy instead, as an untied lm_head's are) and their argmax, all in one native call;
+`torch-pack` the same head with the candidates' rows gathered and packed into panels by torch
+ops, as it ran before the ninth session (always from the row-major weight). Random weights at a
+trained lm_head's scale (std 0.02, the shapes' initializer) and hidden rows of unit RMS, as the
+final RMSNorm gives.
 Each cell is the best of `--repeats` calls; the tokens are checked equal every time.
 `--base REV`: also the screen of the kernel sources at that git revision (built as
 bench/kernel_ab.py builds them), timed alternately with this tree's on the same rows and checked
@@ -78,7 +81,8 @@ def main() -> None:
     base = base_screen(args.base, Path(tmp.name)) if args.base else None
     cand = torch.empty(head.max_candidates, dtype=torch.int32)
     header: tuple[str, ...] = ("rows", "full ms", "head ms", "screen ms", "candidates", "speed-up")
-    widths: tuple[int, ...] = (4, 8, 8, 9, 10, 8)
+    header += ("torch-pack ms", "head/torch-pack")
+    widths: tuple[int, ...] = (4, 8, 8, 9, 10, 8, 13, 15)
     if base is not None:
         header, widths = (*header, "base ms", "screen/base"), (*widths, 8, 11)
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
@@ -97,10 +101,21 @@ def main() -> None:
             print(f"{rows:>4}  more candidates than the screen takes: the whole lm_head runs")
             continue
         assert torch.equal(got, want), "the screen's tokens differ"
+
+        def torch_pack(x: torch.Tensor = x) -> torch.Tensor:
+            # The head before it was one native call (see the module docstring).
+            c = head.candidates(x)
+            assert c is not None
+            exact = PanelWeight.of(w[c], None)
+            assert exact is not None
+            return c[native.ops.argmax(native.gemv.panel(x, exact))]
+
+        assert torch.equal(torch_pack(), want)
         fns: dict[str, Callable[[], object]] = {
             "full": full,
             "head": lambda x=x: head(x),  # type: ignore[misc]
             "screen": lambda x=x: head.candidates(x),  # type: ignore[misc]
+            "torch_pack": torch_pack,
         }
         if base is not None:
             n = base(x, head.weight, panel.out_features, cand)
@@ -109,7 +124,8 @@ def main() -> None:
         t = best_ms(fns, args.repeats)
         line = (
             f"{rows:>4}  {t['full']:>8.2f}  {t['head']:>8.2f}  {t['screen']:>9.2f}  "
-            f"{len(cols):>10}  {t['full'] / t['head']:.2f}x"
+            f"{len(cols):>10}  {t['full'] / t['head']:7.2f}x  {t['torch_pack']:>13.2f}  "
+            f"{t['torch_pack'] / t['head']:14.2f}x"
         )
         if base is not None:
             line += f"  {t['base']:>8.2f}  {t['base'] / t['screen']:10.2f}x"
