@@ -41,7 +41,7 @@ class Int8Weight:
         )
 
 
-# Output columns per panel of a PanelWeight (panel_gemm.cpp's kPanel).
+# Output columns per panel of a PanelWeight (panel.h's kPanel).
 PANEL_COLUMNS = 64
 
 
