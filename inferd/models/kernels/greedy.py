@@ -117,41 +117,23 @@ class GreedyScreen:
     """`inferd_greedy_screen`, bound to a loaded kernel library (kernels.load)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.inferd_greedy_screen
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, i32, ptr, i64]
-        fn.restype = ctypes.c_int64
-        self._fn = fn
-        head = lib.inferd_greedy_head
-        head.argtypes = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-        head.argtypes += [i64, ptr]
-        head.restype = ctypes.c_int64
-        self._head = head
+        # Both entry points start with x and the screen's weight (_screen_args).
+        screen: list[type[ctypes.c_int32 | ctypes.c_int64 | ctypes.c_void_p]]
+        screen = [ptr, i64, i64, i32, ptr, i64, i64, ptr, ptr, ptr, ptr]
+        self._fn = lib.inferd_greedy_screen
+        self._fn.argtypes = [*screen, i32, ptr, i64]
+        self._fn.restype = ctypes.c_int64
+        self._head = lib.inferd_greedy_head
+        self._head.argtypes = [*screen, ptr, ptr, ptr, i64, ptr]
+        self._head.restype = ctypes.c_int64
 
     def __call__(self, x: Tensor, w: ScreenWeight, out_features: int, cand: Tensor) -> int:
         """Writes the candidate columns of x's rows (unit stride along k) to `cand` (int32);
         returns how many, or < 0 (-2: a value of x not finite, -3: more than cand holds)."""
-        rc = int(
-            self._fn(
-                x.data_ptr(),
-                x.shape[0],
-                x.stride(0),
-                DTYPE_CODES[x.dtype],
-                w.q.data_ptr(),
-                out_features,
-                x.shape[1],
-                w.scale.data_ptr(),
-                w.col_sum.data_ptr(),
-                w.norm_w.data_ptr(),
-                w.norm_d.data_ptr(),
-                int(x.dtype == torch.bfloat16),
-                cand.data_ptr(),
-                cand.numel(),
-            )
-        )
-        if rc == -1:
-            raise ValueError(f"greedy screen rejected x {tuple(x.shape)} {x.dtype}")
-        return rc
+        bf16 = int(x.dtype == torch.bfloat16)
+        rc = self._fn(*_screen_args(x, w, out_features), bf16, cand.data_ptr(), cand.numel())
+        return _checked(int(rc), x)
 
     def tokens(
         self, x: Tensor, w: ScreenWeight, panel: PanelWeight, plain: Tensor | None, cand: Tensor
@@ -161,29 +143,40 @@ class GreedyScreen:
         argmax, in one native call; None where the screen declines (the caller runs the whole
         lm_head). The candidates are left in `cand` (int32)."""
         tokens = torch.empty(x.shape[0], dtype=torch.int64)
-        rc = int(
-            self._head(
-                x.data_ptr(),
-                x.shape[0],
-                x.stride(0),
-                DTYPE_CODES[x.dtype],
-                w.q.data_ptr(),
-                panel.out_features,
-                x.shape[1],
-                w.scale.data_ptr(),
-                w.col_sum.data_ptr(),
-                w.norm_w.data_ptr(),
-                w.norm_d.data_ptr(),
-                None if plain is None else plain.data_ptr(),
-                panel.packed.data_ptr(),
-                cand.data_ptr(),
-                cand.numel(),
-                tokens.data_ptr(),
-            )
+        rc = self._head(
+            *_screen_args(x, w, panel.out_features),
+            None if plain is None else plain.data_ptr(),
+            panel.packed.data_ptr(),
+            cand.data_ptr(),
+            cand.numel(),
+            tokens.data_ptr(),
         )
-        if rc == -1:
-            raise ValueError(f"greedy head rejected x {tuple(x.shape)} {x.dtype}")
-        return tokens if rc > 0 else None
+        return tokens if _checked(int(rc), x) > 0 else None
+
+
+def _screen_args(x: Tensor, w: ScreenWeight, out_features: int) -> tuple[int, ...]:
+    """The arguments both native entry points open with: x, its shape and dtype, the int8
+    lm_head and its per-column scale, sum and norms."""
+    return (
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        DTYPE_CODES[x.dtype],
+        w.q.data_ptr(),
+        out_features,
+        x.shape[1],
+        w.scale.data_ptr(),
+        w.col_sum.data_ptr(),
+        w.norm_w.data_ptr(),
+        w.norm_d.data_ptr(),
+    )
+
+
+def _checked(rc: int, x: Tensor) -> int:
+    """rc, unless it is -1 (arguments the kernel refuses: a caller's bug, not a decline)."""
+    if rc == -1:
+        raise ValueError(f"greedy screen rejected x {tuple(x.shape)} {x.dtype}")
+    return rc
 
 
 class GreedyHead:
