@@ -247,7 +247,8 @@ int inferd_argmax(const void* x, int dtype, int64_t rows, int64_t n, int64_t str
 // panels [n_pad / 64][k / 4][64][4] with the per-column scale, sum, ||W||_2 and ||d||_2 (n_pad
 // each), `bf16_logits` whether the exact logits are rounded to bfloat16. Returns how many were
 // written to `cand`; -1 for bad arguments (rows outside [1, 128], k not a multiple of 4), -2 for a
-// value of x that is not finite, -3 for more than `max_cand` (the caller runs the whole lm_head).
+// value of x that is not finite, -3 for more than `max_cand`, -4 where its scratch could not be
+// allocated (the caller runs the whole lm_head).
 int64_t inferd_greedy_screen(const void* x, int64_t rows, int64_t x_stride, int dtype,
                              const int8_t* w, int64_t n, int64_t k, const float* scale,
                              const int32_t* sum, const float* norm_w, const float* norm_d,
@@ -255,10 +256,11 @@ int64_t inferd_greedy_screen(const void* x, int64_t rows, int64_t x_stride, int 
   if (rows < 1 || rows > kMaxRows || k % 4 != 0 || (dtype != kF32 && dtype != kBF16)) return -1;
   const int r = static_cast<int>(rows);
   const int64_t stride = (k + 63) / 64 * 64;
-  thread_local std::vector<uint8_t> buf;  // the quantized rows, reused across calls
-  buf.resize(static_cast<size_t>(rows * stride));
-  ScreenRows xr{buf.data(), stride, {}, {}, {}, {}};
-  if (screen_rows(x, r, x_stride, dtype, k, buf.data(), stride, xr) != 0) return -2;
+  thread_local Scratch ubuf;  // the quantized rows, reused across calls
+  auto* u = static_cast<uint8_t*>(ubuf.get(static_cast<size_t>(rows * stride)));
+  if (u == nullptr) return -4;
+  ScreenRows xr{u, stride, {}, {}, {}, {}};
+  if (screen_rows(x, r, x_stride, dtype, k, u, stride, xr) != 0) return -2;
   const float rel = bf16_logits ? 0x1p-6f : 0x1p-20f;
   return greedy_screen(xr, r, w, ScreenCols{scale, sum, norm_w, norm_d}, n, k, rel, cand,
                        max_cand);
@@ -269,8 +271,8 @@ int64_t inferd_greedy_screen(const void* x, int64_t rows, int64_t x_stride, int 
 // `plain` [n][k] (or, when it is null, from its panel copy `panels`), the panel GEMM over them and
 // each row's first largest logit, as the whole lm_head and inferd_argmax find it (the first NaN,
 // else the first largest; candidates ascend, so ties go to the lowest column). tokens [rows]
-// int64. Returns the number of candidates, or < 0 (the caller runs the whole lm_head): the
-// screen's code, or -4 where the scratch could not be allocated.
+// int64. Returns the number of candidates, or the screen's code (< 0: the caller runs the whole
+// lm_head; -4 also where this call's scratch could not be allocated).
 int64_t inferd_greedy_head(const void* x, int64_t rows, int64_t x_stride, int dtype,
                            const int8_t* w8, int64_t n, int64_t k, const float* scale,
                            const int32_t* sum, const float* norm_w, const float* norm_d,

@@ -130,7 +130,8 @@ class GreedyScreen:
 
     def __call__(self, x: Tensor, w: ScreenWeight, out_features: int, cand: Tensor) -> int:
         """Writes the candidate columns of x's rows (unit stride along k) to `cand` (int32);
-        returns how many, or < 0 (-2: a value of x not finite, -3: more than cand holds)."""
+        returns how many, or < 0 (-2: a value of x not finite, -3: more than cand holds, -4: no
+        memory for its scratch)."""
         bf16 = int(x.dtype == torch.bfloat16)
         rc = self._fn(*_screen_args(x, w, out_features), bf16, cand.data_ptr(), cand.numel())
         return _checked(int(rc), x)
