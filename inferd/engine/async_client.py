@@ -11,13 +11,14 @@ It composes three parts, each with one job:
     and Retry-After, pure and driven by `(now, engine load)`;
   - StreamTable (engine/streams.py): one stream per accepted request, merging DELTA outputs.
 
-Three tasks run beside the callers' generators:
-  - the reader takes EngineOutputs from the core and dispatches them to the streams (aborting a
-    request whose reader fell too far behind, see StreamTable.dispatch), and hands each KVBlocks
-    to the oldest `kv_blocks` call waiting (the core answers requests in the order sent);
-  - the pump fails queued requests whose deadline passed and releases queued requests to the
+Beside the callers' generators:
+  - the core client's callback (`_on_event`, on the event loop as each message arrives)
+    dispatches EngineOutputs to the streams (aborting a request whose reader fell too far
+    behind, see StreamTable.dispatch), and hands each KVBlocks to the oldest `kv_blocks` call
+    waiting (the core answers requests in the order sent);
+  - the pump task fails queued requests whose deadline passed and releases queued requests to the
     core as the front door allows;
-  - the watcher notices the core process exiting: `dead` turns True and every accepted request
+  - the watcher task notices the core process exiting: `dead` turns True and every accepted request
     raises EngineDeadError. The server then exits non-zero; the orchestrator restarts it.
 
 Nothing is dropped silently: every accepted request ends with a finished output or an error.
@@ -97,7 +98,13 @@ class AsyncLLM:
         `env`: the environment the server read at start-up (read here when not given)."""
         self = cls(config, limits or AdmissionConfig(), served_model_name)
         try:
-            ready = await self._core.start(config, env or read_environment(), start_timeout_s)
+            ready = await self._core.start(
+                config,
+                env or read_environment(),
+                start_timeout_s,
+                on_event=self._on_event,
+                on_broken=self._on_broken,
+            )
             self.tokenizer = await asyncio.to_thread(
                 Tokenizer.from_pretrained, Path(ready.tokenizer_path)
             )
@@ -106,7 +113,6 @@ class AsyncLLM:
             raise
         self.info = ready.info
         self._tasks = [
-            asyncio.create_task(self._read_outputs(), name="inferd-reader"),
             asyncio.create_task(self._pump(), name="inferd-pump"),
             asyncio.create_task(self._watch(), name="inferd-watcher"),
         ]
@@ -266,20 +272,19 @@ class AsyncLLM:
         else:
             self._door.remove(stream.request_id)
 
-    # -- the three tasks -----------------------------------------------------------------------
+    # -- the core's messages, the pump and the watcher -------------------------------------------
 
-    async def _read_outputs(self) -> None:
-        try:
-            async for event in self._core.events():
-                if isinstance(event, KVBlocks):
-                    self._on_kv_blocks(event)
-                else:
-                    self._on_outputs(event)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a broken message stream is as fatal as a dead core
-            logger.exception("the engine output reader failed")
-            self._on_death("the engine output stream failed")
+    def _on_event(self, event: EngineOutputs | KVBlocks) -> None:
+        if isinstance(event, KVBlocks):
+            self._on_kv_blocks(event)
+        else:
+            self._on_outputs(event)
+
+    def _on_broken(self, reason: str) -> None:
+        """A broken message stream is as fatal as a dead core (but expected once shut down)."""
+        if not self._closed and not self._dead:
+            logger.error("%s", reason)
+            self._on_death(reason)
 
     def _on_outputs(self, event: EngineOutputs) -> None:
         self._core_stats = event.stats
@@ -288,7 +293,8 @@ class AsyncLLM:
                 self._core.send(AbortRequests([out.request_id]))
         for rejected in event.rejected:
             self._streams.reject(rejected)
-        self._pump_wake.set()
+        if self._door:  # the engine's room changed; with nothing queued there is nothing to do
+            self._pump_wake.set()
 
     def _on_kv_blocks(self, event: KVBlocks) -> None:
         if self._kv_blocks_waiters:

@@ -1,16 +1,17 @@
-"""The engine core process: LLMEngine in a busy loop, fed and drained over ZeroMQ.
+"""The engine core process: LLMEngine in a busy loop, fed and drained over one Unix socket.
 
     while running:
-        receive every queued message (block only when no request is unfinished; a
+        receive every message that arrived (wait only when no request is unfinished; a
             KVBlocksRequest is answered at once, between two steps)
         if work: outputs = engine.step(); send one EngineOutputs (DELTA outputs + stats)
 
 Deadlines travel in AddRequest and are the engine's scheduler's from then on: each step first
 finishes the requests past theirs (inferd.scheduler.scheduler.Scheduler.expire).
 
-The front binds both ipc:// sockets; this process connects: PULL for EngineCoreRequest frames,
-PUSH for EngineCoreEvent frames. It sends CoreReady once the model is loaded (or CoreFailed and
-exits 1). While idle it wakes every second to check that its parent is still there, so an
+The front listens on the channel's socket and this process connects (engine/core_channel.py):
+EngineCoreRequest frames in, EngineCoreEvent frames out; sends never block the step loop. It
+sends CoreReady once the model is loaded (or CoreFailed and exits 1). It exits when the front
+closes its end, and while idle it checks every second that its parent is still there, so an
 orphaned core never outlives the server.
 """
 
@@ -22,9 +23,9 @@ import signal
 import sys
 
 import msgspec
-import zmq
 
 from inferd.config import EngineConfig, Environment
+from inferd.engine.core_channel import CoreSocket
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.messages import (
     AbortRequests,
@@ -48,52 +49,39 @@ from inferd.types import RequestOutput
 logger = logging.getLogger("inferd.engine.core")
 
 _IDLE_POLL_MS = 1000
-_SEND_LINGER_MS = 2000
+_SEND_LINGER_S = 2.0
 
 
-def run_engine_core(
-    config: EngineConfig, env: Environment, input_address: str, output_address: str
-) -> None:
+def run_engine_core(config: EngineConfig, env: Environment, channel_path: str) -> None:
     """Entry point of the spawned core process."""
     # Ctrl-C goes to the whole process group; the front decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.setsockopt(zmq.RCVHWM, 0)
-    inputs.connect(input_address)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
-    outputs.connect(output_address)
+    channel = CoreSocket(channel_path)
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = LLMEngine(config, env)
         ready = CoreReady(info=engine.info, tokenizer_path=str(engine.tokenizer_path))
     except Exception as e:  # any load failure is reported to the front, then we exit
         logger.exception("engine core failed to start")
-        outputs.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
-        ctx.destroy(linger=_SEND_LINGER_MS)
+        channel.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
+        channel.close(_SEND_LINGER_S)
         sys.exit(1)
     freeze_startup_heap("engine core")  # before ready: the front starts sending at once
-    outputs.send(encoder.encode(ready))
-    EngineCore(engine, inputs, outputs).run()
+    channel.send(encoder.encode(ready))
+    EngineCore(engine, channel).run()
     if engine.kv_events is not None:
         engine.kv_events.close()
-    ctx.destroy(linger=_SEND_LINGER_MS)
+    channel.close(_SEND_LINGER_S)
 
 
 class EngineCore:
-    """Owns the LLMEngine and the two sockets; `run()` returns on ShutdownCore or parent exit."""
+    """Owns the LLMEngine and the channel; `run()` returns on ShutdownCore or once the front is
+    gone."""
 
-    def __init__(
-        self, engine: LLMEngine, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]
-    ) -> None:
+    def __init__(self, engine: LLMEngine, channel: CoreSocket) -> None:
         self.engine = engine
-        self.inputs = inputs
-        self.outputs = outputs
-        self.poller = zmq.Poller()
-        self.poller.register(inputs, zmq.POLLIN)
+        self.channel = channel
         self.decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.encoder = msgspec.msgpack.Encoder()
         self.parent_pid = os.getppid()
@@ -112,12 +100,10 @@ class EngineCore:
                 self.send([])
 
     def receive(self, block: bool) -> None:
-        """Handles every message already queued; waits up to a second first when `block`."""
-        timeout = _IDLE_POLL_MS if block else 0
-        while self.poller.poll(timeout):
-            self.handle(self.decoder.decode(self.inputs.recv(copy=False).buffer))
-            timeout = 0
-        if block and os.getppid() != self.parent_pid:
+        """Handles every message that arrived; waits up to a second first when `block`."""
+        for payload in self.channel.receive(_IDLE_POLL_MS if block else 0):
+            self.handle(self.decoder.decode(payload))
+        if self.channel.closed or (block and os.getppid() != self.parent_pid):
             logger.warning("the server process is gone; the engine core exits")
             self.running = False
 
@@ -128,7 +114,7 @@ class EngineCore:
             self.engine.abort_request(message.request_ids)
         elif isinstance(message, KVBlocksRequest):
             digest = self.kv_blocks(message.limit, message.recent_s)
-            self.outputs.send(self.encoder.encode(digest))
+            self.channel.send(self.encoder.encode(digest))
         elif isinstance(message, ShutdownCore):
             self.running = False
 
@@ -179,11 +165,7 @@ class EngineCore:
             outputs=outputs, stats=self.stats(), rejected=self.rejected
         )
         self.rejected = []
-        # A copying send: a step's outputs are a few KiB to tens of KiB, which pyzmq copies
-        # either way (under 64 KiB), `copy=False` only through a Frame object first. Timed in
-        # the engine core during a served llama-32m run: 0.19 ms a send copying, 0.9-3.0 ms
-        # through the Frame (docs/benchmarks.md).
-        self.outputs.send(self.encoder.encode(event))
+        self.channel.send(self.encoder.encode(event))
 
     def stats(self) -> CoreStats:
         engine = self.engine
