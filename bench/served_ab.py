@@ -18,9 +18,8 @@ and the working tree's over the base's; writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,21 +27,7 @@ from pathlib import Path
 import numpy as np
 from common import DEFAULT_CACHE_DIR, save_result
 from engine_ab import export
-from peers import SHAPES, run_workload, single_workload, weights_folder
-from serve import free_port, stop_server, wait_ready
-
-
-def launch(
-    tree: Path, folder: Path, server_args: list[str], log: Path
-) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "inferd.cli", "serve", str(folder), "--served-model-name", "m"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-access-log", *server_args]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    return url, proc
+from peers import SHAPES, System, launched, run_workload, single_workload, weights_folder
 
 
 def stream_tok_s(url: str, pid: int, shape_name: str, tokens: int, seed: int) -> float:
@@ -65,30 +50,31 @@ def main() -> None:
     folder = weights_folder(SHAPES[args.shape], DEFAULT_CACHE_DIR)
     server_args = shlex.split(args.server_args)
     rates: dict[str, list[float]] = {"base": [], "tree": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         trees = {
             "base": export(args.base, Path(tmp)),
             "tree": Path(__file__).resolve().parent.parent,
         }
+        argv = [sys.executable, "-m", "inferd.cli", "serve", str(folder)]
+        argv += ["--served-model-name", "m", "--disable-access-log", *server_args]
         servers = {
-            name: launch(tree, folder, server_args, Path(tmp) / f"{name}.log")
+            name: stack.enter_context(
+                launched(
+                    System(name, argv, "/health/ready", {"PYTHONPATH": str(tree)}),
+                    Path(tmp) / f"{name}.log",
+                )
+            )
             for name, tree in trees.items()
         }
-        try:
-            for url, proc in servers.values():
-                wait_ready(f"{url}/health/ready", proc)
-            for url, proc in servers.values():
-                stream_tok_s(url, proc.pid, args.shape, 16, seed=99)  # warm-up
-            order = ["base", "tree", "tree", "base"]
-            for i in range(args.n):
-                name = order[i % 4]
-                url, proc = servers[name]
-                rate = stream_tok_s(url, proc.pid, args.shape, args.tokens, seed=i)
-                rates[name].append(rate)
-                print(f"{i:3d} {name:>4}: {rate:7.1f} tok/s", flush=True)
-        finally:
-            for _, proc in servers.values():
-                stop_server(proc)
+        for srv in servers.values():
+            stream_tok_s(srv.url, srv.pid, args.shape, 16, seed=99)  # warm-up
+        order = ["base", "tree", "tree", "base"]
+        for i in range(args.n):
+            name = order[i % 4]
+            srv = servers[name]
+            rate = stream_tok_s(srv.url, srv.pid, args.shape, args.tokens, seed=i)
+            rates[name].append(rate)
+            print(f"{i:3d} {name:>4}: {rate:7.1f} tok/s", flush=True)
     base, tree = np.array(rates["base"]), np.array(rates["tree"])
     ratio = float(tree.mean() / base.mean())
     ratio_median = float(np.median(tree) / np.median(base))

@@ -64,12 +64,13 @@ def _split(data: bytes | bytearray) -> tuple[list[bytes], int]:
     """The whole frames at the start of `data`, and how many bytes they took."""
     frames: list[bytes] = []
     off, end = 0, len(data)
-    while end - off >= 4:
-        (n,) = _HEADER.unpack_from(data, off)
-        if end - off - 4 < n:
-            break
-        frames.append(bytes(data[off + 4 : off + 4 + n]))
-        off += 4 + n
+    with memoryview(data) as view:  # one copy per frame, and released before the caller trims
+        while end - off >= 4:
+            (n,) = _HEADER.unpack_from(view, off)
+            if end - off - 4 < n:
+                break
+            frames.append(view[off + 4 : off + 4 + n].tobytes())
+            off += 4 + n
     return frames, off
 
 
@@ -157,10 +158,11 @@ class CoreSocket:
         frames: list[bytes] = []
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            ready = self._poll.poll(timeout_ms)
-            if any(flags & select.POLLOUT for _, flags in ready):
+            ready = self._poll.poll(timeout_ms)  # one descriptor: [] or [(fd, flags)]
+            flags = ready[0][1] if ready else 0
+            if flags & select.POLLOUT:
                 self._flush()
-            if any(flags & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, flags in ready):
+            if flags & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 frames += self._read()
             timeout_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
             if frames or self.closed or not ready or timeout_ms == 0:

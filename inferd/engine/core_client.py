@@ -95,6 +95,7 @@ class EngineCoreClient:
         deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
         sock, _ = await self._while_alive(loop.sock_accept(self._listener), deadline, timeout_s)
+        self._listener.close()  # one core, one connection
         first: asyncio.Future[EngineCoreEvent] = loop.create_future()
 
         def on_frame(payload: bytes) -> None:
