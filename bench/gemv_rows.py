@@ -12,7 +12,9 @@ not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weig
 (the engine's small-batch GEMV and native decode step): float32 arithmetic on widened values, and
 for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel` (up to 128 rows;
 bfloat16 where the CPU has AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of
-64 output columns (the engine's batches of up to 128 rows where it has them). Each cell is the best
+64 output columns (the engine's batches of up to 128 rows where it has them) on AVX-512, and
+`amx` the same kernel on AMX tiles (bfloat16, where the CPU has them: the engine's choice there).
+Each cell is the best
 of `--repeats` passes over the whole weight set, the kernels taking turns, so a slow spell of the
 machine hits all of them. Row counts a kernel does not take are skipped for it.
 """
@@ -45,7 +47,7 @@ def format_row(rows: int, best: dict[str, float], flops: float) -> str:
     """One line of the table: each kernel's best ms, its speed-up over oneDNN, and GFLOP/s of
     the fastest."""
     cells = []
-    for k, width in (("gemv", 11), ("panel", 12)):
+    for k, width in (("gemv", 11), ("panel", 12), ("amx", 10)):
         t = best.get(k)
         cells.append(f"{t * 1e3:8.2f}" if t is not None else f"{'-':>8}")
         ratio = f"{best['onednn'] / t:.2f}x" if t is not None else "-"
@@ -54,6 +56,14 @@ def format_row(rows: int, best: dict[str, float], flops: float) -> str:
         f"{rows:>4}  {best['onednn'] * 1e3:9.2f}  {'  '.join(cells)}"
         f"  {flops / min(best.values()) / 1e9:12.1f}"
     )
+
+
+def kernels_for(rows: int, gemv_rows: int, panel_rows: int, amx: bool) -> list[str]:
+    """The kernels that take `rows` rows here."""
+    kinds = ["onednn", "gemv"] if rows <= gemv_rows else ["onednn"]
+    if rows <= panel_rows:
+        kinds += ["panel", "amx"] if amx else ["panel"]
+    return kinds
 
 
 def main() -> None:
@@ -80,11 +90,18 @@ def main() -> None:
             for n, ((i, _), w, pw) in enumerate(zip(shapes, plain, packed, strict=True)):
                 if kind == "gemv":
                     gemv(xs[i], w, None)
-                elif kind == "panel":
+                elif kind in ("panel", "amx"):
                     gemv.panel(xs[i], panels[n])
                 else:
                     op(xs[i], pw, None, "none", [], "")
         return time.perf_counter() - t0
+
+    def timed(kind: str, rows: int) -> float:
+        had = gemv.amx(kind == "amx")
+        try:
+            return one_pass(kind, rows)
+        finally:
+            gemv.amx(had)
 
     most = gemv.max_rows
     table: list[dict[str, Any]] = []
@@ -96,19 +113,24 @@ def main() -> None:
         "onednn/gemv",
         "panel ms",
         "onednn/panel",
+        "amx ms",
+        "onednn/amx",
         "GFLOP/s best",
     )
-    print("  ".join(f"{h:>{w}}" for h, w in zip(header, (4, 9, 8, 11, 8, 12, 12), strict=True)))
+    widths = (4, 9, 8, 11, 8, 12, 8, 10, 12)
+    print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    gemv.amx(False)
+    amx = gemv.amx(True)
     for rows in (int(r) for r in args.rows.split(",")):
-        kinds = ["onednn", "gemv"] if rows <= most else ["onednn"]
-        if panels and rows <= panel_rows:
-            kinds.append("panel")
+        kinds = kernels_for(
+            rows, most, panel_rows if panels else 0, amx and dtype == torch.bfloat16
+        )
         best = {k: float("inf") for k in kinds}
         for k in kinds:
-            one_pass(k, rows)  # builds oneDNN's primitive for this row count
+            timed(k, rows)  # builds oneDNN's primitive for this row count
         for _ in range(args.repeats):
             for k in kinds:
-                best[k] = min(best[k], one_pass(k, rows))
+                best[k] = min(best[k], timed(k, rows))
         flops = 2 * rows * weight_bytes / plain[0].element_size()
         row: dict[str, Any] = {"rows": rows, **{f"{k}_ms": v * 1e3 for k, v in best.items()}}
         print(format_row(rows, best, flops))

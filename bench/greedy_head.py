@@ -17,7 +17,8 @@ final RMSNorm gives.
 Each cell is the best of `--repeats` calls; the tokens are checked equal every time.
 `--base REV`: also the screen of the kernel sources at that git revision (built as
 bench/kernel_ab.py builds them), timed alternately with this tree's on the same rows and checked
-to find the same candidates; `base ms` and this tree's speed-up over it.
+to find the same candidates; `base ms` and this tree's speed-up over it. Where the CPU has AMX
+(kernels/amx.h), `avx512 ms` is the screen with AMX off, timed alternately with it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def base_screen(rev: str, tmp: Path) -> GreedyScreen:
     return GreedyScreen(ctypes.CDLL(str(build(sources_at(rev), tmp / "base.so"))))
 
 
+def format_row(rows: int, candidates: int, t: dict[str, float]) -> str:
+    """One line of the table from the best ms of each function."""
+    line = (
+        f"{rows:>4}  {t['full']:>8.2f}  {t['head']:>8.2f}  {t['screen']:>9.2f}  "
+        f"{candidates:>10}  {t['full'] / t['head']:7.2f}x  {t['torch_pack']:>13.2f}  "
+        f"{t['torch_pack'] / t['head']:14.2f}x"
+    )
+    if "base" in t:
+        line += f"  {t['base']:>8.2f}  {t['base'] / t['screen']:10.2f}x"
+    if "avx512" in t:
+        line += f"  {t['avx512']:>9.2f}  {t['avx512'] / t['screen']:12.2f}x"
+    return line
+
+
 def main() -> None:
     p = weight_bench_parser(__doc__, "qwen2-0.5b-shape", "float32", "1,8,16,24,48,96")
     p.add_argument("--from-panels", action="store_true")
@@ -77,6 +92,14 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     assert head is not None, "the greedy screen does not run here"
     print(f"{args.shape} lm_head {tuple(w.shape)} {args.dtype}: screen built in {build_s:.2f} s")
+
+    def on_avx512(fn: Callable[[], object]) -> object:
+        native.gemv.amx(False)
+        try:
+            return fn()
+        finally:
+            native.gemv.amx(True)
+
     tmp = tempfile.TemporaryDirectory()
     base = base_screen(args.base, Path(tmp.name)) if args.base else None
     cand = torch.empty(head.max_candidates, dtype=torch.int32)
@@ -85,6 +108,9 @@ def main() -> None:
     widths: tuple[int, ...] = (4, 8, 8, 9, 10, 8, 13, 15)
     if base is not None:
         header, widths = (*header, "base ms", "screen/base"), (*widths, 8, 11)
+    amx = native.gemv.amx()
+    if amx:
+        header, widths = (*header, "avx512 ms", "avx512/screen"), (*widths, 9, 13)
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     table: list[dict[str, Any]] = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -121,15 +147,10 @@ def main() -> None:
             n = base(x, head.weight, panel.out_features, cand)
             assert torch.equal(cand[:n].long(), cols), "the base screen's candidates differ"
             fns["base"] = lambda x=x: base(x, head.weight, panel.out_features, cand)  # type: ignore[misc]
+        if amx:
+            fns["avx512"] = lambda x=x: on_avx512(lambda: head.candidates(x))  # type: ignore[misc]
         t = best_ms(fns, args.repeats)
-        line = (
-            f"{rows:>4}  {t['full']:>8.2f}  {t['head']:>8.2f}  {t['screen']:>9.2f}  "
-            f"{len(cols):>10}  {t['full'] / t['head']:7.2f}x  {t['torch_pack']:>13.2f}  "
-            f"{t['torch_pack'] / t['head']:14.2f}x"
-        )
-        if base is not None:
-            line += f"  {t['base']:>8.2f}  {t['base'] / t['screen']:10.2f}x"
-        print(line)
+        print(format_row(rows, len(cols), t))
         table.append(
             {"rows": rows, **{f"{k}_ms": v for k, v in t.items()}, "candidates": len(cols)}
         )

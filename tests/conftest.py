@@ -4,6 +4,7 @@ without a marker line in each file (a file may still add its own, e.g. a timeout
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,16 @@ def native_kernels() -> NativeKernels:
         return kernels.load(read_environment().cache_dir)
     except kernels.KernelUnavailable as e:
         pytest.skip(f"native kernels unavailable here: {e}")
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def panel_path(request: pytest.FixtureRequest, native_kernels: NativeKernels) -> Iterator[str]:
+    """Runs the test with the panel GEMM and the greedy screen on AMX tiles, then on the AVX-512
+    loop (kernels/amx.h); `amx` is skipped where the CPU has no AMX."""
+    gemv = native_kernels.gemv
+    had = gemv.amx()
+    if request.param == "amx" and not had:
+        pytest.skip("no AMX on this CPU (or the kernel was not granted the tiles)")
+    gemv.amx(request.param == "amx")
+    yield request.param
+    gemv.amx(had)

@@ -12,7 +12,8 @@ from inferd.models import kernels
 from inferd.models.kernels.gemv import PANEL_COLUMNS, PanelWeight
 from inferd.models.kernels.greedy import MIN_COLUMNS, GreedyHead, ScreenWeight
 
-pytestmark = pytest.mark.unit
+# Every test on both paths where the CPU has AMX (tests/conftest.py's panel_path).
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
 
 DTYPES = [torch.float32, torch.bfloat16]
 ANY_ROWS = {torch.float32: 128, torch.bfloat16: 128}

@@ -15,7 +15,8 @@ from torch import Tensor
 from inferd.models import kernels
 from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
 
-pytestmark = pytest.mark.unit
+# Every test on both paths where the CPU has AMX (tests/conftest.py's panel_path).
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -116,6 +116,15 @@ class Gemv:
         self._panel.restype = ctypes.c_int
         # The most rows Gemv.panel takes in each dtype (bfloat16 0: the CPU has no AVX512_BF16).
         self.panel_rows = panel_rows(lib)
+        self._amx = lib.inferd_panel_amx
+        self._amx.argtypes = [i32]
+        self._amx.restype = ctypes.c_int
+
+    def amx(self, on: bool | None = None) -> bool:
+        """Whether the panel GEMM and the greedy screen run on AMX tiles (amx.h: bfloat16 and
+        int8, where the CPU has them and the kernel got them); `on` switches that for the whole
+        library (benchmarks and tests compare both paths in one process)."""
+        return bool(self._amx(-1 if on is None else int(on)))
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous

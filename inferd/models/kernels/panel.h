@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace {
@@ -30,6 +31,8 @@ struct FloatAcc {
 };
 struct StepBF16 : FloatAcc {
   static constexpr int kInputsPerStep = 2;
+  static constexpr int kAmx = kAmxBF16;
+  static constexpr int kAmxMinRows = 1;
   using W = uint16_t;
   using X = uint16_t;
   static __m512 madd(__m512 c, __m512i x, __m512i w) {
@@ -43,6 +46,8 @@ struct StepBF16 : FloatAcc {
 };
 struct StepF32 : FloatAcc {
   static constexpr int kInputsPerStep = 1;
+  static constexpr int kAmx = kAmxNone;
+  static constexpr int kAmxMinRows = 0;
   using W = float;
   using X = float;
   static __m512 madd(__m512 c, __m512i x, __m512i w) {
@@ -54,6 +59,11 @@ struct StepF32 : FloatAcc {
 // never read as floats.
 struct StepI8 {
   static constexpr int kInputsPerStep = 4;
+  static constexpr int kAmx = kAmxI8;
+  // Below this many rows the screen's int8 weights stream no faster on tiles: on the Qwen2-0.5B
+  // shape's lm_head (bench/greedy_head.py) AMX took 0.9-1.2x the AVX-512 loop's time at 1-8
+  // rows, and 0.66-0.96x from 12 to 64 (docs/benchmarks.md).
+  static constexpr int kAmxMinRows = 12;
   using W = int8_t;
   using X = uint8_t;
   using Acc = __m512i;
@@ -146,6 +156,42 @@ void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typena
   }
 }
 
+// panel_sums on AMX tiles (amx.h), in blocks of min(rows, 16) rows, the last one ending at `rows`;
+// the caller configured this thread's tiles for that block (amx_use). Steps past the last whole 16
+// run on the AVX-512 tile.
+template <class S>
+void panel_sums_amx(const typename S::X* x, int rows, int64_t x_stride, const typename S::W* w,
+                    int64_t steps, int64_t p, float* acc) {
+  constexpr int kStepValues = kPanel * S::kInputsPerStep;
+  const typename S::W* wp = w + p * steps * kStepValues;
+  const int64_t chunks = steps / 16, done = chunks * 16;
+  const int m = std::min(rows, 16);
+  for (int b0 = 0;; b0 += 16) {
+    const int r0 = std::min(b0, rows - m);
+    amx_block<S::kAmx>(x + r0 * x_stride, x_stride * static_cast<int64_t>(sizeof(*x)), wp, chunks,
+                       acc + r0 * kPanel);
+    for (int r = r0; r < r0 + m && done < steps; r += kTileRows)
+      tile_rows<S>(std::min(kTileRows, r0 + m - r), x + r * x_stride + S::kInputsPerStep * done,
+                   x_stride, wp + done * kStepValues, static_cast<int>(steps - done),
+                   acc + r * kPanel, false, Prefetch{nullptr, 0, 1}, 0);
+    if (r0 + m >= rows) return;
+  }
+}
+
+// Whether this call's panel sums run on AMX (a step type it has, at least 16 steps, AMX on); if
+// so, configures this thread's tiles for the call (amx_done releases them). Every thread of a
+// parallel region gets the same answer.
+template <class S>
+inline bool amx_use(int rows, int64_t steps) {
+  if (S::kAmx == kAmxNone || rows < S::kAmxMinRows || steps < 16 || !amx_on()) return false;
+  amx_configure(std::min(rows, 16));
+  return true;
+}
+
+inline void amx_done(bool used) {
+  if (used) amx_release();
+}
+
 // y[:, 64p, 64p + 64) of every row from panel p's sums: the bias added (and rounded).
 template <class S>
 void store_panel(const float* acc, int rows, const typename S::W* bias, int64_t n,
@@ -175,11 +221,17 @@ int gemm_panel(const void* x, int rows, int64_t x_stride, const void* w, int64_t
     // Contiguous ranges: one sequential stream of weights per thread.
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
     const W* w_end = static_cast<const W*>(w) + p1 * steps * kPanel * S::kInputsPerStep;
+    const bool amx = amx_use<S>(rows, steps);
     for (int64_t p = p0; p < p1; ++p) {
-      panel_sums<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps, p,
-                    acc, w_end);
+      if (amx)
+        panel_sums_amx<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w),
+                          steps, p, acc);
+      else
+        panel_sums<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps,
+                      p, acc, w_end);
       store_panel<S>(acc, rows, static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p);
     }
+    amx_done(amx);
   }
   return 0;
 }

@@ -44,6 +44,7 @@
 // Rows are split into tiles of near-equal size (32 rows: 5, 5, 6, 5, 5, 6) so no tile runs with
 // a few rows. Sums are float32; a bfloat16 y is rounded once (to nearest even, as oneDNN rounds
 // its accumulator).
+#include <atomic>
 #include <cstdint>
 
 #include "panel.h"
@@ -59,6 +60,12 @@ int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void*
   if (dtype == kF32) return gemm_panel<StepF32>(x, r, x_stride, w, n, k, bias, y, y_stride);
   if (k % 2 != 0) return -1;
   return gemm_panel<StepBF16>(x, r, x_stride, w, n, k, bias, y, y_stride);
+}
+
+int inferd_panel_amx(int on) {
+  static std::atomic<int> want{1};
+  if (on >= 0) want.store(on != 0);
+  return want.load() && amx_permitted();
 }
 
 // The most rows inferd_gemm_panel takes for `dtype` (a DType code); 0 where it takes none.
