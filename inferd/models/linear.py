@@ -38,8 +38,10 @@ GEMV serves the few-row batches:
   columns, each thread streaming its own range of them: over the Qwen2-0.5B shape's decode
   weights 1.1-1.3x the GEMV at 1-16 rows and 1.03-1.2x oneDNN's GEMM at 16-128 (bfloat16 ~400
   GFLOP/s from 48 rows, float32 ~175 at 24-64); the engine 6-18 % faster on the mixes of both
-  shapes in both dtypes (docs/benchmarks.md). As it takes every row count the GEMV would, the
-  plain weight is then freed (unless shared): two copies in all, oneDNN's and the panels. The
+  shapes in both dtypes (docs/benchmarks.md; an AMD Zen 4). Where the CPU has AMX (Sapphire
+  Rapids and later Xeons) bfloat16 runs on its tiles (kernels/amx.h): on such a Xeon the AVX-512
+  loop was 0.2-0.85x oneDNN's GEMM (AMX itself), the tiles 1.07-1.23x it at 1-96 rows, the Qwen
+  shape's bfloat16 mix 1.5x faster. As it takes every row count the GEMV would, the plain weight is then freed (unless shared): two copies in all, oneDNN's and the panels. The
   panel copy counts toward `auto`'s quarter of memory.
 """
 

@@ -4,10 +4,10 @@
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
 `gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`),
 `panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; the kernel in
-`panel.h`), `greedy.cpp` (the int8 greedy screen of the lm_head over the same loop and the
-candidates' exact logits, `greedy.py`) and `decode_step.cpp` (a decode step of up to 128
-rows through every layer in one call; `decode.py`) are
-compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
+`panel.h`, on AMX tiles in `amx.h` where the CPU has them), `greedy.cpp` (the int8 greedy screen
+of the lm_head over the same loop and the candidates' exact logits, `greedy.py`) and
+`decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
+are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
 
