@@ -91,19 +91,26 @@ inline void amx_release() { _tile_release(); }
   else                               \
     _tile_dpbusd(C, A, B)
 
-// acc[0, m) x 64 (row stride 64 floats) = m rows of x (`x`, rows `x_stride` bytes apart) . the
-// panel `wp`'s first `chunks` x 16 steps.
+// acc[0, m) x 64 (row stride 64 floats) (+)= m rows of x (`x`, rows `x_stride` bytes apart) .
+// the panel `wp`'s chunks [c0, c1) (16 steps each); `first`: = rather than +=.
 template <int Dot>
-inline void amx_block(const void* x, int64_t x_stride, const void* wp, int64_t chunks,
-                      float* acc) {
+inline void amx_block(const void* x, int64_t x_stride, const void* wp, int64_t c0, int64_t c1,
+                      float* acc, bool first) {
   constexpr int64_t kChunkBytes = 16 * 256;  // 16 steps of the panel
   const char* xb = static_cast<const char*>(x);
-  const char* wb = static_cast<const char*>(wp);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t i = 0; i < chunks; ++i, wb += kChunkBytes) {
+  const char* wb = static_cast<const char*>(wp) + c0 * kChunkBytes;
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, 256);
+    _tile_loadd(1, acc + 16, 256);
+    _tile_loadd(2, acc + 32, 256);
+    _tile_loadd(3, acc + 48, 256);
+  }
+  for (int64_t i = c0; i < c1; ++i, wb += kChunkBytes) {
     _tile_loadd(4, xb + 64 * i, x_stride);
     _tile_loadd(5, wb, 256);
     INFERD_AMX_DOT(Dot, 0, 4, 5);
@@ -125,7 +132,7 @@ inline void amx_block(const void* x, int64_t x_stride, const void* wp, int64_t c
 inline void amx_configure(int) {}
 inline void amx_release() {}
 template <int Dot>
-inline void amx_block(const void*, int64_t, const void*, int64_t, float*) {}
+inline void amx_block(const void*, int64_t, const void*, int64_t, int64_t, float*, bool) {}
 
 #endif  // INFERD_AMX
 
