@@ -41,8 +41,9 @@ GEMV serves the few-row batches:
   shapes in both dtypes (docs/benchmarks.md; an AMD Zen 4). Where the CPU has AMX (Sapphire
   Rapids and later Xeons) bfloat16 runs on its tiles (kernels/amx.h): on such a Xeon the AVX-512
   loop was 0.2-0.85x oneDNN's GEMM (AMX itself), the tiles 1.07-1.23x it at 1-96 rows, the Qwen
-  shape's bfloat16 mix 1.5x faster. As it takes every row count the GEMV would, the plain weight is then freed (unless shared): two copies in all, oneDNN's and the panels. The
-  panel copy counts toward `auto`'s quarter of memory.
+  shape's bfloat16 mix 1.5x faster. As it takes every row count the GEMV would, the plain weight
+  is then freed (unless shared): two copies in all, oneDNN's and the panels. The panel copy
+  counts toward `auto`'s quarter of memory.
 """
 
 from __future__ import annotations
