@@ -3,10 +3,13 @@
 // AVX-512 loop in panel.h, which stays the path everywhere else (and for float32: AMX has no
 // float32 products).
 //
-// Why: on such a CPU the AVX-512 bfloat16 loop is compute-bound from ~16 rows (two VDPBF16PS a
-// cycle, 64 multiply-adds each), while one TDPBF16PS does 16 x 16 x 32 in ~16 cycles, 8x that;
-// a decode step of 16-128 rows then streams its weights at memory speed instead
-// (docs/benchmarks.md has the measurements).
+// Why: on such a CPU (a 2-core Xeon VM, docs/benchmarks.md) the AVX-512 bfloat16 loop ran at
+// 100-112 GFLOP/s a core with its weights in L2, the tiles at 700-965 from 16 rows (one
+// TDPBF16PS is 16 x 16 x 32 multiply-adds); over the Qwen2-0.5B shape's decode weights the loop
+// took 0.2-0.85x oneDNN's (AMX) GEMM time at 2-128 rows, the tiles 1.07-1.23x.
+//
+// Segments (panel.h's panel_sums_amx): more than 16 rows run as blocks of 16 over 32 KiB of the
+// panel at a time, so the blocks after the first read their weight tiles from L1.
 //
 // The layouts already fit: a panel's step is 64 columns x 4 bytes of x (a bfloat16 pair or four
 // int8 values per column) in 256 bytes, so 16 steps of 16 columns, read with a 256-byte stride,

@@ -61,8 +61,8 @@ struct StepI8 {
   static constexpr int kInputsPerStep = 4;
   static constexpr int kAmx = kAmxI8;
   // Below this many rows the screen's int8 weights stream no faster on tiles: on the Qwen2-0.5B
-  // shape's lm_head (bench/greedy_head.py) AMX took 0.9-1.2x the AVX-512 loop's time at 1-8
-  // rows, and 0.66-0.96x from 12 to 64 (docs/benchmarks.md).
+  // shape's lm_head (bench/greedy_head.py) AMX took 1.06-1.28x the AVX-512 loop's time at 1-8
+  // rows in a first run, 0.96x at 12 rows and 0.66-0.94x at 16-64 (docs/benchmarks.md).
   static constexpr int kAmxMinRows = 12;
   using W = int8_t;
   using X = uint8_t;
