@@ -14,7 +14,9 @@ from inferd.executor.model_runner import kv_cache_dtype
 from inferd.models import kernels, kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
-pytestmark = pytest.mark.unit
+# The kernel tests run on AMX tiles and without (tests/conftest.py's panel_path): bfloat16 prefill
+# items take the tiles where the CPU has them.
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,13 @@
 // rows) measured 0.73-0.99x on this path: memory-bound, they gain nothing from the transposes, so
 // kTileRows leaves them out.
 //
+// On a CPU with AMX a bfloat16 item (head_dim a multiple of 32) runs both GEMMs on tiles instead
+// (scores_amx, values_amx; amx.h): the transposed K tile is already the B tile TDPBF16PS takes
+// (dimension pairs by keys), the interleaved V tile too (key pairs by dimensions), a query row's
+// 32 values and a row's 32 bfloat16 weights the A tile's rows. bench/kernel_ab.py on an AMX Xeon,
+// 2 threads: prefill of a bfloat16 model 1.97x (Qwen2-0.5B's heads), 1.60x (the tiny shape's);
+// the engine's bfloat16 prefill on the Qwen shape 4.5 % faster (docs/benchmarks.md).
+//
 // The softmax between the two (running max, sum and rescale, paged_attention.cpp's softmax_tile)
 // and the numerics are the per-row path's: bfloat16 scores and P.V are VDPBF16PS dot products
 // with fp32 sums, P rounded to bfloat16 for P.V; float32 P.V is FMAs.
@@ -37,6 +44,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "amx.h"
 #include "simd.h"
 
 namespace tiling {
@@ -118,22 +126,110 @@ struct Tiled {
     }
 #endif
     (void)qraw, (void)kt;
+    for (int rb = 0; rb < RB; ++rb) finish_scores(a[rb], r0 + rb, t0, n, limit, scale, s, tmax);
+  }
+
+  // Row r's 32 raw scores `a` into s (rows kKeys apart), times `scale`, keys past the row's limit
+  // (or the tile's n) -inf; tmax[r] their largest.
+  static void finish_scores(const __m512* a, int r, int t0, int n, const int* limit, float scale,
+                            float* s, float* tmax) {
     const __m512i lane = lane_index();
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512 vs = _mm512_set1_ps(scale);
-    for (int rb = 0; rb < RB; ++rb) {
-      const int r = r0 + rb;
-      const int valid = std::min(n, limit[r] - t0 + 1);
-      __m512 vmax = ninf;
-      for (int c = 0; c < 2; ++c) {
-        const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(valid - 16 * c));
-        const __m512 h = _mm512_mask_blend_ps(ok, ninf, _mm512_mul_ps(a[rb][c], vs));
-        _mm512_store_ps(s + r * kKeys + 16 * c, h);
-        vmax = _mm512_max_ps(vmax, h);
+    const int valid = std::min(n, limit[r] - t0 + 1);
+    __m512 vmax = ninf;
+    for (int c = 0; c < 2; ++c) {
+      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(valid - 16 * c));
+      const __m512 h = _mm512_mask_blend_ps(ok, ninf, _mm512_mul_ps(a[c], vs));
+      _mm512_store_ps(s + r * kKeys + 16 * c, h);
+      vmax = _mm512_max_ps(vmax, h);
+    }
+    tmax[r] = _mm512_reduce_max_ps(vmax);
+  }
+
+#if INFERD_AMX
+  // scores() for rows [r0, r1) of one head on AMX tiles, in blocks of m = min(16, r1 - r0) rows
+  // (the last one ending at r1; the caller configured the tiles for m: amx_configure). The
+  // transposed tile `kt` is the B tile TDPBF16PS takes: rows dimension pairs, 16 keys of 32-bit
+  // words each (a row kKeys words long); a query row's 32 values the A tile's row.
+  static void scores_amx(const uint16_t* qraw, const uint32_t* kt, int r0, int r1, int t0, int n,
+                         const int* limit, float scale, float* s, float* tmax) {
+    const int m = std::min(16, r1 - r0);
+    alignas(64) float c[16 * kKeys];
+    for (int b = r0;; b += 16) {
+      const int rb = std::min(b, r1 - m);
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int d0 = 0; d0 < D / 32; ++d0) {
+        _tile_loadd(4, qraw + rb * D + 32 * d0, D * 2);
+        _tile_loadd(5, kt + 16 * d0 * kKeys, kKeys * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, kt + 16 * d0 * kKeys + 16, kKeys * 4);
+        _tile_dpbf16ps(1, 4, 6);
       }
-      tmax[r] = _mm512_reduce_max_ps(vmax);
+      _tile_stored(0, c, kKeys * 4);
+      _tile_stored(1, c + 16, kKeys * 4);
+      for (int i = 0; i < m; ++i) {
+        const __m512 a[2] = {_mm512_load_ps(c + i * kKeys), _mm512_load_ps(c + i * kKeys + 16)};
+        finish_scores(a, rb + i, t0, n, limit, scale, s, tmax);
+      }
+      if (rb + m >= r1) return;
     }
   }
+
+  // values() for rows [r0, r1) of one head on AMX tiles (bfloat16 V, interleaved as
+  // interleave_v leaves it: the B tile, key pairs by 16 dimensions), in blocks of m rows as
+  // scores_amx; P (rounded to bfloat16) is the A tile. Key pairs past the tile's n are zeroed in
+  // `vi` first (interleave_v leaves them as they were; their weights are zero, but 0 x NaN).
+  static void values_amx(const float* s, const float* alpha, uint32_t* vi, int n, int r0, int r1,
+                         float* acc) {
+    const int m = std::min(16, r1 - r0);
+    for (int q = (n + 1) / 2; q < kKeys / 2; ++q) std::memset(vi + q * D, 0, sizeof(uint32_t) * D);
+    alignas(64) uint16_t pw[16][kKeys];
+    alignas(64) float c[16 * D];
+    int done = r0;
+    for (int b = r0;; b += 16) {
+      const int rb = std::min(b, r1 - m);
+      for (int i = 0; i < m; ++i) weights_bf16(s + (rb + i) * kKeys, n, pw[i]);
+      _tile_loadd(4, pw, kKeys * 2);
+      for (int j = 0; j < NC; j += 4) {  // 4 C tiles of 16 dimensions at a time
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(5, vi + 16 * j, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (j + 1 < NC) {
+          _tile_loadd(6, vi + 16 * (j + 1), D * 4);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (j + 2 < NC) {
+          _tile_loadd(7, vi + 16 * (j + 2), D * 4);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (j + 3 < NC) {
+          _tile_loadd(5, vi + 16 * (j + 3), D * 4);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, c + 16 * j, D * 4);
+        if (j + 1 < NC) _tile_stored(1, c + 16 * (j + 1), D * 4);
+        if (j + 2 < NC) _tile_stored(2, c + 16 * (j + 2), D * 4);
+        if (j + 3 < NC) _tile_stored(3, c + 16 * (j + 3), D * 4);
+      }
+      // Rows an earlier block already updated (the last block overlaps) are left alone.
+      for (int r = std::max(done, rb); r < rb + m; ++r) {
+        const __m512 va = _mm512_set1_ps(alpha[r]);
+        for (int cc = 0; cc < NC; ++cc) {
+          float* o = acc + r * D + cc * 16;
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), va,
+                                              _mm512_load_ps(c + (r - rb) * D + cc * 16)));
+        }
+      }
+      done = rb + m;
+      if (done >= r1) return;
+    }
+  }
+#endif
 
   // The tile's bfloat16 V rows, two keys interleaved value by value: word (q, d) of head hh holds
   // V[2q][d] and V[2q + 1][d] (zero past the tile's n keys).

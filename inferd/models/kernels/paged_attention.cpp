@@ -259,6 +259,10 @@ struct Kernel {
                      : p.kv_dtype == kF32 && !tiled      ? kKeyTile / 4
                                                          : kKeyTile / 2;
     const int per_head = nq * g;
+    // A tiled bfloat16 item on AMX tiles where the CPU has them (attention_tile.h's scores_amx,
+    // values_amx): this thread's tiles configured for its blocks, released when the call ends.
+    const bool amx = INFERD_AMX && tiled && dot_bf16 && D % 32 == 0 && amx_on();
+    if (amx) amx_configure(std::min(16, per_head));
     alignas(64) float ktile[kKeyTile * kMaxItemWidth / 2];  // the transposed bf16 K tile
     TilePrefetch pf;
     pf.plan(p, it.seq, it.head, it.nh, it.k0, std::min(it.k1, it.k0 + tile));
@@ -274,6 +278,15 @@ struct Kernel {
       if (tiled && dot_bf16) {
         auto* kt = reinterpret_cast<uint32_t*>(ktile);
         T::transpose_k(kraw, it.nh, n, kt);
+#if INFERD_AMX
+        if (amx) {
+          for (int hh = 0; hh < it.nh; ++hh) {
+            pf.issue((hh + 1) * per_head - 1, 2 * rows);
+            T::scores_amx(qraw, kt + hh * (D / 2) * kKeyTile, hh * per_head, (hh + 1) * per_head,
+                          t0, n, limit, p.scale, sc, tmax);
+          }
+        } else
+#endif
         for (int hh = 0; hh < it.nh; ++hh)
           T::template blocks<tiling::kScoreRows>(hh * per_head, (hh + 1) * per_head,
                                                  [&](auto rb, int r0) {
@@ -307,6 +320,15 @@ struct Kernel {
         }
         auto* vi = reinterpret_cast<uint32_t*>(buf);
         if (dot_bf16) T::interleave_v(vraw, it.nh, n, vi);
+#if INFERD_AMX
+        if (amx) {
+          for (int hh = 0; hh < it.nh; ++hh) {
+            pf.issue(rows + (hh + 1) * per_head - 1, 2 * rows);
+            T::values_amx(sc, alpha, vi + hh * (kKeyTile / 2) * D, n, hh * per_head,
+                          (hh + 1) * per_head, acc);
+          }
+        } else
+#endif
         for (int hh = 0; hh < it.nh; ++hh)
           T::template blocks<T::kValueRows>(hh * per_head, (hh + 1) * per_head,
                                             [&](auto rb, int r0) {
@@ -330,6 +352,7 @@ struct Kernel {
         }
       }
     }
+    if (amx) amx_release();
   }
 
   // Scores of one row against keys [t0, t0 + n): 16 keys at a time, `dot(i)` giving key i's
