@@ -97,11 +97,8 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def timed(kind: str, rows: int) -> float:
-        had = gemv.amx(kind == "amx")
-        try:
+        with gemv.amx_set(kind == "amx"):
             return one_pass(kind, rows)
-        finally:
-            gemv.amx(had)
 
     most = gemv.max_rows
     table: list[dict[str, Any]] = []
@@ -119,8 +116,7 @@ def main() -> None:
     )
     widths = (4, 9, 8, 11, 8, 12, 8, 10, 12)
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
-    gemv.amx(False)
-    amx = gemv.amx(True)
+    amx = gemv.amx()
     for rows in (int(r) for r in args.rows.split(",")):
         kinds = kernels_for(
             rows, most, panel_rows if panels else 0, amx and dtype == torch.bfloat16

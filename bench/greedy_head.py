@@ -37,7 +37,7 @@ from peers import SHAPES
 
 from inferd.config import read_environment
 from inferd.models import kernels
-from inferd.models.kernels.gemv import PanelWeight
+from inferd.models.kernels.gemv import Gemv, PanelWeight
 from inferd.models.kernels.greedy import GreedyHead, GreedyScreen
 
 
@@ -57,6 +57,12 @@ def best_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, flo
 def base_screen(rev: str, tmp: Path) -> GreedyScreen:
     """The greedy screen of the kernel sources at git revision `rev`."""
     return GreedyScreen(ctypes.CDLL(str(build(sources_at(rev), tmp / "base.so"))))
+
+
+def avx512_screen(head: GreedyHead, gemv: Gemv, x: torch.Tensor) -> object:
+    """The screen's candidates with the tiles off."""
+    with gemv.amx_set(False):
+        return head.candidates(x)
 
 
 def format_row(rows: int, candidates: int, t: dict[str, float]) -> str:
@@ -92,13 +98,6 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     assert head is not None, "the greedy screen does not run here"
     print(f"{args.shape} lm_head {tuple(w.shape)} {args.dtype}: screen built in {build_s:.2f} s")
-
-    def on_avx512(fn: Callable[[], object]) -> object:
-        native.gemv.amx(False)
-        try:
-            return fn()
-        finally:
-            native.gemv.amx(True)
 
     tmp = tempfile.TemporaryDirectory()
     base = base_screen(args.base, Path(tmp.name)) if args.base else None
@@ -148,7 +147,7 @@ def main() -> None:
             assert torch.equal(cand[:n].long(), cols), "the base screen's candidates differ"
             fns["base"] = lambda x=x: base(x, head.weight, panel.out_features, cand)  # type: ignore[misc]
         if amx:
-            fns["avx512"] = lambda x=x: on_avx512(lambda: head.candidates(x))  # type: ignore[misc]
+            fns["avx512"] = lambda x=x: avx512_screen(head, native.gemv, x)  # type: ignore[misc]
         t = best_ms(fns, args.repeats)
         print(format_row(rows, len(cols), t))
         table.append(

@@ -37,10 +37,7 @@ def native_kernels() -> NativeKernels:
 def panel_path(request: pytest.FixtureRequest, native_kernels: NativeKernels) -> Iterator[str]:
     """Runs the test with the panel GEMM and the greedy screen on AMX tiles, then on the AVX-512
     loop (kernels/amx.h); `amx` is skipped where the CPU has no AMX."""
-    gemv = native_kernels.gemv
-    had = gemv.amx()
-    if request.param == "amx" and not had:
-        pytest.skip("no AMX on this CPU (or the kernel was not granted the tiles)")
-    gemv.amx(request.param == "amx")
-    yield request.param
-    gemv.amx(had)
+    with native_kernels.gemv.amx_set(request.param == "amx") as on:
+        if request.param == "amx" and not on:
+            pytest.skip("no AMX on this CPU (or the kernel was not granted the tiles)")
+        yield request.param

@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -58,6 +59,20 @@ inline bool amx_permitted() {
 }
 
 inline bool amx_on() { return inferd_panel_amx(-1) != 0; }
+
+// Calls f(start, first_new) for the blocks of m = min(16, r1 - r0) rows that cover rows [r0, r1):
+// starting at r0, r0 + 16, ..., the last one ending at r1 (and overlapping the block before when
+// the rows are not a multiple of 16, so every block has the same row count and one tile
+// configuration serves them all). `first_new` is the block's first row no earlier block covered.
+template <class F>
+inline void amx_row_blocks(int r0, int r1, F f) {
+  const int m = std::min(16, r1 - r0);
+  for (int b = r0;; b += 16) {
+    const int start = std::min(b, r1 - m);
+    f(start, b);
+    if (start + m >= r1) return;
+  }
+}
 
 // What a panel's step type multiplies on tiles (panel.h's Step*::kAmx): none (float32), float32
 // sums of bfloat16 pairs (TDPBF16PS), or int32 sums of u8 x s8 quads (TDPBUSD).

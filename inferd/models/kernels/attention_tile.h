@@ -156,8 +156,7 @@ struct Tiled {
                          const int* limit, float scale, float* s, float* tmax) {
     const int m = std::min(16, r1 - r0);
     alignas(64) float c[16 * kKeys];
-    for (int b = r0;; b += 16) {
-      const int rb = std::min(b, r1 - m);
+    amx_row_blocks(r0, r1, [&](int rb, int) {
       _tile_zero(0);
       _tile_zero(1);
       for (int d0 = 0; d0 < D / 32; ++d0) {
@@ -173,8 +172,7 @@ struct Tiled {
         const __m512 a[2] = {_mm512_load_ps(c + i * kKeys), _mm512_load_ps(c + i * kKeys + 16)};
         finish_scores(a, rb + i, t0, n, limit, scale, s, tmax);
       }
-      if (rb + m >= r1) return;
-    }
+    });
   }
 
   // values() for rows [r0, r1) of one head on AMX tiles (bfloat16 V, interleaved as
@@ -187,9 +185,7 @@ struct Tiled {
     for (int q = (n + 1) / 2; q < kKeys / 2; ++q) std::memset(vi + q * D, 0, sizeof(uint32_t) * D);
     alignas(64) uint16_t pw[16][kKeys];
     alignas(64) float c[16 * D];
-    int done = r0;
-    for (int b = r0;; b += 16) {
-      const int rb = std::min(b, r1 - m);
+    amx_row_blocks(r0, r1, [&](int rb, int first_new) {
       for (int i = 0; i < m; ++i) weights_bf16(s + (rb + i) * kKeys, n, pw[i]);
       _tile_loadd(4, pw, kKeys * 2);
       for (int j = 0; j < NC; j += 4) {  // 4 C tiles of 16 dimensions at a time
@@ -217,7 +213,7 @@ struct Tiled {
         if (j + 3 < NC) _tile_stored(3, c + 16 * (j + 3), D * 4);
       }
       // Rows an earlier block already updated (the last block overlaps) are left alone.
-      for (int r = std::max(done, rb); r < rb + m; ++r) {
+      for (int r = first_new; r < rb + m; ++r) {
         const __m512 va = _mm512_set1_ps(alpha[r]);
         for (int cc = 0; cc < NC; ++cc) {
           float* o = acc + r * D + cc * 16;
@@ -225,9 +221,7 @@ struct Tiled {
                                               _mm512_load_ps(c + (r - rb) * D + cc * 16)));
         }
       }
-      done = rb + m;
-      if (done >= r1) return;
-    }
+    });
   }
 #endif
 

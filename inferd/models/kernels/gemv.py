@@ -13,7 +13,9 @@ send it all of them. Inputs are checked here; the C side trusts them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +127,16 @@ class Gemv:
         int8, where the CPU has them and the kernel got them); `on` switches that for the whole
         library (benchmarks and tests compare both paths in one process)."""
         return bool(self._amx(-1 if on is None else int(on)))
+
+    @contextlib.contextmanager
+    def amx_set(self, on: bool) -> Iterator[bool]:
+        """The block runs with the tiles on or off (`amx(on)`), then they are as they were;
+        yields whether they are on (False where the CPU has none, whatever was asked)."""
+        had = self.amx()
+        try:
+            yield self.amx(on)
+        finally:
+            self.amx(had)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous

@@ -148,10 +148,7 @@ int64_t greedy_screen(const ScreenRows& xr, int rows, const int8_t* w, const Scr
     const int8_t* w_end = w + p1 * steps * kPanel * 4;
     const bool amx = amx_use<StepI8>(rows, steps);
     for (int64_t p = p0; p < p1; ++p) {
-      if (amx)
-        panel_sums_amx<StepI8>(xr.u, rows, xr.stride, w, steps, p, acc);
-      else
-        panel_sums<StepI8>(xr.u, rows, xr.stride, w, steps, p, acc, w_end);
+      panel_sums_on<StepI8>(amx, xr.u, rows, xr.stride, w, steps, p, acc, w_end);
       screen_panel(acc, rows, xr, cols, n, p, kslack, rel, &maxes[t * rows], hits[t]);
     }
     amx_done(amx);

@@ -174,7 +174,6 @@ void panel_sums_amx(const typename S::X* x, int rows, int64_t x_stride, const ty
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
   const typename S::W* wp = w + p * steps * kStepValues;
   const int64_t chunks = steps / 16, done = chunks * 16;
-  const int m = std::min(rows, 16);
   const int64_t xs = x_stride * static_cast<int64_t>(sizeof(*x));
   const int64_t seg = rows > 16 ? kAmxSegmentChunks : chunks;
   // A last block that overlaps the one before keeps its sums apart between segments (the rows it
@@ -182,14 +181,12 @@ void panel_sums_amx(const typename S::X* x, int rows, int64_t x_stride, const ty
   alignas(64) float last[16 * kPanel];
   int last_b0 = -1, last_r0 = 0;
   for (int64_t c0 = 0; c0 < chunks; c0 += seg)
-    for (int b0 = 0;; b0 += 16) {
-      const int r0 = std::min(b0, rows - m);
+    amx_row_blocks(0, rows, [&](int r0, int b0) {
       float* out = acc + r0 * kPanel;
       if (r0 != b0 && seg < chunks) out = last, last_b0 = b0, last_r0 = r0;
       amx_block<S::kAmx>(x + r0 * x_stride, xs, wp, c0, std::min(chunks, c0 + seg), out,
                          c0 == 0);
-      if (r0 + m >= rows) break;
-    }
+    });
   if (last_b0 >= 0)
     std::memcpy(acc + last_b0 * kPanel, last + (last_b0 - last_r0) * kPanel,
                 sizeof(float) * kPanel * (rows - last_b0));
@@ -211,6 +208,17 @@ inline bool amx_use(int rows, int64_t steps) {
 
 inline void amx_done(bool used) {
   if (used) amx_release();
+}
+
+// Panel p's sums on tiles when `amx` (amx_use said so for this call), else on the AVX-512 loop.
+template <class S>
+inline void panel_sums_on(bool amx, const typename S::X* x, int rows, int64_t x_stride,
+                          const typename S::W* w, int64_t steps, int64_t p, float* acc,
+                          const typename S::W* w_end) {
+  if (amx)
+    panel_sums_amx<S>(x, rows, x_stride, w, steps, p, acc);
+  else
+    panel_sums<S>(x, rows, x_stride, w, steps, p, acc, w_end);
 }
 
 // y[:, 64p, 64p + 64) of every row from panel p's sums: the bias added (and rounded).
@@ -244,12 +252,8 @@ int gemm_panel(const void* x, int rows, int64_t x_stride, const void* w, int64_t
     const W* w_end = static_cast<const W*>(w) + p1 * steps * kPanel * S::kInputsPerStep;
     const bool amx = amx_use<S>(rows, steps);
     for (int64_t p = p0; p < p1; ++p) {
-      if (amx)
-        panel_sums_amx<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w),
-                          steps, p, acc);
-      else
-        panel_sums<S>(static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w), steps,
-                      p, acc, w_end);
+      panel_sums_on<S>(amx, static_cast<const W*>(x), rows, x_stride, static_cast<const W*>(w),
+                       steps, p, acc, w_end);
       store_panel<S>(acc, rows, static_cast<const W*>(bias), n, static_cast<W*>(y), y_stride, p);
     }
     amx_done(amx);
