@@ -105,6 +105,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
     )
+    p.add_argument(
+        "--step-time-target-ms",
+        type=float,
+        default=sched["step_time_target_ms"].default,
+        help="with chunked prefill, halve the step's prompt tokens (down to 512) while such a "
+        "step is predicted to take longer than this; 0: always --max-num-batched-tokens",
+    )
     p.add_argument("--max-num-seqs", type=int, default=sched["max_num_seqs"].default)
     p.add_argument(
         "--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"]
@@ -134,6 +141,7 @@ _ENGINE_ARGS = (
     "small_batch_gemv",
     "greedy_screen",
     "max_num_batched_tokens",
+    "step_time_target_ms",
     "max_num_seqs",
     "policy",
 )

@@ -78,6 +78,10 @@ class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=256, gt=0)
     # Prefills longer than the remaining step budget are split across steps.
     enable_chunked_prefill: bool = True
+    # With chunked prefill, the step's prompt tokens are halved from max_num_batched_tokens (down
+    # to 512) while such a step is predicted, from the engine's own step timings, to take longer
+    # than this (scheduler/step_budget.py); 0: always max_num_batched_tokens, as vLLM.
+    step_time_target_ms: float = Field(default=500.0, ge=0)
     policy: Literal["fcfs", "priority"] = "fcfs"
 
 

@@ -219,6 +219,7 @@ class AsyncLLM:
             kv_cache_usage=s.kv_cache_usage,
             step_num_batched_tokens=s.step_num_batched_tokens,
             step_num_seqs=s.step_num_seqs,
+            step_token_budget=s.step_token_budget,
             num_preemptions_total=s.num_preemptions_total,
             num_steps_total=s.num_steps_total,
             in_flight=len(self._streams),

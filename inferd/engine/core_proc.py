@@ -176,6 +176,7 @@ class EngineCore:
             kv_cache_usage=engine.scheduler.block_manager.usage,
             step_num_batched_tokens=last.num_batched_tokens if last else 0,
             step_num_seqs=last.num_running if last else 0,
+            step_token_budget=engine.scheduler.step_budget.tokens(),
             num_preemptions_total=engine.num_preemptions_total,
             num_steps_total=self.num_steps_total,
             num_added_total=self.num_added_total,

@@ -46,6 +46,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     step_num_batched_tokens: int = 0
     step_num_seqs: int = 0
+    step_token_budget: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     in_flight: int = 0  # accepted and not yet finished: queued + in the engine

@@ -262,6 +262,7 @@ class LLMEngine:
         stat.num_batched_tokens = sched.num_batched_tokens
         stat.total = time.perf_counter() - t0
         self.step_stats.record(stat)
+        self.scheduler.step_budget.observe(stat.num_prefill_tokens, stat.total)
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs + new_outputs

@@ -72,6 +72,8 @@ class CoreStats(msgspec.Struct, frozen=True):
     # The last step that ran: tokens computed and sequences in the batch.
     step_num_batched_tokens: int = 0
     step_num_seqs: int = 0
+    # The scheduler's token budget for the next step (scheduler/step_budget.py).
+    step_token_budget: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     # AddRequests received so far: the front subtracts it from what it sent to know how many

@@ -146,6 +146,7 @@ def gauges_from_stats(s: EngineStats) -> EngineGauges:
         kv_cache_usage=s.kv_cache_usage,
         step_tokens=s.step_num_batched_tokens,
         step_seqs=s.step_num_seqs,
+        step_budget=s.step_token_budget,
         preemptions_total=s.num_preemptions_total,
         prefix_cache_queries_tokens_total=s.prefix_cache_queries_tokens_total,
         prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,

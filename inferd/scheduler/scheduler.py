@@ -23,13 +23,15 @@ from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.prefix_cache import PrefixHit
 from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
+from inferd.scheduler.step_budget import StepBudget
 from inferd.types import ModelRunnerOutput
 
 
 class Scheduler:
     """Iteration-level scheduler over a paged KV cache with prefix caching.
 
-    `schedule()`, one step:
+    `schedule()`, one step, with a token budget of `StepBudget.tokens()` (see step_budget.py),
+    at most `max_num_batched_tokens` and at least one token per running request:
       1. Running requests, in admission order, each get min(needed, budget left) tokens: long
          prefills are chunked across steps (or, with chunked prefill off, wait until they fit
          whole). If the pool is out of blocks, the running request with the largest
@@ -73,6 +75,9 @@ class Scheduler:
         # Deadline order over unfinished requests with a deadline; finished ones are stale.
         self._deadlines: LazyHeap[float, Request] = LazyHeap(_is_unfinished)
         self.prefix_cache = PrefixCacheStats()
+        # Without chunked prefill a prompt must fit one step whole: the budget stays fixed.
+        target_s = config.step_time_target_ms / 1000 if config.enable_chunked_prefill else 0.0
+        self.step_budget = StepBudget(config.max_num_batched_tokens, target_s)
 
     @property
     def num_running(self) -> int:
@@ -120,11 +125,15 @@ class Scheduler:
     # -- schedule ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepPlan(budget=self.config.max_num_batched_tokens)
+        step = _StepPlan(budget=self._token_budget())
         self._schedule_running(step)
         if not step.preempted_ids:
             self._schedule_waiting(step)
         return step.to_output()
+
+    def _token_budget(self) -> int:
+        budget = max(self.step_budget.tokens(), len(self._running))
+        return min(self.config.max_num_batched_tokens, budget)
 
     def _schedule_running(self, step: _StepPlan) -> None:
         # Iterate over a snapshot: preemption removes victims from self._running as we go.

@@ -112,6 +112,7 @@ class EngineGauges:
     kv_cache_usage: float = 0.0
     step_tokens: int = 0
     step_seqs: int = 0
+    step_budget: int = 0
     preemptions_total: int = 0
     prefix_cache_queries_tokens_total: int = 0
     prefix_cache_hits_tokens_total: int = 0
@@ -136,6 +137,11 @@ _ENGINE_GAUGES = (
     ("inferd_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", "kv_cache_usage"),
     ("inferd_step_tokens", "Tokens computed in the last engine step", "step_tokens"),
     ("inferd_step_sequences", "Sequences in the last engine step's batch", "step_seqs"),
+    (
+        "inferd_step_token_budget",
+        "Token budget of the next engine step, from the step-time target",
+        "step_budget",
+    ),
 )
 
 

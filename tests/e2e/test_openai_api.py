@@ -198,8 +198,11 @@ def test_metrics_names_and_promtool(server: Server) -> None:
         "inferd_generation_tokens_total",
         "inferd_preemptions_total",
         "inferd_kv_cache_usage_ratio",
+        "inferd_step_token_budget",
     ):
         assert name in text, name
+    # The tiny model's steps are far under the step-time target: the whole budget.
+    assert server.metrics()["inferd_step_token_budget"] == 2048
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed (apt-get install prometheus)")

@@ -19,6 +19,7 @@ from inferd.sampling.params import SamplingParams
 from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
+from inferd.scheduler.step_budget import StepBudget
 from inferd.types import ModelRunnerOutput
 
 EOS = 0
@@ -53,6 +54,8 @@ class Workload:
     chunked: bool
     policy: str
     prefix: bool
+    # Faked seconds per scheduled prompt token, driving the step-time budget; None: fixed budget.
+    seconds_per_token: float | None
     specs: tuple[Spec, ...]
 
 
@@ -109,6 +112,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         chunked=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         prefix=draw(st.booleans()),
+        seconds_per_token=draw(st.none() | st.floats(1e-4, 0.1)),
         specs=reqs,
     )
 
@@ -187,6 +191,9 @@ def run(w: Workload) -> tuple[list[Request], BlockManager]:
     )
     bm = BlockManager(w.num_blocks, w.block_size, w.prefix)
     s = Scheduler(config, bm, max_model_len=10_000)
+    if w.seconds_per_token is not None and w.chunked:
+        # Budgets that change from step to step, down to 1 token.
+        s.step_budget = StepBudget(w.budget, target_s=0.05, min_tokens=1)
     runner = FakeRunner(bm)
     reqs = [make_request(i, spec) for i, spec in enumerate(w.specs)]
     runner.seeds = {r.request_id: i for i, r in enumerate(reqs)}
@@ -211,6 +218,8 @@ def run(w: Workload) -> tuple[list[Request], BlockManager]:
         s.finish_requests(late, RequestStatus.FINISHED_ABORTED)
         updated = s.update_from_output(out, runner_out)
         assert all(r.status is not RequestStatus.FINISHED_ABORTED for r in updated)
+        prompt = sum(c.num_tokens for c in out.chunks if not c.samples or c.num_tokens > 1)
+        s.step_budget.observe(prompt, 0.01 + prompt * (w.seconds_per_token or 0.0))
         bm.check_invariants()
     raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
 
