@@ -3,6 +3,8 @@ the native GEMV (kernels/gemv.cpp), alternating in one process.
 
     .venv/bin/python bench/gemv_rows.py --shape qwen2-0.5b-shape --dtype bfloat16
     .venv/bin/python bench/gemv_rows.py --shape llama-32m --dtype float32 --rows 1,2,4,8
+    .venv/bin/python bench/gemv_rows.py --shape qwen2-0.5b-shape --dtype bfloat16 --layers-only \
+        --rows 256,512,640,768,1024,1280,1536,2048 --repeats 3
 
 A decode step of R sequences multiplies R rows by every linear weight of every layer (and the
 lm_head): this runs exactly that, layer after layer with random weights of the model's shapes,
@@ -14,6 +16,9 @@ for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel
 bfloat16 where the CPU has AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of
 64 output columns (the engine's batches of up to 128 rows where it has them) on AVX-512, and
 `amx` the same kernel on AMX tiles (bfloat16, where the CPU has them: the engine's choice there).
+Rows past the panel GEMM's (prefill steps) run oneDNN alone; `--layers-only` leaves the lm_head
+out, as a prefill step does. The allocator keeps freed memory as the engine's does
+(`keep_freed_memory`), so large outputs are not page-faulted in again on every call.
 Each cell is the best
 of `--repeats` passes over the whole weight set, the kernels taking turns, so a slow spell of the
 machine hits all of them. Row counts a kernel does not take are skipped for it.
@@ -29,18 +34,19 @@ from common import save_result, weight_bench_parser
 from peers import SHAPES
 
 from inferd.config import read_environment
+from inferd.executor.device import keep_freed_memory
 from inferd.models import kernels
 from inferd.models.kernels.gemv import PanelWeight
 
 
-def weight_shapes(shape_name: str) -> list[tuple[int, int]]:
+def weight_shapes(shape_name: str, lm_head: bool = True) -> list[tuple[int, int]]:
     """(in, out) of every linear layer a decode step multiplies, in order: qkv, o, gate/up, down
-    per layer, then the lm_head."""
+    per layer, then the lm_head (unless `lm_head` is False)."""
     s = SHAPES[shape_name]
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     h, inter = s.hidden_size, s.intermediate_size
     layer = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
-    return layer * s.num_layers + [(h, s.vocab_size)]
+    return layer * s.num_layers + ([(h, s.vocab_size)] if lm_head else [])
 
 
 def format_row(rows: int, best: dict[str, float], flops: float) -> str:
@@ -68,11 +74,13 @@ def kernels_for(rows: int, gemv_rows: int, panel_rows: int, amx: bool) -> list[s
 
 def main() -> None:
     p = weight_bench_parser(__doc__, "llama-32m", "bfloat16", "1,2,3,4,6,8,12,16,24")
+    p.add_argument("--layers-only", action="store_true", help="leave the lm_head out")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory(torch.device("cpu"))
     dtype = getattr(torch, args.dtype)
     gemv = kernels.load(read_environment().cache_dir).gemv
-    shapes = weight_shapes(args.shape)
+    shapes = weight_shapes(args.shape, lm_head=not args.layers_only)
     gen = torch.Generator().manual_seed(0)
     plain = [(torch.randn(o, i, generator=gen) * 0.05).to(dtype) for i, o in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in plain]
@@ -132,6 +140,7 @@ def main() -> None:
         print(format_row(rows, best, flops))
         table.append(row)
     fields = {"shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes}
+    fields |= {"layers_only": args.layers_only}
     fields |= {"gemv_max_rows": most, "rows": table}
     save_result(args.out, "gemv_rows", f"{args.shape}-{args.dtype}", fields)
 
