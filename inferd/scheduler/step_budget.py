@@ -19,8 +19,9 @@ Sarathi-Serve sizes the chunks from a latency target for the same reason. Here t
 to take longer than the target, never below `min_tokens` (smaller GEMMs lose efficiency). Halving
 rather than any count: GEMM libraries' speed per row is not smooth in the row count (oneDNN's
 bfloat16 GEMMs over the Qwen2-0.5B shape's 24 layers: 0.29 ms a row at 512 and 2,048 rows,
-0.37-0.39 ms at 768-1,280; `bench/gemv_rows.py --layers-only`, docs/benchmarks.md). Going back up a level needs the prediction under `_RAISE` of the
-target, so one estimate near the target does not flip the budget every step.
+0.37-0.39 ms at 768-1,280; `bench/gemv_rows.py --layers-only`, docs/benchmarks.md). Going back
+up a level needs the prediction under `_RAISE` of the target, so one estimate near the target
+does not flip the budget every step.
 
 Until a step with enough prompt tokens has been timed, the budget is `max_tokens`: a model whose
 steps are fast never leaves it, and one whose steps are slow leaves it after its first one.
