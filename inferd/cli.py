@@ -109,7 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--step-time-target-ms",
         type=float,
         default=sched["step_time_target_ms"].default,
-        help="with chunked prefill, halve the step's prompt tokens (down to 512) while such a "
+        help="with chunked prefill, halve the step's token budget (down to 512) while such a "
         "step is predicted to take longer than this; 0: always --max-num-batched-tokens",
     )
     p.add_argument("--max-num-seqs", type=int, default=sched["max_num_seqs"].default)

@@ -78,7 +78,7 @@ class SchedulerConfig(_Frozen):
     max_num_seqs: int = Field(default=256, gt=0)
     # Prefills longer than the remaining step budget are split across steps.
     enable_chunked_prefill: bool = True
-    # With chunked prefill, the step's prompt tokens are halved from max_num_batched_tokens (down
+    # With chunked prefill, the step's token budget is halved from max_num_batched_tokens (down
     # to 512) while such a step is predicted, from the engine's own step timings, to take longer
     # than this (scheduler/step_budget.py); 0: always max_num_batched_tokens, as vLLM.
     step_time_target_ms: float = Field(default=500.0, ge=0)

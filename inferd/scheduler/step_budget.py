@@ -15,13 +15,14 @@ Sarathi-Serve sizes the chunks from a latency target for the same reason. Here t
   - `per_token`: an average, over recent steps with at least `min_tokens / 2` prompt tokens, of
     (seconds - decode) / prompt tokens.
 
-`tokens()` is then `max_tokens`, halved while a step of that many prompt tokens is predicted
-to take longer than the target, never below `min_tokens` (smaller GEMMs lose efficiency). Halving
-rather than any count: GEMM libraries' speed per row is not smooth in the row count (oneDNN's
-bfloat16 GEMMs over the Qwen2-0.5B shape's 24 layers: 0.29 ms a row at 512 and 2,048 rows,
-0.37-0.39 ms at 768-1,280; `bench/gemv_rows.py --layers-only`, docs/benchmarks.md). Going back
-up a level needs the prediction under `_RAISE` of the target, so one estimate near the target
-does not flip the budget every step.
+`tokens()`, the step's budget (running decodes included, as `max_num_batched_tokens`), is then
+`max_tokens`, halved while a step of that many prompt tokens is predicted to take longer than the
+target, never below `min_tokens`. Halving rather than any count, and 512 at least: GEMM speed per
+row is not smooth in the row count (oneDNN's bfloat16 GEMMs over the Qwen2-0.5B shape's 24
+layers: 0.29 ms a row at 512 and 2,048 rows, 0.37-0.39 ms at 768-1,280, 0.35 ms at 256;
+`bench/gemv_rows.py --layers-only`, docs/benchmarks.md). Going back up a level needs the
+prediction under `_RAISE` of the target, so one estimate near the target does not flip the budget
+every step.
 
 Until a step with enough prompt tokens has been timed, the budget is `max_tokens`: a model whose
 steps are fast never leaves it, and one whose steps are slow leaves it after its first one.
@@ -42,7 +43,7 @@ _MIN_TOKENS = 512
 
 @dataclass
 class StepBudget:
-    """Prompt tokens the next step may compute; see the module docstring."""
+    """The next step's token budget from a step-time target; see the module docstring."""
 
     max_tokens: int
     target_s: float  # 0: always `max_tokens` (a fixed budget, vLLM's behaviour)
@@ -69,8 +70,8 @@ class StepBudget:
     def tokens(self) -> int:
         """The next step's token budget, running decodes included (as `max_num_batched_tokens`).
 
-        A power-of-two share of `max_tokens`, so the step's GEMMs keep a row count they run well
-        (with decodes in, the count of rows equals the budget whenever prompts fill it)."""
+        `max_tokens` or a half, a quarter... of it, so the step's GEMMs keep a row count they run
+        well (with decodes in, the rows equal the budget whenever prompts fill it)."""
         return max(self.min_tokens, self.max_tokens >> self._level)
 
     def predicted_s(self, prompt_tokens: int) -> float | None:
