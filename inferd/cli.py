@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar, get_args
 
+from pydantic import ValidationError
+
 from inferd.config import (
     DEFAULT_MODEL,
     AdmissionConfig,
@@ -441,6 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except InferdError as e:
         print(f"inferd: error: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:  # a flag's value the config tree refuses (e.g. a negative count)
+        for err in e.errors():
+            field = ".".join(str(part) for part in err["loc"])
+            print(f"inferd: error: {field}: {err['msg']}", file=sys.stderr)
         return 2
 
 

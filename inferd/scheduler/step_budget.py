@@ -72,7 +72,7 @@ class StepBudget:
 
         `max_tokens` or a half, a quarter... of it, so the step's GEMMs keep a row count they run
         well (with decodes in, the rows equal the budget whenever prompts fill it)."""
-        return max(self.min_tokens, self.max_tokens >> self._level)
+        return self._tokens_at(self._level)
 
     def predicted_s(self, prompt_tokens: int) -> float | None:
         """The model's seconds for a step of `prompt_tokens`; None before any estimate."""
@@ -85,7 +85,7 @@ class StepBudget:
             return 0
         level = self._level
         # Down while the current level is predicted over the target (and a level is left).
-        while self._over(level, 1.0) and self.max_tokens >> level > self.min_tokens:
+        while self._over(level, 1.0) and self._tokens_at(level) > self.min_tokens:
             level += 1
         # Up one level at a time while the level above fits well under the target.
         while level > 0 and not self._over(level - 1, _RAISE):
@@ -93,5 +93,8 @@ class StepBudget:
         return level
 
     def _over(self, level: int, share: float) -> bool:
-        predicted = self.predicted_s(max(self.min_tokens, self.max_tokens >> level))
+        predicted = self.predicted_s(self._tokens_at(level))
         return predicted is not None and predicted > share * self.target_s
+
+    def _tokens_at(self, level: int) -> int:
+        return max(self.min_tokens, self.max_tokens >> level)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inferd.cli import build_parser, serve_config
+from inferd.cli import build_parser, main, serve_config
 from inferd.config import (
     AdmissionConfig,
     EngineConfig,
@@ -80,3 +80,10 @@ def test_tls_flags_are_checked(tmp_path: Path) -> None:
         config("--ssl-keyfile", __file__, "--ssl-certfile", str(tmp_path / "missing"))
     tls = config("--ssl-keyfile", __file__, "--ssl-certfile", __file__).server
     assert (tls.ssl_keyfile, tls.ssl_certfile) == (__file__, __file__)
+
+
+def test_a_value_the_config_refuses_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "inferd-tiny", "--step-time-target-ms", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert "scheduler.step_time_target_ms: Input should be greater than or equal to 0" in err
+    assert "Traceback" not in err
