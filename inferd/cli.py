@@ -34,9 +34,12 @@ from inferd.config import (
     ServeConfig,
     ServerConfig,
     SmallBatchGemv,
+    StructuredOutputsConfig,
     read_environment,
 )
 from inferd.errors import InferdError
+from inferd.postprocess.reasoning import REASONING_PARSERS
+from inferd.postprocess.tool_parsers import TOOL_PARSERS
 from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
 
 DEMO_PROMPTS = ("The quick brown fox", "Once upon a time", "def fibonacci(n):")
@@ -118,6 +121,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"]
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="the model's reasoning format: thinking text goes to `reasoning`, and structured "
+        "outputs apply after it",
+    )
+    p.add_argument(
+        "--grammar-compile-timeout",
+        dest="grammar_compile_timeout_s",
+        type=float,
+        default=StructuredOutputsConfig.model_fields["grammar_compile_timeout_s"].default,
+        help="seconds a request may wait for its structured-output grammar to compile (then 400)",
+    )
 
 
 _ENGINE_ARGS = (
@@ -146,6 +163,8 @@ _ENGINE_ARGS = (
     "step_time_target_ms",
     "max_num_seqs",
     "policy",
+    "reasoning_parser",
+    "grammar_compile_timeout_s",
 )
 
 
@@ -256,6 +275,7 @@ def _server_config(args: argparse.Namespace, env: Environment) -> ServerConfig:
     bounds gRPC messages too (unless --grpc-max-message-bytes says otherwise); left out, both
     keep their defaults (4 MiB HTTP, 64 MiB gRPC)."""
     _check_tls(args)
+    _check_tools(args)
     derived: dict[str, object] = {
         "api_keys": (*(args.api_key or ()), *((env.api_key,) if env.api_key else ())),
         "access_log": not (args.disable_access_log or args.disable_telemetry),
@@ -267,6 +287,11 @@ def _server_config(args: argparse.Namespace, env: Environment) -> ServerConfig:
     if grpc_bytes is not None:
         derived["grpc_max_message_bytes"] = grpc_bytes
     return _given(ServerConfig, args, **derived)
+
+
+def _check_tools(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InferdError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def _check_tls(args: argparse.Namespace) -> None:
@@ -351,6 +376,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--disable-dashboard",
         action="store_true",
         help="no /dashboard page, /v1/requests timelines or request log",
+    )
+    tools = p.add_argument_group("tool calling (vLLM's flags)")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls from the model\'s text for tool_choice "auto" (needs the parser)',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format: hermes (Qwen2.5/3, Hermes), llama3_json, mistral",
     )
     repo = p.add_argument_group("model repository (classic models, Open Inference Protocol)")
     repo.add_argument(

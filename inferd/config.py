@@ -105,11 +105,23 @@ class DeviceConfig(_Frozen):
     greedy_screen: GreedyScreen = "auto"
 
 
+class StructuredOutputsConfig(_Frozen):
+    """Grammar-constrained outputs (sampling/grammar.py) and the model's reasoning format."""
+
+    # Seconds a request may wait for its grammar to compile; past it the request is refused
+    # (400) and the others never waited on it.
+    grammar_compile_timeout_s: float = Field(default=30.0, gt=0)
+    # The model's reasoning format (postprocess/reasoning.py: deepseek_r1, qwen3): the thinking
+    # text goes to `reasoning`, and a grammar applies only after it ends. None: no reasoning.
+    reasoning_parser: str | None = None
+
+
 class EngineConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -130,6 +142,7 @@ _SECTIONS: dict[str, type[_Frozen]] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 _FIELD_TO_SECTION = {f: s for s, cls in _SECTIONS.items() for f in cls.model_fields}
 
@@ -218,6 +231,10 @@ class ServerConfig(_Frozen):
     shutdown_timeout_s: float = Field(default=30.0, ge=0.0)
     # OTLP/gRPC collector (e.g. http://localhost:4317); None: tracing off, at no cost.
     otlp_traces_endpoint: str | None = None
+    # Tool calling with tool_choice "auto" (the default when tools are sent): the model's tool
+    # calls are parsed from its text by this parser (postprocess/tool_parsers.py), vLLM's flags.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # The model id clients send and /v1/models lists; None: the --model value.
     served_model_name: str | None = None
     # One JSON line per request on the `inferd.access` logger.

@@ -100,6 +100,10 @@ class RequestMetrics:
     num_preemptions: int = 0
     # Wall seconds spent detokenizing and matching stop strings, all choices, cumulative.
     detokenize_s: float = 0.0
+    # Structured outputs: seconds waiting for the grammar to compile before the request could be
+    # scheduled, and the request's share of the steps' mask work (fill, apply, advance).
+    grammar_compile_s: float = 0.0
+    grammar_mask_s: float = 0.0
     # Prompt tokens found in the prefix cache when the request was first scheduled: the most any
     # of its `n` choices found (they share one prompt, so it counts once); 0 until scheduled.
     num_cached_tokens: int = 0

@@ -225,6 +225,8 @@ class AsyncLLM:
             in_flight=len(self._streams),
             prefix_cache_queries_tokens_total=s.prefix_cache_queries_tokens_total,
             prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,
+            grammar_cache_hits_total=s.grammar_cache_hits_total,
+            grammar_cache_misses_total=s.grammar_cache_misses_total,
             cache_config=self.info.cache_config_labels() if self._started else (),
         )
 

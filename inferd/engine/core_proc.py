@@ -153,6 +153,8 @@ class EngineCore:
     def step(self) -> None:
         outputs = self.engine.step()
         self.num_steps_total += 1
+        for request_id, error in self.engine.take_refused():
+            self.rejected.append(_rejection(request_id, "invalid_request", error, error.param))
         self.send(outputs)
 
     def send(self, outputs: list[RequestOutput]) -> None:
@@ -182,6 +184,8 @@ class EngineCore:
             num_added_total=self.num_added_total,
             prefix_cache_queries_tokens_total=engine.scheduler.prefix_cache.queries,
             prefix_cache_hits_tokens_total=engine.scheduler.prefix_cache.hits,
+            grammar_cache_hits_total=engine.grammar_cache_counts[0],
+            grammar_cache_misses_total=engine.grammar_cache_counts[1],
         )
 
 

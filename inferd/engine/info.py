@@ -24,6 +24,8 @@ class EngineInfo:
     enable_prefix_caching: bool = True
     # The KV pool's element type ("auto" resolved: the model dtype when not set).
     kv_cache_dtype: str = ""
+    # --reasoning-parser: the front splits the thinking text from the answer with it.
+    reasoning_parser: str | None = None
 
     def cache_config_labels(self) -> tuple[tuple[str, str], ...]:
         """The KV cache's settings as (label, value) pairs, vLLM's `cache_config_info` labels."""
@@ -52,5 +54,7 @@ class EngineStats:
     in_flight: int = 0  # accepted and not yet finished: queued + in the engine
     prefix_cache_queries_tokens_total: int = 0
     prefix_cache_hits_tokens_total: int = 0
+    grammar_cache_hits_total: int = 0
+    grammar_cache_misses_total: int = 0
     # EngineInfo.cache_config_labels(); () until the engine has loaded.
     cache_config: tuple[tuple[str, str], ...] = ()

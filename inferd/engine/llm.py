@@ -84,7 +84,9 @@ class LLM:
         try:
             finished = False
             while not finished:
-                for out in engine.step():
+                outputs = engine.step()
+                self._raise_refused({rid})
+                for out in outputs:
                     if out.request_id == rid:
                         finished = out.finished
                         yield out
@@ -99,11 +101,22 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
-                for out in engine.step():
+                outputs = engine.step()
+                self._raise_refused(wanted - set(done))
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def _raise_refused(self, ids: set[str]) -> None:
+        """Raises the error of a request the engine refused after accepting it (a structured
+        output whose grammar did not compile), aborting the others of this call first."""
+        for rid, error in self.llm_engine.take_refused():
+            if rid in ids:
+                self.llm_engine.abort_request(list(ids - {rid}))
+                self.llm_engine.run_to_completion()
+                raise error
 
 
 def _per_prompt(

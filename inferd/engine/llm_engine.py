@@ -10,10 +10,13 @@ happens around that loop, not inside the scheduler or the runner.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TypedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -42,12 +45,18 @@ from inferd.models.linear import (
 from inferd.models.loader import load_model, resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
+from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
 from inferd.telemetry.step_stats import StepStat, StepStats, timed
 from inferd.types import RequestOutput
 
+if TYPE_CHECKING:
+    from inferd.sampling.grammar import CompiledGrammar, GrammarCompiler
+
 logger = logging.getLogger("inferd.engine")
+# How long a step with nothing to schedule waits for a grammar compile before it returns.
+_GRAMMAR_POLL_S = 0.005
 
 
 class TokensPrompt(TypedDict):
@@ -55,6 +64,19 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TokensPrompt
+
+
+@dataclass
+class _GrammarWait:
+    """A request whose grammar is compiling: it joins the scheduler once the grammar is ready."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    output_kind: OutputKind
+    future: concurrent.futures.Future[CompiledGrammar]
+    submitted: float
+    deadline: float
 
 
 class LLMEngine:
@@ -122,6 +144,12 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
         self.step_stats = StepStats()
         self._aborted: list[str] = []
+        # Structured outputs: the compiler (made with the first constrained request, so xgrammar
+        # loads only when used), requests waiting for their grammar, and the requests refused
+        # after add_request returned (a grammar that did not compile in time, or at all).
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_waits: list[_GrammarWait] = []
+        self._refused: list[tuple[str, InvalidRequestError]] = []
         # Requests preempted (recompute) since start; the server exports it as a counter.
         self.num_preemptions_total = 0
         self.info = EngineInfo(
@@ -135,6 +163,7 @@ class LLMEngine:
             vocab_size=self.arch.vocab_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            reasoning_parser=config.structured_outputs.reasoning_parser,
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) on %s; max_model_len %d",
@@ -182,7 +211,7 @@ class LLMEngine:
     ) -> None:
         """Queues a request; past `deadline` (a time.monotonic() instant) the scheduler finishes
         it with finish_reason "timeout" (see Scheduler.expire)."""
-        if request_id in self.outputs.states:
+        if request_id in self.outputs.states or self._waiting_for_grammar(request_id):
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in flight", "request_id"
             )
@@ -202,9 +231,102 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        self.outputs.add(request_id, text, children, output_kind)
+        if params.structured_outputs is not None:
+            future = self.grammar_compiler().submit(params.structured_outputs)
+            now = time.monotonic()
+            timeout = self.config.structured_outputs.grammar_compile_timeout_s
+            wait = _GrammarWait(request_id, text, children, output_kind, future, now, now + timeout)
+            self._grammar_waits.append(wait)
+            if future.done():
+                self._admit_grammars()  # cached: the request is scheduled like any other
+            return
+        self._admit(request_id, text, children, output_kind)
+
+    def _admit(
+        self,
+        request_id: str,
+        text: str | None,
+        children: list[Request],
+        output_kind: OutputKind,
+        grammar_compile_s: float = 0.0,
+    ) -> None:
+        self.outputs.add(request_id, text, children, output_kind, grammar_compile_s)
         for child in children:
             self.scheduler.add_request(child)
+
+    # -- structured outputs --------------------------------------------------------------------
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            from inferd.sampling.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.hf, self.arch.vocab_size, self.eos_token_ids
+            )
+        return self._grammar_compiler
+
+    @property
+    def grammar_cache_counts(self) -> tuple[int, int]:
+        """(hits, misses) of the compiled-grammar cache."""
+        c = self._grammar_compiler
+        return (0, 0) if c is None else (c.hits, c.misses)
+
+    def _waiting_for_grammar(self, request_id: str) -> bool:
+        return any(w.request_id == request_id for w in self._grammar_waits)
+
+    def _admit_grammars(self) -> None:
+        """Schedules the requests whose grammar is ready; refuses those whose grammar failed or
+        is past its deadline."""
+        now = time.monotonic()
+        still: list[_GrammarWait] = []
+        for wait in self._grammar_waits:
+            if wait.future.done():
+                self._grammar_ready(wait, now)
+            elif now >= wait.deadline:
+                timeout = self.config.structured_outputs.grammar_compile_timeout_s
+                error = InvalidRequestError(
+                    f"the grammar did not compile within {timeout:g} s (a schema this complex "
+                    "is refused; simplify it, or raise --grammar-compile-timeout)",
+                    "structured_outputs",
+                )
+                self._refused.append((wait.request_id, error))
+            else:
+                still.append(wait)
+        self._grammar_waits = still
+
+    def _grammar_ready(self, wait: _GrammarWait, now: float) -> None:
+        from inferd.sampling.grammar import RequestGrammar
+
+        try:
+            compiled = wait.future.result()
+            start, end = self._reasoning_markers
+            for child in wait.children:
+                child.grammar = RequestGrammar(compiled, child.prompt_token_ids, start, end)
+            self._admit(
+                wait.request_id, wait.prompt, wait.children, wait.output_kind, now - wait.submitted
+            )
+        except InvalidRequestError as e:
+            self._refused.append((wait.request_id, e))
+
+    @functools.cached_property
+    def _reasoning_markers(self) -> tuple[list[int], list[int]]:
+        """Token ids of the reasoning parser's start and end markers; empty without one."""
+        name = self.config.structured_outputs.reasoning_parser
+        if name is None:
+            return [], []
+        from inferd.postprocess.reasoning import get_reasoning_parser
+
+        parser = get_reasoning_parser(name)
+        encode = self.tokenizer.encode
+        return (
+            encode(parser.start, add_special_tokens=False),
+            encode(parser.end, add_special_tokens=False),
+        )
+
+    def take_refused(self) -> list[tuple[str, InvalidRequestError]]:
+        """Requests refused since the last call, after add_request had accepted them."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def validate(self, ids: Sequence[int], params: SamplingParams) -> int:
         """Checks a tokenized prompt against the model; returns the resolved max_tokens."""
@@ -224,7 +346,9 @@ class LLMEngine:
 
         The final output (finish_reason 'abort') comes from the next step()."""
         assert status.finished, f"{status!r} is not a finished status"
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._grammar_waits = [w for w in self._grammar_waits if w.request_id not in ids]
+        for rid in ids:
             child_ids = self.outputs.abort(rid, status)
             if child_ids:
                 self.scheduler.finish_requests(child_ids, status)
@@ -234,23 +358,36 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._aborted)
+            or bool(self._grammar_waits)
+        )
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         stat = StepStat()
+        if self._grammar_waits:
+            self._admit_grammars()
         self._expire(time.monotonic())
         outputs = self.outputs.drain_aborted(self._aborted)
         self._aborted = []
         with timed(stat, "schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._grammar_waits and not outputs:
+                # Nothing to run until a grammar is ready: wait for one (the compile releases
+                # the GIL), rather than spin.
+                futures = [w.future for w in self._grammar_waits]
+                concurrent.futures.wait(futures, _GRAMMAR_POLL_S, "FIRST_COMPLETED")
             return outputs
         self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
         self.num_preemptions_total += len(sched.preempted_ids)
         runner_out = self.runner.execute(sched, stat)
         with timed(stat, "schedule"):
             updated = self.scheduler.update_from_output(sched, runner_out)
+        if stat.grammar:
+            self._charge_grammar(sched, stat.grammar)
         with timed(stat, "detokenize"):
             logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs, strict=True))
             new_outputs, stopped = self.outputs.process(updated, logprobs)
@@ -266,6 +403,12 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs + new_outputs
+
+    def _charge_grammar(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Shares the step's mask work evenly among its constrained rows' requests."""
+        ids = [c.request.request_id for c in sched.chunks if c.samples and c.request.grammar]
+        if ids:
+            self.outputs.add_grammar_time(ids, seconds / len(ids))
 
     def _expire(self, now: float) -> None:
         """Finishes requests past their deadline; their final outputs leave with this step."""

@@ -82,6 +82,9 @@ class CoreStats(msgspec.Struct, frozen=True):
     # Prompt tokens looked up in the prefix cache at first admission, and found there.
     prefix_cache_queries_tokens_total: int = 0
     prefix_cache_hits_tokens_total: int = 0
+    # Structured outputs: grammar lookups that found the spec compiled (or compiling), and not.
+    grammar_cache_hits_total: int = 0
+    grammar_cache_misses_total: int = 0
 
 
 class RejectedRequest(msgspec.Struct, frozen=True):

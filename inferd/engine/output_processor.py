@@ -54,6 +54,9 @@ class RequestState:
     finished_time: float | None = None
     # Wall seconds spent detokenizing and matching stop strings for this request, all choices.
     detokenize_s: float = 0.0
+    # Structured outputs: the wait for the grammar, and this request's share of mask work.
+    grammar_compile_s: float = 0.0
+    grammar_mask_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,7 @@ class OutputProcessor:
         prompt: str | None,
         children: list[Request],
         output_kind: OutputKind,
+        grammar_compile_s: float = 0.0,
     ) -> None:
         choices = []
         for i, child in enumerate(children):
@@ -93,10 +97,17 @@ class OutputProcessor:
             choices=choices,
             output_kind=output_kind,
             arrival_time=children[0].arrival_time,
+            grammar_compile_s=grammar_compile_s,
         )
         self.states[request_id] = state
         for choice in choices:
             self.choice_of[choice.request.request_id] = (state, choice)
+
+    def add_grammar_time(self, child_ids: list[str], seconds_each: float) -> None:
+        for cid in child_ids:
+            entry = self.choice_of.get(cid)
+            if entry is not None:
+                entry[0].grammar_mask_s += seconds_each
 
     def mark_scheduled(self, child_ids: list[str], now: float) -> None:
         for cid in child_ids:
@@ -257,5 +268,7 @@ def _metrics(state: RequestState) -> RequestMetrics:
         finished_time=state.finished_time,
         num_preemptions=sum(c.request.num_preemptions for c in state.choices),
         detokenize_s=state.detokenize_s,
+        grammar_compile_s=state.grammar_compile_s,
+        grammar_mask_s=state.grammar_mask_s,
         num_cached_tokens=max(c.request.num_cached_tokens or 0 for c in state.choices),
     )

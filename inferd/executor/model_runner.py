@@ -14,6 +14,7 @@ import logging
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,9 +30,13 @@ from inferd.models.kernels.greedy import GreedyHead
 from inferd.models.registry import CausalLM
 from inferd.sampling.metadata import SamplingMetadata, SamplingRow
 from inferd.sampling.sampler import Sampler, SamplerOutput, make_generator
+from inferd.sampling.structured import TokenConstraint
 from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.telemetry.step_stats import StepStat, timed
 from inferd.types import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from inferd.sampling.grammar import GrammarMasks
 
 logger = logging.getLogger("inferd.executor")
 
@@ -101,6 +106,8 @@ class ModelRunner:
         self.greedy_head = _greedy_head(model, native) if greedy_screen else None
         self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
+        # Created with the first constrained batch: xgrammar loads only when a request needs it.
+        self.grammar_masks: GrammarMasks | None = None
 
     def enable_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:
         """Pure-decode steps run from static buffers: CUDA graphs when `capture`, else eagerly."""
@@ -164,6 +171,10 @@ class ModelRunner:
                 tokens = self.greedy_head(hidden)
             logits = None if tokens is not None else self.model.compute_logits(hidden, False)
             end = _device_event(self.device)
+        grammars = [(i, c.request.grammar) for i, c in enumerate(chunks) if c.request.grammar]
+        if meta.constrained and logits is not None:
+            with timed(stat, "grammar"):
+                logits = self._mask(logits, grammars)
         with timed(stat, "sample"):
             if logits is not None:
                 out = self.sampler(logits, meta)
@@ -171,12 +182,27 @@ class ModelRunner:
                 assert tokens is not None
                 out = SamplerOutput(token_ids=tokens)
             token_ids: list[int] = out.token_ids.tolist()
+        if grammars:
+            with timed(stat, "grammar"):
+                for row, grammar in grammars:
+                    _accept(grammar, token_ids[row], row)
         _charge_device_time(stat, start, end)
         return ModelRunnerOutput(
             req_ids=[c.request.request_id for c in chunks],
             sampled_token_ids=token_ids,
             logprobs=out.to_sample_logprobs(rows, token_ids),
         )
+
+    def _mask(self, logits: Tensor, grammars: list[tuple[int, TokenConstraint]]) -> Tensor:
+        """Float32 logits with every active grammar's refused tokens at -inf."""
+        from inferd.sampling.grammar import GrammarMasks, RequestGrammar
+
+        if self.grammar_masks is None:
+            self.grammar_masks = GrammarMasks(self.arch.vocab_size)
+        logits = logits.float()
+        active = [(r, g) for r, g in grammars if g.active and isinstance(g, RequestGrammar)]
+        self.grammar_masks.apply(logits, active)
+        return logits
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
@@ -350,7 +376,14 @@ class ModelRunner:
             output_token_ids=req.output_token_ids,
             eos_token_ids=req.eos_token_ids,
             generator=gen,
+            constrained=req.grammar is not None and req.grammar.active,
         )
+
+
+def _accept(grammar: TokenConstraint, token_id: int, row: int) -> None:
+    if not grammar.accept(token_id):
+        # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
+        logger.error("grammar refused sampled token %d (row %d)", token_id, row)
 
 
 def _device_event(device: torch.device) -> torch.cuda.Event | None:

@@ -39,6 +39,9 @@ class ModelInfo(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def reasoning_parser(self) -> str | None: ...
+
 
 class EngineClient(Protocol):
     model_name: str
@@ -150,5 +153,7 @@ def gauges_from_stats(s: EngineStats) -> EngineGauges:
         preemptions_total=s.num_preemptions_total,
         prefix_cache_queries_tokens_total=s.prefix_cache_queries_tokens_total,
         prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,
+        grammar_cache_hits_total=s.grammar_cache_hits_total,
+        grammar_cache_misses_total=s.grammar_cache_misses_total,
         cache_config=s.cache_config,
     )

@@ -3,6 +3,9 @@
 The engine's output processor keeps one TextStream per sequence and, each step, pushes the ids
 sampled for it; when the sequence ends for another reason (EOS, length, abort) it calls finish()
 to release the text still held back.
+
+StrippedText is the small piece the tool-call and reasoning parsers stream their content through,
+so the pieces they send join to the whole text, stripped.
 """
 
 from __future__ import annotations
@@ -75,3 +78,30 @@ class TextStream:
     def _append(self, text: str) -> None:
         if text:
             self._text.append(text)
+
+
+class StrippedText:
+    """Sends a text piece by piece so that the pieces join to `whole_text.strip()`.
+
+    Leading whitespace is dropped; trailing whitespace is held until non-whitespace follows, and
+    dropped if none does. Content and reasoning streams send through one of these each.
+
+    >>> s = StrippedText()
+    >>> [s.push(p) for p in ("\\n Hi", " ", "\\n", "there ", " ")]
+    ['Hi', '', '', ' \\nthere', '']
+    """
+
+    def __init__(self) -> None:
+        self._started = False  # some non-whitespace was sent
+        self._held = ""  # whitespace received after the last non-whitespace sent
+
+    def push(self, text: str) -> str:
+        body = text.rstrip()
+        if not body:
+            if self._started:
+                self._held += text
+            return ""
+        sent = self._held + body if self._started else body.lstrip()
+        self._started = True
+        self._held = text[len(body) :]
+        return sent

@@ -28,6 +28,8 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()
     # The row's own random stream, kept by the caller across steps; required with params.seed.
     generator: torch.Generator | None = None
+    # The row's logits are masked by its grammar before sampling.
+    constrained: bool = False
 
 
 @dataclass
@@ -69,6 +71,8 @@ class SamplingMetadata:
     # Per row: params.logprobs (None = not asked); max_num_logprobs: their max, None if none.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    # Some row's logits get a grammar mask before sampling (sampling/grammar.py).
+    constrained: bool = False
 
     @property
     def any_random(self) -> bool:
@@ -83,6 +87,7 @@ class SamplingMetadata:
             and self.max_num_logprobs is None
             and self.penalties is None
             and self.min_tokens_index is None
+            and not self.constrained
         )
 
     @property
@@ -122,6 +127,7 @@ class SamplingMetadata:
             min_tokens_index=_min_tokens_index(rows, vocab_size, device),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
+            constrained=any(r.constrained for r in rows),
         )
         if random_params:
             _fill_random(meta, rows, greedy, device)

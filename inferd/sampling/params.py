@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from inferd.errors import InvalidRequestError
+from inferd.sampling.structured import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -35,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per sampled token (the sampled one included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match this schema, regex, choice or grammar (sampling/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by __post_init__: the normalized stop strings.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 

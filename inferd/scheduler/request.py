@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from inferd.sampling.params import SamplingParams
+from inferd.sampling.structured import TokenConstraint
 from inferd.types import RequestStatus
 
 __all__ = ["Request", "RequestStatus"]
@@ -45,6 +46,9 @@ class Request:
     # time.monotonic() instant past which the scheduler finishes the request (see
     # Scheduler.expire); None: no deadline.
     deadline: float | None = None
+    # The grammar its output must follow (structured outputs), set once compiled; it survives
+    # preemption with the outputs it accepted.
+    grammar: TokenConstraint | None = None
     # prompt + output, kept as one list so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 

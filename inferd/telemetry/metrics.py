@@ -116,6 +116,8 @@ class EngineGauges:
     preemptions_total: int = 0
     prefix_cache_queries_tokens_total: int = 0
     prefix_cache_hits_tokens_total: int = 0
+    grammar_cache_hits_total: int = 0
+    grammar_cache_misses_total: int = 0
     # (label, value) pairs of the KV cache's settings; () until the engine has loaded.
     cache_config: tuple[tuple[str, str], ...] = ()
 
@@ -159,9 +161,30 @@ class EngineCollector(Collector):
         counter.add_metric([], g.preemptions_total)
         yield counter
         yield from _prefix_cache_metrics(g)
+        yield from _grammar_cache_metrics(g)
 
     def describe(self) -> Iterable[Metric]:
         return []
+
+
+def _grammar_cache_metrics(g: EngineGauges) -> Iterator[Metric]:
+    """Structured outputs' compiled-grammar cache: a miss compiles (ms to seconds), a hit
+    reuses the grammar another request compiled."""
+    for name, doc, value in (
+        (
+            "inferd_grammar_cache_hits",
+            "Structured-output requests whose grammar was compiled (or compiling) already",
+            g.grammar_cache_hits_total,
+        ),
+        (
+            "inferd_grammar_cache_misses",
+            "Structured-output requests whose grammar had to be compiled",
+            g.grammar_cache_misses_total,
+        ),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], value)
+        yield counter
 
 
 def _prefix_cache_metrics(g: EngineGauges) -> Iterator[Metric]:

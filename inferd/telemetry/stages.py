@@ -7,8 +7,8 @@ the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is*
 (`Stage.QUEUE == "queue"`) and serializes as one.
 
     router:        route (in `inferd router`, before the replica's own stages)
-    LLM lane:      receive -> validate -> tokenize -> queue -> prefill -> decode -> detokenize
-                   -> stream
+    LLM lane:      receive -> validate -> tokenize -> queue -> grammar -> prefill -> decode
+                   -> detokenize -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
                    -> compute_output -> postprocess -> stream
 
@@ -39,6 +39,7 @@ class Stage(StrEnum):
     TOKENIZE = "tokenize"
     PREPROCESS = "preprocess"
     QUEUE = "queue"
+    GRAMMAR = "grammar"
     BATCH = "batch"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -56,6 +57,7 @@ LLM_STAGES: tuple[Stage, ...] = (
     Stage.VALIDATE,
     Stage.TOKENIZE,
     Stage.QUEUE,
+    Stage.GRAMMAR,
     Stage.PREFILL,
     Stage.DECODE,
     Stage.DETOKENIZE,
@@ -87,6 +89,7 @@ STAGE_HELP: dict[Stage, str] = {
     Stage.TOKENIZE: "Chat template and tokenizer",
     Stage.PREPROCESS: "Preprocessing steps (tokenize, image decode/resize, audio features)",
     Stage.QUEUE: "Waiting in the admission queue until scheduled (or a free model instance)",
+    Stage.GRAMMAR: "Structured outputs: waiting for the grammar to compile, and masking logits",
     Stage.BATCH: "Batch formation: the wait inside the batching window (max_queue_delay)",
     Stage.PREFILL: "First scheduled to first token (prompt processing)",
     Stage.DECODE: "First token to last token",

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
-STAGES = ("schedule", "prepare_inputs", "forward", "sample", "detokenize")
+STAGES = ("schedule", "prepare_inputs", "forward", "grammar", "sample", "detokenize")
 
 
 @dataclass
@@ -30,6 +30,8 @@ class StepStat:
     schedule: float = 0.0
     prepare_inputs: float = 0.0
     forward: float = 0.0
+    # Structured outputs: filling and applying the grammar masks, advancing the matchers.
+    grammar: float = 0.0
     sample: float = 0.0
     detokenize: float = 0.0
     total: float = 0.0

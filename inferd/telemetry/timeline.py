@@ -48,6 +48,8 @@ class RequestTimeline:
     num_output_tokens: int = 0
     # Engine request id -> its cumulative detokenization seconds (the latest value reported).
     detokenize_by_request: dict[str, float] = field(default_factory=dict)
+    # Engine request id -> (grammar compile wait, its share of mask work), structured outputs.
+    grammar_by_request: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Engine request id -> times the scheduler preempted it (the latest value reported).
     preemptions_by_request: dict[str, int] = field(default_factory=dict)
     # The OTel trace of this request, once the tracer exported it (None with tracing off).
@@ -92,6 +94,10 @@ class RequestTimeline:
         self.first_token = _min(self.first_token, metrics.first_token_time)
         self.engine_finished = _max(self.engine_finished, metrics.finished_time)
         self.detokenize_by_request[engine_request_id] = metrics.detokenize_s
+        self.grammar_by_request[engine_request_id] = (
+            metrics.grammar_compile_s,
+            metrics.grammar_mask_s,
+        )
         self.preemptions_by_request[engine_request_id] = metrics.num_preemptions
 
     def finish(self, now: float | None = None) -> None:
@@ -102,8 +108,14 @@ class RequestTimeline:
     def engine_stages(self) -> StageTimings:
         """queue / prefill / decode from the engine's instants, detokenize from its sums."""
         out = StageTimings()
+        compile_s = max((c for c, _ in self.grammar_by_request.values()), default=0.0)
         if self.enqueued is not None and self.first_scheduled is not None:
-            out.set(Stage.QUEUE, self.first_scheduled - self.enqueued, self.enqueued)
+            # The grammar's compile wait is its own stage, not queueing.
+            queue_s = self.first_scheduled - self.enqueued - compile_s
+            out.set(Stage.QUEUE, queue_s, self.enqueued)
+        if any(c or m for c, m in self.grammar_by_request.values()):
+            mask_s = sum(m for _, m in self.grammar_by_request.values())
+            out.set(Stage.GRAMMAR, compile_s + mask_s, self.first_scheduled)
         if self.first_scheduled is not None and self.first_token is not None:
             out.set(Stage.PREFILL, self.first_token - self.first_scheduled, self.first_scheduled)
         if self.first_token is not None and self.engine_finished is not None:

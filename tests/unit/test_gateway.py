@@ -47,6 +47,7 @@ class Info:
     max_model_len: int = 64
     vocab_size: int = 256
     model_path: str = "/fake"
+    reasoning_parser: str | None = None
 
 
 @dataclass

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from inferd.types import CompletionOutput, SampleLogprobs
+
+if TYPE_CHECKING:
+    from inferd.gateway.openai.tools import OutputRules
 
 Kind = Literal["completion", "chat"]
 Decode = Callable[[int], str]
@@ -157,7 +160,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def final_choice(kind: Kind, s: ChoiceState, want_logprobs: bool) -> Json:
+def final_choice(
+    kind: Kind, s: ChoiceState, want_logprobs: bool, rules: OutputRules | None = None
+) -> Json:
     logprobs: Json | None = None
     if want_logprobs:
         logprobs = {"content": s.logprobs} if kind == "chat" else s.completion_logprobs
@@ -167,6 +172,9 @@ def final_choice(kind: Kind, s: ChoiceState, want_logprobs: bool) -> Json:
         "finish_reason": s.finish_reason,
         "stop_reason": s.stop_reason,
     }
+    if kind == "chat" and rules is not None:
+        message, common["finish_reason"] = rules.message(s.text, s.finish_reason)
+        return {**common, "message": message}
     if kind == "chat":
         return {**common, "message": {"role": "assistant", "content": s.text}}
     return {**common, "text": s.text}

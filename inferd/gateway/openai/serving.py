@@ -39,6 +39,14 @@ from inferd.gateway.openai.formatting import (
     usage,
 )
 from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inferd.gateway.openai.tools import (
+    ChoiceStream,
+    OutputRules,
+    ToolSettings,
+    chat_constraint,
+    merge_delta,
+    skip_special_tokens,
+)
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
@@ -68,7 +76,11 @@ class Job:
     timeline: RequestTimeline
     envelope: Envelope
     num_logprobs: int | None
+    # Chat answers read back with tools and/or a reasoning parser; None: plain text.
+    rules: OutputRules | None = None
     choices: dict[int, ChoiceState] = field(default_factory=dict)
+    # Per choice index, while streaming with `rules`: its incremental reader.
+    streams: dict[int, ChoiceStream] = field(default_factory=dict)
     # Per prompt index: its prompt tokens the prefix cache held (its `n` choices count it once).
     cached_tokens: dict[int, int] = field(default_factory=dict)
     finalized: bool = False
@@ -117,7 +129,11 @@ async def prepare(
     timeline.add(Stage.RECEIVE, now - arrival, arrival)
     with timeline.measure(Stage.VALIDATE):
         _check_model(state, body)
-        params, num_logprobs = _params(body)
+        settings = tool_settings(state)
+        params, num_logprobs = _params(body, settings)
+        rules = None
+        if isinstance(body, ChatCompletionRequest):
+            rules = OutputRules.for_request(body, settings)
     t0 = time.monotonic()
     if _has_text(body):
         # Chat templates and tokenizers run in a thread: HF tokenizers releases the GIL.
@@ -132,7 +148,7 @@ async def prepare(
     created = int(time.time())
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     envelope = Envelope(prefix + request_id, created, state.model_name, kind)
-    return Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs)
+    return Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs, rules)
 
 
 def new_timeline(state: GatewayState, request_id: str, arrival: float) -> RequestTimeline:
@@ -146,14 +162,27 @@ def _check_model(state: GatewayState, body: Body) -> None:
         raise model_not_found(body.model)
 
 
-def _params(body: Body) -> tuple[SamplingParams, int | None]:
+def tool_settings(state: GatewayState) -> ToolSettings:
+    llm = state.llm
+    return ToolSettings(
+        enable_auto_tool_choice=state.server.enable_auto_tool_choice,
+        tool_call_parser=state.server.tool_call_parser,
+        reasoning_parser=None if llm is None else llm.info.reasoning_parser,
+    )
+
+
+def _params(body: Body, settings: ToolSettings) -> tuple[SamplingParams, int | None]:
     if isinstance(body, ChatCompletionRequest):
         max_tokens, num_logprobs = body.requested_max_tokens, body.num_logprobs
+        structured = chat_constraint(body, settings)
+        skip = skip_special_tokens(body, settings)
     else:
         max_tokens, num_logprobs = body.max_tokens, body.logprobs
         if not body.prompts():
             raise bad_request("prompt must not be empty", "prompt")
-    return body.sampling_params(max_tokens, num_logprobs), num_logprobs
+        structured, skip = body.structured_params(), None
+    params = body.sampling_params(max_tokens, num_logprobs, structured, skip)
+    return params, num_logprobs
 
 
 def _has_text(body: Body) -> bool:
@@ -165,9 +194,13 @@ def _has_text(body: Body) -> bool:
 def tokenize_body(tok: Tokenizer, body: Body) -> list[Prompt]:
     if isinstance(body, ChatCompletionRequest):
         add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+        tools = None
+        if body.tools:
+            tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
         text = tok.apply_chat_template(
             [m.for_template() for m in body.messages],
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
         )
@@ -325,10 +358,30 @@ def consume(job: Job, decode: Decode, i: int, out: RequestOutput) -> list[Json]:
         if job.num_logprobs is not None:
             lp = record_logprobs(st, job.kind, d, job.num_logprobs, decode)
         apply_delta(st, d)
-        produced.append(stream_choice(job.kind, st, d, lp, st_first))
+        choice = stream_choice(job.kind, st, d, lp, st_first)
+        if job.rules is not None:
+            _read_back(job, job.rules, index, choice, d.text)
+        produced.append(choice)
         st.sent_role = True
         st.sent_finish = d.finish_reason is not None
     return produced
+
+
+def _read_back(job: Job, rules: OutputRules, index: int, choice: Json, text: str) -> None:
+    """Replaces a stream chunk's plain `content` with what the rules read from it (reasoning,
+    content, tool-call fragments); the finish chunk flushes what the reader held back."""
+    reader = job.streams.get(index)
+    if reader is None:
+        reader = job.streams[index] = rules.stream()
+    delta = choice["delta"]
+    delta.pop("content", None)
+    fields = reader.feed(text)
+    if choice["finish_reason"] is not None:
+        fields = merge_delta(fields, reader.finish())
+        choice["finish_reason"] = reader.finish_reason(choice["finish_reason"])
+    delta.update(fields)
+    if "content" not in delta and "role" in delta:
+        delta["content"] = ""
 
 
 async def collect(job: Job, decode: Decode, outputs: OutputStream) -> Json:
@@ -339,7 +392,9 @@ async def collect(job: Job, decode: Decode, outputs: OutputStream) -> Json:
     finally:
         await outputs.aclose()
     want_lp = job.num_logprobs is not None
-    choices = [final_choice(job.kind, job.choices[k], want_lp) for k in sorted(job.choices)]
+    choices = [
+        final_choice(job.kind, job.choices[k], want_lp, job.rules) for k in sorted(job.choices)
+    ]
     return job.envelope.response(choices, job.usage())
 
 

@@ -4,7 +4,7 @@
 
 const COLORS = {
   receive: "#8da0cb", validate: "#a6d854", tokenize: "#e5c494", preprocess: "#e5c494",
-  queue: "#fc8d62", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
+  queue: "#fc8d62", grammar: "#b2df8a", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
   compute_input: "#b3b3b3", infer: "#1f78b4", compute_output: "#cab2d6",
   detokenize: "#e78ac3", postprocess: "#e78ac3", stream: "#b15928", other: "#dddddd",
 };
