@@ -184,6 +184,7 @@ class CompletionRequest(_SamplingFields):
     # OpenAI's default for completions is 16 tokens.
     max_tokens: JsonInt | None = Field(default=16, ge=1)
     logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # The prompt's text starts each choice's text (in a stream: its first chunk).
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -191,6 +192,9 @@ class CompletionRequest(_SamplingFields):
     def _check(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            # The prompt's own logprobs would need a prefill that keeps every position's logits.
+            raise ValueError("echo with logprobs is not supported (the prompt has no logprobs)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -81,6 +81,8 @@ class Job:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     # Per choice index, while streaming with `rules`: its incremental reader.
     streams: dict[int, ChoiceStream] = field(default_factory=dict)
+    # Completions with `echo`: per prompt, its text, which starts each of its choices.
+    echo: list[str] | None = None
     # Per prompt index: its prompt tokens the prefix cache held (its `n` choices count it once).
     cached_tokens: dict[int, int] = field(default_factory=dict)
     finalized: bool = False
@@ -148,7 +150,10 @@ async def prepare(
     created = int(time.time())
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     envelope = Envelope(prefix + request_id, created, state.model_name, kind)
-    return Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs, rules)
+    job = Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs, rules)
+    if isinstance(body, CompletionRequest) and body.echo:
+        job.echo = [p.text if p.text is not None else llm.tokenizer.decode(p.ids) for p in prompts]
+    return job
 
 
 def new_timeline(state: GatewayState, request_id: str, arrival: float) -> RequestTimeline:
@@ -352,6 +357,8 @@ def consume(job: Job, decode: Decode, i: int, out: RequestOutput) -> list[Json]:
             continue
         d = take_delta(c)
         st_first = not st.sent_role
+        if st_first and job.echo is not None:
+            d = replace(d, text=job.echo[i] + d.text)
         if not (d.text or d.token_ids or d.finish_reason or st_first):
             continue
         lp = None
