@@ -1,4 +1,4 @@
-"""Structured outputs' cost: throughput with every request JSON-constrained, and first-token latency.
+"""Structured outputs' cost: throughput with every request JSON-constrained; first-token latency.
 
     .venv/bin/python bench/structured.py                  # full run (a few minutes on 2 cores)
     .venv/bin/python bench/structured.py --quick          # quick check: 24 requests, 1 round
@@ -36,6 +36,7 @@ import itertools
 import logging
 import statistics
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common import (
@@ -141,7 +142,7 @@ def run_once(llm: LLM, reqs: list[BenchRequest], variant: str) -> tuple[dict[str
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    result = {"tokens": sum(lengths), "wall_s": wall, "tok_s": sum(lengths) / wall}
+    result: dict[str, Any] = {"tokens": sum(lengths), "wall_s": wall, "tok_s": sum(lengths) / wall}
     result |= step_split(stats.summary())
     result["sample_text"] = outs[0].outputs[0].text[:80]
     return result, lengths

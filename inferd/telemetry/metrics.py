@@ -146,6 +146,33 @@ _ENGINE_GAUGES = (
     ),
 )
 
+# (metric name without _total, help, EngineGauges attribute). Prefix-cache counters are in tokens
+# (hit rate = rate(hits) / rate(queries), vLLM's `prefix_cache_*`); a grammar-cache miss compiles
+# (ms to seconds), a hit reuses what another request compiled.
+_ENGINE_COUNTERS = (
+    ("inferd_preemptions", "Requests preempted by the scheduler", "preemptions_total"),
+    (
+        "inferd_prefix_cache_queries_tokens",
+        "Prompt tokens looked up in the prefix cache (at each request's first scheduling)",
+        "prefix_cache_queries_tokens_total",
+    ),
+    (
+        "inferd_prefix_cache_hits_tokens",
+        "Prompt tokens found in the prefix cache (at each request's first scheduling)",
+        "prefix_cache_hits_tokens_total",
+    ),
+    (
+        "inferd_grammar_cache_hits",
+        "Structured-output requests whose grammar was compiled (or compiling) already",
+        "grammar_cache_hits_total",
+    ),
+    (
+        "inferd_grammar_cache_misses",
+        "Structured-output requests whose grammar had to be compiled",
+        "grammar_cache_misses_total",
+    ),
+)
+
 
 class EngineCollector(Collector):
     """Reads the engine's gauges when Prometheus scrapes (nothing is kept in between)."""
@@ -157,54 +184,18 @@ class EngineCollector(Collector):
         g = self._read() or EngineGauges()
         for name, doc, attr in _ENGINE_GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(g, attr))
-        counter = CounterMetricFamily("inferd_preemptions", "Requests preempted by the scheduler")
-        counter.add_metric([], g.preemptions_total)
-        yield counter
-        yield from _prefix_cache_metrics(g)
-        yield from _grammar_cache_metrics(g)
+        for name, doc, attr in _ENGINE_COUNTERS:
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], getattr(g, attr))
+            yield counter
+        yield from _cache_config_info(g)
 
     def describe(self) -> Iterable[Metric]:
         return []
 
 
-def _grammar_cache_metrics(g: EngineGauges) -> Iterator[Metric]:
-    """Structured outputs' compiled-grammar cache: a miss compiles (ms to seconds), a hit
-    reuses the grammar another request compiled."""
-    for name, doc, value in (
-        (
-            "inferd_grammar_cache_hits",
-            "Structured-output requests whose grammar was compiled (or compiling) already",
-            g.grammar_cache_hits_total,
-        ),
-        (
-            "inferd_grammar_cache_misses",
-            "Structured-output requests whose grammar had to be compiled",
-            g.grammar_cache_misses_total,
-        ),
-    ):
-        counter = CounterMetricFamily(name, doc)
-        counter.add_metric([], value)
-        yield counter
-
-
-def _prefix_cache_metrics(g: EngineGauges) -> Iterator[Metric]:
-    """Prefix-cache hit counters in tokens (hit rate = rate(hits) / rate(queries)) and the cache
-    settings as an info-style gauge (vLLM's `prefix_cache_*` and `cache_config_info`)."""
-    for name, doc, value in (
-        (
-            "inferd_prefix_cache_queries_tokens",
-            "Prompt tokens looked up in the prefix cache (at each request's first scheduling)",
-            g.prefix_cache_queries_tokens_total,
-        ),
-        (
-            "inferd_prefix_cache_hits_tokens",
-            "Prompt tokens found in the prefix cache (at each request's first scheduling)",
-            g.prefix_cache_hits_tokens_total,
-        ),
-    ):
-        counter = CounterMetricFamily(name, doc)
-        counter.add_metric([], value)
-        yield counter
+def _cache_config_info(g: EngineGauges) -> Iterator[Metric]:
+    """The KV cache's settings as an info-style gauge (vLLM's `cache_config_info`)."""
     if g.cache_config:
         info = GaugeMetricFamily(
             "inferd_cache_config_info",
