@@ -169,11 +169,13 @@ class RequestGrammar:
 
     @property
     def active(self) -> bool:
-        return self._active
+        """Masks apply: the reasoning is over and the grammar has not ended yet (once it has, only
+        `ignore_eos` keeps the sequence going, and what follows is free)."""
+        return self._active and not self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
         if self._active:
-            return bool(self.matcher.accept_token(token_id))
+            return self.matcher.is_terminated() or bool(self.matcher.accept_token(token_id))
         self._recent = [*self._recent, token_id][-len(self._end) :]
         self._active = self._recent == self._end
         return True

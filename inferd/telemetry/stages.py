@@ -7,7 +7,7 @@ the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is*
 (`Stage.QUEUE == "queue"`) and serializes as one.
 
     router:        route (in `inferd router`, before the replica's own stages)
-    LLM lane:      receive -> validate -> tokenize -> queue -> grammar -> prefill -> decode
+    LLM lane:      receive -> validate -> tokenize -> queue -> prefill -> decode -> grammar
                    -> detokenize -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
                    -> compute_output -> postprocess -> stream
@@ -39,10 +39,10 @@ class Stage(StrEnum):
     TOKENIZE = "tokenize"
     PREPROCESS = "preprocess"
     QUEUE = "queue"
-    GRAMMAR = "grammar"
     BATCH = "batch"
     PREFILL = "prefill"
     DECODE = "decode"
+    GRAMMAR = "grammar"
     COMPUTE_INPUT = "compute_input"
     INFER = "infer"
     COMPUTE_OUTPUT = "compute_output"
@@ -57,9 +57,11 @@ LLM_STAGES: tuple[Stage, ...] = (
     Stage.VALIDATE,
     Stage.TOKENIZE,
     Stage.QUEUE,
-    Stage.GRAMMAR,
     Stage.PREFILL,
     Stage.DECODE,
+    # Ranked after decode, as detokenize: its per-step part runs inside prefill and decode, so an
+    # exclusive tiling of the request (request_log.exclusive_path) shows only the compile wait.
+    Stage.GRAMMAR,
     Stage.DETOKENIZE,
     Stage.STREAM,
 )

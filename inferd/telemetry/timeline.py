@@ -115,7 +115,9 @@ class RequestTimeline:
             out.set(Stage.QUEUE, queue_s, self.enqueued)
         if any(c or m for c, m in self.grammar_by_request.values()):
             mask_s = sum(m for _, m in self.grammar_by_request.values())
-            out.set(Stage.GRAMMAR, compile_s + mask_s, self.first_scheduled)
+            # It starts with the compile wait, just before the first scheduling.
+            start = None if self.first_scheduled is None else self.first_scheduled - compile_s
+            out.set(Stage.GRAMMAR, compile_s + mask_s, start)
         if self.first_scheduled is not None and self.first_token is not None:
             out.set(Stage.PREFILL, self.first_token - self.first_scheduled, self.first_scheduled)
         if self.first_token is not None and self.engine_finished is not None:

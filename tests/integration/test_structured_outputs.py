@@ -187,3 +187,11 @@ def test_reasoning_gate_opens_after_the_end_marker(llm: LLM) -> None:
     assert closed.active
     reopened = RequestGrammar(compiled, [11, 12, 9, 4], reasoning_start=[9], reasoning_end=end)
     assert not reopened.active
+
+
+def test_ignore_eos_continues_freely_after_the_grammar_ends(llm: LLM) -> None:
+    params = _params(Structured(choice=["yes", "no"]), ignore_eos=True, max_tokens=12)
+    (out,) = llm.generate(["q"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12
+    assert c.text.startswith(("yes", "no"))
