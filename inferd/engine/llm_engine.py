@@ -176,8 +176,7 @@ class LLMEngine:
         )
 
     def _max_model_len(self, kv_capacity_tokens: int) -> int:
-        # How far rope reaches (scaled), capped by a sliding window: there is no sliding-window
-        # attention, and inside the window full attention is exact.
+        # How far rope reaches (scaled); a sliding window limits what a layer attends to, not this.
         limit = self.arch.max_context_len
         requested = self.config.model.max_model_len
         if requested is not None:

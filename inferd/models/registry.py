@@ -47,11 +47,18 @@ class CausalLM(Protocol):
 
 
 # One implementation covers the family; the differences are ArchConfig flags.
+# docs/llm_models.md lists them with what each needs.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    # Its text tower (config.json's text_config; the loader skips the vision tower's tensors).
+    "Gemma3ForConditionalGeneration": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
