@@ -34,6 +34,9 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
+# What models/registry.py builds (docs/models.md says what each needs). Checked first, so an
+# architecture outside it (gpt-oss, DeepSeek) is named as such, not by the first field it lacks.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(set(_MODEL_TYPE_TO_ARCH.values())))
 _GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Gemma3TextConfig's defaults: Hub configs (a multimodal checkpoint's text_config most of all)
 # leave out whatever equals them.
@@ -418,6 +421,12 @@ def _gemma_fields(f: _Fields, arch: str, window: int | None) -> dict[str, Any]:
 
 def _parse(f: _Fields) -> ArchConfig:
     arch = _architecture(f)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise f.error(
+            "architectures",
+            f"names {arch!r}, an unsupported architecture; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
     if arch in _GEMMA:
         f = _Fields({**_GEMMA_DEFAULTS, **f.data}, f.source)
     hidden, heads = f.get_int("hidden_size"), f.get_int("num_attention_heads")

@@ -23,7 +23,8 @@ from hf_cases import ENGINE_BASE  # noqa: E402
 from test_engine_vs_hf import _engine, _hf_greedy, _run, _tokens, _workload  # noqa: E402
 from test_models_vs_hf import _prefill_logits, _prompt, _randomize  # noqa: E402
 
-from inferd.models.config import ArchConfig  # noqa: E402
+from inferd.errors import ModelLoadError  # noqa: E402
+from inferd.models.config import SUPPORTED_ARCHITECTURES, ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.layers import MoEBlock  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402
@@ -209,3 +210,13 @@ def test_moe_router_and_experts_match_transformers(tmp_path: Path) -> None:
         torch.testing.assert_close(block.moe(x), hf_block(x[None])[0], atol=1e-6, rtol=1e-6)
     counts = block.moe.last_counts
     assert counts is not None and int(counts.sum()) == 37 * 2
+
+
+def test_unsupported_architecture_is_named_before_its_fields() -> None:
+    # gpt-oss's config has fields inferd does not read (yarn RoPE, attention sinks): the error
+    # names the architecture and lists the supported ones, not the first odd field.
+    config = {"architectures": ["GptOssForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}
+    with pytest.raises(ModelLoadError) as err:
+        ArchConfig.from_dict(config)
+    assert "GptOssForCausalLM" in str(err.value)
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
