@@ -228,6 +228,12 @@ class LlamaForCausalLM(nn.Module):
         # Soft-capped logits are not the head's own (the greedy screen bounds the head's).
         return None if self.config.final_logit_softcapping is not None else self.lm_head
 
+    def expert_rows(self) -> list[int]:
+        """Rows routed to each expert since the last call, summed over the MoE layers (empty for
+        a dense model): the step statistics' load balance."""
+        counts = [m.moe.take_counts() for m in self.modules() if isinstance(m, MoEBlock)]
+        return [sum(c) for c in zip(*counts, strict=True)]
+
     def fold_norms(self) -> None:
         """Gemma's norms scale by (1 + w): once the weights are loaded, w becomes 1 + w (in the
         model dtype), so every path runs a plain RMSNorm. Call once, after loading."""

@@ -44,8 +44,8 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
         self.w13 = nn.Parameter(torch.empty(e * 2 * i, h, dtype=dtype), False)
         self.w2 = nn.Parameter(torch.empty(e * h, i, dtype=dtype), False)
-        # Rows routed to each expert in the last forward ([E] int64, for step statistics).
-        self.last_counts: Tensor | None = None
+        # Rows routed to each expert by the forwards since `take_counts` (step statistics).
+        self.counts: list[int] = [0] * e
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] int64), as HF's router."""
@@ -62,15 +62,15 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(x)
         flat = experts.flatten()  # [T * k]: assignment a is token a // k
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.last_counts = counts
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
         rows = order // self.top_k  # the token of each sorted assignment
         xs = x.index_select(0, rows)  # [T * k, H], grouped by expert
         out = torch.empty_like(xs)
         w13 = self.w13.view(self.num_experts, 2 * self.inter, h)
         w2 = self.w2.view(self.num_experts, h, self.inter)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # one host read of E counts per layer
+        for e, n in enumerate(counts):
             if n:
                 sl = slice(start, start + n)
                 gate, up = F.linear(xs[sl], w13[e]).chunk(2, dim=-1)
@@ -78,6 +78,11 @@ class SparseMoE(nn.Module):
                 start += n
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def take_counts(self) -> list[int]:
+        """Rows routed to each expert since the last call (and start counting again)."""
+        counts, self.counts = self.counts, [0] * self.num_experts
+        return counts
 
     def layout(self, prefix: str, params: str) -> dict[str, WeightTarget]:
         """Checkpoint tensor name -> target: `prefix` the block's name in the checkpoint
