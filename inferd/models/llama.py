@@ -231,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
     def expert_rows(self) -> list[int]:
         """Rows routed to each expert since the last call, summed over the MoE layers (empty for
         a dense model): the step statistics' load balance."""
+        if self.config.moe is None:
+            return []  # every step of a dense model: no walk over the modules
         counts = [m.moe.take_counts() for m in self.modules() if isinstance(m, MoEBlock)]
         return [sum(c) for c in zip(*counts, strict=True)]
 
