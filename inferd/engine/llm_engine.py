@@ -124,7 +124,8 @@ class LLMEngine:
             greedy_screen=config.device.greedy_screen != "off",
         )
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
-        if self.device.type == "cuda" and not config.device.enforce_eager:
+        # (Not for MoE: the grouped GEMMs read each expert's row count on the host.)
+        if self.device.type == "cuda" and not config.device.enforce_eager and self.arch.moe is None:
             self.runner.enable_decode_graphs(
                 self.max_model_len, config.scheduler.max_num_seqs, capture=True
             )
@@ -176,8 +177,7 @@ class LLMEngine:
         )
 
     def _max_model_len(self, kv_capacity_tokens: int) -> int:
-        # How far rope reaches (scaled), capped by a sliding window: there is no sliding-window
-        # attention, and inside the window full attention is exact.
+        # How far rope reaches (scaled); a sliding window limits what a layer attends to, not this.
         limit = self.arch.max_context_len
         requested = self.config.model.max_model_len
         if requested is not None:
@@ -384,6 +384,7 @@ class LLMEngine:
         self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
         self.num_preemptions_total += len(sched.preempted_ids)
         runner_out = self.runner.execute(sched, stat)
+        stat.expert_rows = self.model.expert_rows()
         with timed(stat, "schedule"):
             updated = self.scheduler.update_from_output(sched, runner_out)
         if stat.grammar:

@@ -89,8 +89,10 @@ class ModelRunner:
             _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = None if native is None else native.attention
-        # CUDA: eager steps run all their rows' attention in one varlen call per layer.
-        self.varlen = native is None and varlen_supported(
+        # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
+        # a sliding window, which it lacks: those run SDPA with windowed masks).
+        self.varlen = native is None and not arch.layer_windows
+        self.varlen = self.varlen and varlen_supported(
             device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         )
         # Half precision (FlashAttention) reads padded spans, so K/V are gathered by whole blocks.

@@ -22,6 +22,11 @@ Two ways to read it:
   chunk after a cached prefix sees its whole context;
 - PyTorch (CUDA-graph decode, or no kernel): decode rows in length groups and prefixed chunks
   gather whole tiles with index_select, then SDPA with a padding / causal mask.
+
+A layer with a sliding window W (`PagedAttention.window`) lets query position p see keys
+(p - W, p] only: the native kernel takes W and skips the keys before it; the PyTorch path narrows
+its masks (one mask per window and step, shared by the layers with that window). The varlen call
+has no window, so the runner leaves it off for models with one.
 """
 
 from __future__ import annotations
@@ -50,6 +55,19 @@ class PrefillSpan:
     context_slots: Tensor | None = None
     # [query_len, context_len] bool, True = may attend; None when plain causal.
     mask: Tensor | None = None
+    # The mask narrowed to a sliding window, per window (built by the first layer that needs it).
+    window_masks: dict[int, Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int, device: torch.device) -> Tensor:
+        """[query_len, context_len] bool: query i (position context_len - query_len + i) sees
+        keys (position - window, position]. Key index = position in either form of span."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            pos = torch.arange(self.context_len, device=device)
+            q_pos = pos[self.context_len - self.query_len :, None]
+            mask = (pos[None, :] <= q_pos) & (pos[None, :] > q_pos - window)
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -90,18 +108,48 @@ class AttentionMetadata:
     sampled: PagedBatch | None = None
     # CUDA varlen path: every row of the batch in one call (decode_groups and prefills empty).
     varlen: VarlenBatch | None = None
+    # Decode groups' masks narrowed to a sliding window: window -> one mask per group.
+    window_decode_masks: dict[int, list[Tensor]] = field(default_factory=dict)
+
+    def decode_masks(self, window: int | None) -> list[Tensor]:
+        """The decode groups' [B, 1, 1, L] masks, narrowed to `window` (a row of context c sees
+        keys [c - window, c)) when one is given."""
+        masks = [mask for _, mask in self.decode_groups]
+        if window is None:
+            return masks
+        narrowed = self.window_decode_masks.get(window)
+        if narrowed is None:
+            narrowed = [_narrow(mask, window) for mask in masks]
+            self.window_decode_masks[window] = narrowed
+        return narrowed
+
+
+def _narrow(mask: Tensor, window: int) -> Tensor:
+    # mask: [B, 1, 1, L], True for keys [0, ctx) of each row -> only keys [ctx - window, ctx)
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    ctx = mask.sum(-1, keepdim=True)
+    return mask & (keys >= ctx - window)
 
 
 class PagedAttention(nn.Module):
     """Attention over the paged KV cache; holds no parameters. `kv_cache` is bound by the runner."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window: int | None = None,
+    ) -> None:
+        """`window`: each query sees its last `window` positions only (None: all before it)."""
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.window = window
         self.kv_cache: Tensor = torch.empty(0)
         self.kernel: PagedAttentionKernel | None = None
 
@@ -110,13 +158,15 @@ class PagedAttention(nn.Module):
         if self.kv_cache.numel():
             _write_kv(self.kv_cache, k, v, meta.slot_mapping)
         if meta.varlen is not None:
+            assert self.window is None, "the varlen call has no sliding window"
             return self._varlen(q, meta.varlen)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.paged is not None:
             assert self.kernel is not None, "a paged batch needs the native kernel"
-            self.kernel(out, q.contiguous(), self.kv_cache, meta.paged, self.scale)
+            self.kernel(out, q.contiguous(), self.kv_cache, meta.paged, self.scale, self.window)
         start = 0
-        for block_table, mask in meta.decode_groups:
+        masks = meta.decode_masks(self.window) if meta.decode_groups else []
+        for (block_table, _), mask in zip(meta.decode_groups, masks, strict=True):
             n = block_table.shape[0]
             out[start : start + n] = self._decode(q[start : start + n], block_table, mask)
             start += n
@@ -131,7 +181,7 @@ class PagedAttention(nn.Module):
         the padded rows of o_proj)."""
         assert self.kernel is not None and meta.paged is not None
         out = padded_empty(q.shape[0], out_rows, (self.num_heads, self.head_dim), q.dtype)
-        self.kernel(out, q, self.kv_cache, meta.paged, self.scale)
+        self.kernel(out, q, self.kv_cache, meta.paged, self.scale, self.window)
         return out
 
     def _decode(self, q: Tensor, block_table: Tensor, mask: Tensor) -> Tensor:
@@ -165,12 +215,15 @@ class PagedAttention(nn.Module):
             v = _load(self.kv_cache[1].flatten(0, 1).index_select(0, span.context_slots), q)
         # [S, H, D] -> [1, H, S, D]
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        mask = span.mask
+        if self.window is not None and span.context_len > self.window:
+            mask = span.window_mask(self.window, q.device)
         o = _sdpa(
             qt,
             kt,
             vt,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

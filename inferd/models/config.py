@@ -3,7 +3,11 @@
 Reads both config layouts in the wild: transformers < 5 (`rope_theta` + `rope_scaling`,
 `torch_dtype`) and transformers >= 5 (`rope_parameters`, `dtype`). Family quirks that the file
 does not spell out are filled in from the architecture name (Qwen2 always has q/k/v bias, Qwen3
-always normalises q and k per head).
+and Gemma 3 always normalise q and k per head, Gemma scales its embeddings and norms by 1 + w).
+
+A sliding window is per layer (`layer_windows`): Mistral's applies to every layer, Gemma 3's to
+its local layers (`layer_types`, or the older `sliding_window_pattern`), Qwen2's from
+`max_window_layers` on. It limits what a layer attends to, never how long a sequence may be.
 """
 
 from __future__ import annotations
@@ -24,9 +28,52 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# What models/registry.py builds (docs/models.md says what each needs). Checked first, so an
+# architecture outside it (gpt-oss, DeepSeek) is named as such, not by the first field it lacks.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(set(_MODEL_TYPE_TO_ARCH.values())))
+_GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# Gemma3TextConfig's defaults: Hub configs (a multimodal checkpoint's text_config most of all)
+# leave out whatever equals them.
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+_MOE_STYLES = {"Qwen3MoeForCausalLM": "qwen", "MixtralForCausalLM": "mixtral"}
+# Activations of the gated MLP: HF's name -> ours.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _MISSING = object()
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token's router picks `top_k` of `num_experts` gated MLPs
+    (softmax over the router logits in float32, the top k, renormalised when `norm_topk_prob`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    # Per layer: True for the MoE block, False for the dense MLP (Qwen3-MoE's mlp_only_layers,
+    # decoder_sparse_step).
+    sparse_layers: tuple[bool, ...]
+    # Checkpoint names: "qwen" (mlp.gate, mlp.experts.E.{gate,up,down}_proj) or "mixtral"
+    # (block_sparse_moe.gate, block_sparse_moe.experts.E.{w1,w3,w2}).
+    style: str
 
 
 @dataclass(frozen=True)
@@ -50,8 +97,7 @@ class ArchConfig:
     o_proj_bias: bool  # bias on the output projection (Llama's attention_bias covers it too)
     mlp_bias: bool
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    # Mistral-style sliding-window attention. PagedAttention has no window, so the engine must cap
-    # max_model_len to this (see `max_context_len`); within the window full attention is exact.
+    # The config's sliding window, where some layer uses it (`layer_windows` says which).
     sliding_window: int | None
     torch_dtype: str | None  # "float32" / "bfloat16" / "float16" as saved, None if absent
     bos_token_id: int | None
@@ -59,12 +105,38 @@ class ArchConfig:
     source: str = "<dict>"  # the file this came from, for error messages
     # Linear layers stored as int8 + per-channel scales (models/quantized.py); None: float.
     quantization: Int8Checkpoint | None = None
+    # Per layer: the last how many positions it attends to (None: all). Empty: every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    # RoPE of the sliding-window layers where it is their own (Gemma 3's local base); None: the
+    # global one.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    hidden_act: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 3)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    fused_checkpoint: bool = (
+        False  # q/k/v and gate/up stored fused (Phi-3's qkv_proj, gate_up_proj)
+    )
+    moe: MoEConfig | None = None
+
+    # Linear / dynamic RoPE scaling extends the context past max_position_embeddings (Llama's
+    # configs); False where max_position_embeddings is the extended context already (Gemma 3).
+    rope_extends_context: bool = True
 
     @property
     def max_context_len(self) -> int:
-        """Longest sequence this model can run: RoPE's reach, capped by the sliding window."""
-        reach = rope_cache_len(self.rope_scaling, self.max_position_embeddings)
-        return min(reach, self.sliding_window) if self.sliding_window else reach
+        """Longest sequence this model can run: RoPE's reach (a sliding window limits what a
+        layer attends to, not the length)."""
+        if not self.rope_extends_context:
+            return self.max_position_embeddings
+        return rope_cache_len(self.rope_scaling, self.max_position_embeddings)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_json(cls, path: Path) -> ArchConfig:
@@ -80,7 +152,7 @@ class ArchConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ArchConfig:
-        return _parse(_Fields(data, source))
+        return _parse(_Fields(_text_tower(data), source))
 
 
 class _Fields:
@@ -136,6 +208,19 @@ class _Fields:
         return frozenset(items)
 
 
+def _text_tower(data: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text model (Gemma 3's `text_config`), with the outer architecture
+    name and token ids: only the language model is served."""
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        return data
+    outer = {k: data[k] for k in ("architectures", "quantization_config") if k in data}
+    merged = {**text, **outer}
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        merged.setdefault(key, data.get(key))
+    return merged
+
+
 def _architecture(f: _Fields) -> str:
     archs = f.data.get("architectures")
     if archs:
@@ -148,15 +233,23 @@ def _architecture(f: _Fields) -> str:
     raise f.error("architectures", f"is missing and model_type {model_type!r} is not known")
 
 
-def _rope(f: _Fields) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalised rope_scaling) from either config layout."""
+def _rope(
+    f: _Fields, layer_type: str | None = None, default_theta: float = 10000.0
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, normalised rope_scaling) from either config layout; `layer_type`: the
+    parameters of that kind of layer (Gemma 3's "full_attention" / "sliding_attention")."""
     params = f.data.get("rope_parameters")
     source_key = "rope_parameters" if params is not None else "rope_scaling"
     scaling = params if params is not None else f.data.get("rope_scaling")
+    if layer_type is not None and isinstance(scaling, dict) and layer_type in scaling:
+        scaling, source_key = scaling[layer_type], f"{source_key}.{layer_type}"
+    elif layer_type == "sliding_attention":  # older Gemma 3 configs: only the base is its own
+        return _local_theta(f, default_theta), None
     if scaling is not None and not isinstance(scaling, dict):
         raise f.error(source_key, f"must be an object, got {scaling!r}")
     scaling = dict(scaling or {})
-    theta = scaling.pop("rope_theta", None) or f.data.get("rope_theta") or 10000.0
+    scaling.pop("partial_rotary_factor", None)  # checked in _check_partial_rotary
+    theta = scaling.pop("rope_theta", None) or f.data.get("rope_theta") or default_theta
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise f.error("rope_theta", f"must be a positive number, got {theta!r}")
     rope_type = rope_type_of(scaling)
@@ -166,11 +259,38 @@ def _rope(f: _Fields) -> tuple[float, dict[str, Any] | None]:
         return float(theta), None
     scaling.pop("type", None)
     scaling["rope_type"] = rope_type
+    if rope_type == "longrope":
+        scaling.setdefault(
+            "original_max_position_embeddings", f.data.get("original_max_position_embeddings")
+        )
+        scaling.setdefault("max_position_embeddings", f.get_int("max_position_embeddings", 2048))
     _check_rope_keys(f, source_key, scaling)
     return float(theta), scaling
 
 
+def _local_theta(f: _Fields, default: float) -> float:
+    theta = f.data.get("rope_local_base_freq") or default
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise f.error("rope_local_base_freq", f"must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def _check_partial_rotary(f: _Fields) -> None:
+    params = f.data.get("rope_parameters")
+    value = f.data.get("partial_rotary_factor")
+    if isinstance(params, dict):
+        value = params.get("partial_rotary_factor", value)
+    if value is not None and value != 1.0:
+        raise f.error(
+            "partial_rotary_factor",
+            f"is {value}; only rotary embeddings over the whole head are supported",
+        )
+
+
 def _check_rope_keys(f: _Fields, source_key: str, scaling: dict[str, Any]) -> None:
+    if scaling["rope_type"] == "longrope":
+        _check_longrope(f, source_key, scaling)
+        return
     required = ["factor"]
     if scaling["rope_type"] == "llama3":
         required += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
@@ -182,11 +302,50 @@ def _check_rope_keys(f: _Fields, source_key: str, scaling: dict[str, Any]) -> No
             )
 
 
+def _check_longrope(f: _Fields, source_key: str, scaling: dict[str, Any]) -> None:
+    head_dim = f.opt_int("head_dim") or f.get_int("hidden_size") // f.get_int("num_attention_heads")
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not isinstance(value, list) or len(value) != head_dim // 2:
+            raise f.error(
+                source_key, f"needs {key!r}: a list of head_dim / 2 = {head_dim // 2} numbers"
+            )
+    if not isinstance(scaling.get("original_max_position_embeddings"), int):
+        raise f.error("original_max_position_embeddings", "is needed by longrope scaling")
+
+
 def _sliding_window(f: _Fields) -> int | None:
     # Qwen2/3 configs carry a `sliding_window` that only applies with use_sliding_window=true.
     if not f.get_bool("use_sliding_window", True):
         return None
     return f.opt_int("sliding_window")
+
+
+def _layer_windows(f: _Fields, arch: str, window: int | None) -> tuple[int | None, ...]:
+    """Each layer's sliding window: `layer_types` where the config lists them, else the family's
+    rule (Gemma 3: every `sliding_window_pattern`-th layer global; Qwen2/3: layers from
+    max_window_layers on; the others: every layer)."""
+    n = f.get_int("num_hidden_layers")
+    if window is None:
+        return ()
+    types = f.data.get("layer_types")
+    if types is None and arch in _GEMMA:
+        pattern = f.get_int("sliding_window_pattern", 6)
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
+    elif types is None and "max_window_layers" in f.data:
+        first = f.get_int("max_window_layers", minimum=0)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    elif types is None:
+        types = ["sliding_attention"] * n
+    if not isinstance(types, list) or len(types) != n:
+        raise f.error("layer_types", f"must list one type per layer ({n}), got {types!r}")
+    known = {"sliding_attention": window, "full_attention": None}
+    if any(t not in known for t in types):
+        raise f.error("layer_types", f"has an unknown layer type; known: {sorted(known)}")
+    windows = tuple(known[t] for t in types)
+    return windows if any(windows) else ()
 
 
 def _dtype(f: _Fields) -> str | None:
@@ -198,8 +357,78 @@ def _dtype(f: _Fields) -> str | None:
     return value.removeprefix("torch.")
 
 
+def _activation(f: _Fields) -> str:
+    name = "hidden_activation" if "hidden_activation" in f.data else "hidden_act"
+    value = f.get(name, "silu")
+    if value not in _ACTIVATIONS:
+        raise f.error(name, f"must be one of {sorted(_ACTIVATIONS)}, got {value!r}")
+    return _ACTIVATIONS[value]
+
+
+def _moe(f: _Fields, arch: str) -> MoEConfig | None:
+    style = _MOE_STYLES.get(arch)
+    if style is None:
+        return None
+    n = f.get_int("num_hidden_layers")
+    experts = f.opt_int("num_experts") or f.get_int("num_local_experts")
+    if style == "mixtral":
+        return MoEConfig(
+            experts,
+            f.get_int("num_experts_per_tok"),
+            f.get_int("intermediate_size"),
+            True,
+            (True,) * n,
+            style,
+        )
+    dense = f.get("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise f.error("mlp_only_layers", f"must be a list of layer indices, got {dense!r}")
+    step = f.get_int("decoder_sparse_step", 1)
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return MoEConfig(
+        experts,
+        f.get_int("num_experts_per_tok"),
+        f.get_int("moe_intermediate_size"),
+        f.get_bool("norm_topk_prob", False),
+        sparse,
+        style,
+    )
+
+
+def _gemma_fields(f: _Fields, arch: str, window: int | None) -> dict[str, Any]:
+    """ArchConfig fields of the Gemma 3 text model (none for the other families)."""
+    if arch not in _GEMMA:
+        return {}
+    if f.data.get("attn_logit_softcapping") is not None:
+        raise f.error("attn_logit_softcapping", "is not supported (Gemma 3 leaves it unset)")
+    if f.get_bool("use_bidirectional_attention", False):
+        raise f.error("use_bidirectional_attention", "is not supported (a causal LM is served)")
+    local_theta, local_scaling = _rope(f, "sliding_attention", 10000.0)
+    # transformers caps the logits in Gemma3ForCausalLM only (its ForConditionalGeneration does
+    # not); Gemma 3's released configs leave the cap unset.
+    cap = f.data.get("final_logit_softcapping") if arch == "Gemma3ForCausalLM" else None
+    return dict(
+        local_rope_theta=local_theta if window else None,
+        local_rope_scaling=local_scaling,
+        norm_offset=True,
+        scale_embeddings=True,
+        sandwich_norms=True,
+        attention_scale=f.get_float("query_pre_attn_scalar", 256) ** -0.5,
+        final_logit_softcapping=None if cap is None else f.get_float("final_logit_softcapping"),
+        rope_extends_context=False,
+    )
+
+
 def _parse(f: _Fields) -> ArchConfig:
     arch = _architecture(f)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise f.error(
+            "architectures",
+            f"names {arch!r}, an unsupported architecture; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    if arch in _GEMMA:
+        f = _Fields({**_GEMMA_DEFAULTS, **f.data}, f.source)
     hidden, heads = f.get_int("hidden_size"), f.get_int("num_attention_heads")
     kv_heads = f.get_int("num_key_value_heads", heads)
     if heads % kv_heads:
@@ -207,10 +436,12 @@ def _parse(f: _Fields) -> ArchConfig:
     head_dim = f.opt_int("head_dim") or hidden // heads
     if head_dim % 2:
         raise f.error("head_dim", f"must be even for rotary embeddings, got {head_dim}")
-    if f.get("hidden_act", "silu") != "silu":
-        raise f.error("hidden_act", f"must be 'silu', got {f.data['hidden_act']!r}")
-    theta, scaling = _rope(f)
+    _check_partial_rotary(f)
+    gemma = arch in _GEMMA
+    theta, scaling = _rope(f, "full_attention" if gemma else None, 1e6 if gemma else 10000.0)
     qkv_bias = arch == "Qwen2ForCausalLM" or f.get_bool("attention_bias", False)
+    window = _sliding_window(f)
+    layer_windows = _layer_windows(f, arch, window)
     return ArchConfig(
         architecture=arch,
         vocab_size=f.get_int("vocab_size"),
@@ -228,13 +459,18 @@ def _parse(f: _Fields) -> ArchConfig:
         attention_bias=qkv_bias,
         o_proj_bias=arch != "Qwen2ForCausalLM" and qkv_bias,
         mlp_bias=f.get_bool("mlp_bias", False),
-        qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_window=_sliding_window(f),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA),
+        sliding_window=window if layer_windows else None,
         torch_dtype=_dtype(f),
         bos_token_id=f.opt_int("bos_token_id", minimum=0),
         eos_token_ids=f.token_ids("eos_token_id"),
         source=f.source,
         quantization=_quantization(f),
+        layer_windows=layer_windows,
+        hidden_act=_activation(f),
+        fused_checkpoint=arch == "Phi3ForCausalLM",
+        moe=_moe(f, arch),
+        **_gemma_fields(f, arch, window),
     )
 
 

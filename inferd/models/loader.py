@@ -48,6 +48,20 @@ HUB_ALLOW_PATTERNS = [
 ]
 # Tensors some checkpoints carry that are recomputed, not loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint (Gemma 3's ForConditionalGeneration) is served as its text tower: its
+# language model's names (transformers >= 5, then < 5) -> the text model's; the other towers'
+# tensors are skipped.
+_TEXT_TOWER_NAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_OTHER_TOWERS = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
 DUMMY_RANGE = 1e-3
 
 
@@ -109,6 +123,7 @@ def load_model(
             linear.dequantize()
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}")
+    model.fold_norms()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s from %s: %.1fM parameters, %s, device %s, %s weights, %.2f s",
@@ -155,13 +170,15 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
     layout = model.checkpoint_layout()
     params = dict(model.named_parameters(remove_duplicate=False))
     tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
+    multimodal = model.config.architecture.endswith("ForConditionalGeneration")
     seen: set[str] = set()
     with _progress(files) as bar:
         for file in files:
             with _open(file) as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                for stored in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     bar.update(1)
-                    if name == tied_head or name.endswith(_IGNORED_SUFFIXES):
+                    name = _text_tower_name(stored) if multimodal else stored
+                    if name is None or name == tied_head or name.endswith(_IGNORED_SUFFIXES):
                         continue
                     target = layout.get(name)
                     if target is None:
@@ -169,7 +186,7 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
                             f"{file.name}: unexpected tensor {name!r}, which this "
                             f"{model.config.architecture} has no parameter for"
                         )
-                    _copy_tensor(f, name, file, params[target.param_name], target)
+                    _copy_tensor(f, stored, file, params[target.param_name], target)
                     seen.add(name)
     missing = sorted(set(layout) - seen)
     if missing:
@@ -178,6 +195,16 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
             f"{files[0].parent}: checkpoint is missing {len(missing)} tensor(s): "
             f"{', '.join(missing[:5])}{more}"
         )
+
+
+def _text_tower_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's, or None for another tower's."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, ours in _TEXT_TOWER_NAMES:
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name
 
 
 def _copy_tensor(f: Any, name: str, file: Path, param: torch.Tensor, target: WeightTarget) -> None:

@@ -8,10 +8,13 @@ from torch import Tensor
 
 from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
+from inferd.models.config import SUPPORTED_ARCHITECTURES
 from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.linear import Linear
 from inferd.models.llama import LlamaForCausalLM
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "get_model_class"]
 
 
 class CausalLM(Protocol):
@@ -47,14 +50,21 @@ class CausalLM(Protocol):
 
 
 # One implementation covers the family; the differences are ArchConfig flags.
+# docs/models.md lists them with what each needs.
 _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    # Its text tower (config.json's text_config; the loader skips the vision tower's tensors).
+    "Gemma3ForConditionalGeneration": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "config.py and the registry disagree"
 
 
 def get_model_class(architecture: str, source: str = "config.json") -> type[LlamaForCausalLM]:

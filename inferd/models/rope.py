@@ -20,6 +20,12 @@ Scaling variants (`rope_scaling["rope_type"]`):
   the paged cache never need re-rotating. Hugging Face instead recomputes the base from the current
   sequence length on every forward (the unscaled base up to max_position_embeddings). The two agree
   exactly only when HF's sequence length is max_pos * factor; elsewhere outputs differ slightly.
+- "longrope" (Phi-3's, also named "su"): per-frequency factors, `short_factor` for positions
+  below `original_max_position_embeddings` and `long_factor` from there on (vLLM's choice: a
+  position's rotation never changes once its K is cached), cos and sin times the attention factor
+  sqrt(1 + ln(max_pos / original) / ln(original)). Hugging Face switches every position of a
+  sequence to the long factors once the sequence passes the original length; the two agree on
+  sequences up to that length.
 """
 
 from __future__ import annotations
@@ -30,13 +36,30 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
     if not rope_scaling:
         return "default"
-    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+    name = str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+    return "longrope" if name == "su" else name
+
+
+def _longrope_inv_freq(head_dim: int, base: float, factors: list[float]) -> Tensor:
+    # HF's expression: 1 / (ext_factors * base ** (2i / D)).
+    ext = torch.tensor(factors, dtype=torch.float32)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * base**exponents)
+
+
+def longrope_attention_factor(rope_scaling: dict[str, Any]) -> float:
+    """cos and sin are scaled by this (HF's default when the config gives none)."""
+    original = int(rope_scaling["original_max_position_embeddings"])
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling.get("factor") or rope_scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def base_inv_freq(head_dim: int, base: float) -> Tensor:
@@ -105,13 +128,15 @@ class RotaryEmbedding(nn.Module):
         base: float,
         rope_scaling: dict[str, Any] | None,
         dtype: torch.dtype,
+        cache_len: int | None = None,
     ) -> None:
+        """`cache_len`: positions to tabulate (default: what the scaling reaches)."""
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
         self.base = base
         self.rope_scaling = rope_scaling
-        self.cache_len = rope_cache_len(rope_scaling, max_position)
+        self.cache_len = cache_len or rope_cache_len(rope_scaling, max_position)
         # Computed on the CPU (cheap, and meta tensors have no values), then moved to the device
         # the model is being built on.
         cos, sin = (c.to(torch.get_default_device(), dtype) for c in self._build_cache())
@@ -122,6 +147,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
 
     def _build_cache(self) -> tuple[Tensor, Tensor]:
+        if rope_type_of(self.rope_scaling) == "longrope":
+            return self._build_longrope_cache()
         with torch.device("cpu"):
             inv_freq = compute_inv_freq(
                 self.head_dim, self.base, self.rope_scaling, self.max_position
@@ -129,6 +156,19 @@ class RotaryEmbedding(nn.Module):
             t = torch.arange(self.cache_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         return freqs.cos(), freqs.sin()
+
+    def _build_longrope_cache(self) -> tuple[Tensor, Tensor]:
+        assert self.rope_scaling is not None
+        scaling = self.rope_scaling
+        original = int(scaling["original_max_position_embeddings"])
+        with torch.device("cpu"):
+            t = torch.arange(self.cache_len, dtype=torch.float32)
+            short = _longrope_inv_freq(self.head_dim, self.base, scaling["short_factor"])
+            long = _longrope_inv_freq(self.head_dim, self.base, scaling["long_factor"])
+            is_long = (torch.arange(self.cache_len) >= original)[:, None]
+            freqs = torch.where(is_long, torch.outer(t, long), torch.outer(t, short))  # [P, D/2]
+            factor = longrope_attention_factor(scaling)
+            return freqs.cos() * factor, freqs.sin() * factor
 
     def cos_sin(self, positions: Tensor) -> RopeCosSin:
         # positions: [T] int64 -> cos, sin: [T, 1, D/2]

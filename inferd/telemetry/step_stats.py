@@ -35,6 +35,9 @@ class StepStat:
     sample: float = 0.0
     detokenize: float = 0.0
     total: float = 0.0
+    # Mixture of experts: rows routed to each expert this step, summed over the MoE layers (the
+    # load balance across experts); empty for a dense model. Not in summary().
+    expert_rows: list[int] = field(default_factory=list)
 
     @property
     def outside_forward(self) -> float:
@@ -62,7 +65,8 @@ class StepStats:
         chosen = [s for s in self.steps if s.num_running >= min_running]
         out: dict[str, float] = {"steps": float(len(chosen))}
         for f in fields(StepStat):
-            out[f.name] = float(sum(getattr(s, f.name) for s in chosen))
+            if f.name != "expert_rows":
+                out[f.name] = float(sum(getattr(s, f.name) for s in chosen))
         return out
 
 

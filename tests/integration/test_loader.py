@@ -91,7 +91,7 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
         ("hidden_size", "big", "must be an integer"),
         ("num_key_value_heads", 3, "must divide"),
         ("rms_norm_eps", -1, "positive number"),
-        ("hidden_act", "gelu", "must be 'silu'"),
+        ("hidden_act", "gelu", "must be one of"),
         ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported|supported"),
         ("rope_scaling", {"rope_type": "linear"}, "'factor'"),
     ],
@@ -236,7 +236,12 @@ def test_family_flags() -> None:
     qwen3 = ArchConfig.from_dict({**bare, "model_type": "qwen3", "head_dim": 16})
     assert (qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == (True, False, 16)
     mistral = ArchConfig.from_dict({**bare, "model_type": "mistral", "sliding_window": 32})
-    assert mistral.sliding_window == 32 and mistral.max_context_len == 32
+    # A sliding window limits what each layer attends to, not the context (issue 43).
+    assert (
+        mistral.sliding_window == 32
+        and mistral.max_context_len == CONFIG["max_position_embeddings"]
+    )
+    assert mistral.layer_windows == (32,) * CONFIG["num_hidden_layers"]
     llama = ArchConfig.from_dict({**CONFIG, "attention_bias": True, "eos_token_id": [5, 7]})
     assert (llama.attention_bias, llama.o_proj_bias) == (True, True)
     assert llama.eos_token_ids == frozenset({5, 7})

@@ -53,7 +53,9 @@ def _case(
     return q, kv, PagedBatch(tables, q_start, q_len, ctx)
 
 
-def _reference(q: Tensor, kv: Tensor, batch: PagedBatch, scale: float) -> Tensor:
+def _reference(
+    q: Tensor, kv: Tensor, batch: PagedBatch, scale: float, window: int | None = None
+) -> Tensor:
     if kv.dtype == torch.int8:  # the values the rows hold (dequantized as the PyTorch path does)
         kv = kv_int8.dequantize(kv, torch.float64)
     _, _, bs, hkv, _ = kv.shape
@@ -67,9 +69,10 @@ def _reference(q: Tensor, kv: Tensor, batch: PagedBatch, scale: float) -> Tensor
         v = kv[1].flatten(0, 1)[slots].double().repeat_interleave(hq // hkv, dim=1)
         for j in range(ql):
             keys = ctx - ql + j + 1
+            lo = 0 if window is None else max(0, keys - window)  # the last `window` keys
             qj = q[qs + j].double()  # [Hq, D]
-            w = torch.einsum("hd,khd->hk", qj, k[:keys]) * scale
-            out[qs + j] = torch.einsum("hk,khd->hd", w.softmax(-1), v[:keys])
+            w = torch.einsum("hd,khd->hk", qj, k[lo:keys]) * scale
+            out[qs + j] = torch.einsum("hk,khd->hd", w.softmax(-1), v[lo:keys])
     return out
 
 
@@ -82,12 +85,13 @@ def _check(
     bs: int = 16,
     kv_dtype: torch.dtype = torch.float32,
     act_dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> None:
     q, kv, batch = _case(seqs, hq, hkv, d, bs, kv_dtype, act_dtype)
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))
-    kernel(out, q, kv, batch, scale)
-    ref = _reference(q, kv, batch, scale)
+    kernel(out, q, kv, batch, scale, window)
+    ref = _reference(q, kv, batch, scale, window)
     tol = 1e-5 if act_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -111,6 +115,23 @@ def test_many_decode_rows_group_kv_heads(
     else:
         assert isinstance(kv_dtype, torch.dtype)
         _check(kernel, seqs, hq=4 * group, hkv=4, bs=16, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 33, 200])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float32), (torch.int8, torch.float32), (torch.bfloat16, torch.bfloat16)],
+)
+def test_sliding_window(
+    kernel: PagedAttentionKernel, window: int, dtypes: tuple[torch.dtype, torch.dtype]
+) -> None:
+    # Each query sees its last `window` keys: decode rows, prefill chunks (with and without a
+    # cached prefix, longer than a query tile), one long stream whose keys are split across
+    # threads, rows whose window starts mid-block and mid-tile.
+    kv_dtype, act_dtype = dtypes
+    seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (1, 1), (70, 70), (1, 1000)]
+    _check(kernel, seqs, 8, 4, 64, 16, kv_dtype, act_dtype, window)
+    _check(kernel, [(1, 2000)], 8, 2, 64, 16, kv_dtype, act_dtype, window)
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])

@@ -86,8 +86,9 @@ class PagedBatch:
     """Sequences whose queries the kernel serves, all int32 on CPU.
 
     Sequence s owns queries [q_start[s], q_start[s] + q_len[s]) of the flat batch and ctx_len[s]
-    keys in the cache (after this step's write); query j sees keys [0, ctx_len - q_len + j].
-    Decode is q_len = 1; a prefill chunk with a cached prefix is q_len = chunk length.
+    keys in the cache (after this step's write); query j sees keys [0, ctx_len - q_len + j]
+    (with a sliding window W, the last W of them). Decode is q_len = 1; a prefill chunk with a
+    cached prefix is q_len = chunk length.
     """
 
     block_tables: Tensor  # [S, max_blocks] int32
@@ -120,14 +121,21 @@ class PagedAttentionKernel:
         fn = lib.inferd_paged_attention
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32]
-        fn.argtypes += [ptr, i32, ptr, ptr, ptr, i32, ctypes.c_float]
+        fn.argtypes += [ptr, i32, ptr, ptr, ptr, i32, ctypes.c_float, i32]
         fn.restype = ctypes.c_int
         self._fn = fn
 
     def __call__(
-        self, out: Tensor, q: Tensor, kv_cache: Tensor, batch: PagedBatch, scale: float
+        self,
+        out: Tensor,
+        q: Tensor,
+        kv_cache: Tensor,
+        batch: PagedBatch,
+        scale: float,
+        window: int | None = None,
     ) -> None:
         # out, q: [T, Hq, D] contiguous  kv_cache: [2, NB, bs, Hkv, D (+ 4 if int8)] contiguous
+        # window: each query sees its last `window` keys only (None: all before it)
         assert out.is_contiguous() and q.is_contiguous() and kv_cache.is_contiguous()
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         head_dim = q.shape[2]
@@ -150,6 +158,7 @@ class PagedAttentionKernel:
             batch.ctx_len.data_ptr(),
             batch.num_seqs,
             scale,
+            window or 0,
         )
         if rc != 0:
             raise RuntimeError(f"paged attention kernel rejected its arguments (rc={rc})")

@@ -53,6 +53,7 @@ class _Layer(ctypes.Structure):
         ("o", _Lin),
         ("gate_up", _Lin),
         ("down", _Lin),
+        ("window", _i64),
     ]
 
 
@@ -137,6 +138,7 @@ class LayerWeights:
     o: GemvWeight
     gate_up: GemvWeight
     down: GemvWeight
+    window: int = 0  # sliding window of the layer's attention (0: none)
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,7 @@ def _layer(lw: LayerWeights) -> _Layer:
         o=_lin(lw.o),
         gate_up=_lin(lw.gate_up),
         down=_lin(lw.down),
+        window=lw.window,
     )
 
 

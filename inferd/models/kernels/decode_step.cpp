@@ -34,7 +34,7 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
                            int kv_dtype, int64_t num_blocks, int block_size, int num_heads,
                            int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
-                           int num_seqs, float scale);
+                           int num_seqs, float scale, int window);
 int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
                 int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,
@@ -67,6 +67,7 @@ struct Layer {
   const void* k_norm;     // [d] or null
   void* kv_cache;         // [2, num_blocks, block_size, hkv, d] in kv_dtype
   Lin qkv, o, gate_up, down;
+  int64_t window;         // sliding window of this layer's attention (0: none)
 };
 
 struct Model {
@@ -130,7 +131,7 @@ int layer(const Model& m, const Layer& L, const Step& s) {
                                 static_cast<int>(m.block_size), static_cast<int>(m.hq),
                                 static_cast<int>(m.hkv), static_cast<int>(m.d), s.tables,
                                 static_cast<int>(s.table_stride), s.q_start, s.q_len, s.ctx_len,
-                                static_cast<int>(rows), m.scale);
+                                static_cast<int>(rows), m.scale, static_cast<int>(L.window));
   if (rc == 0) rc = linear(L.o, s.attn, rows, s.h, dt);
   if (rc == 0)
     rc = inferd_rms_norm(s.x, hid, s.h, hid, s.residual, L.post_norm, dt, rows, hid, m.eps);

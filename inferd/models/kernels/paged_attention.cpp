@@ -13,7 +13,11 @@
 //   q_start, q_len, ctx_len  [S] int32         sequence s owns queries [q_start, q_start + q_len)
 //                                              of the flat batch and ctx_len keys in the cache
 // Query j of sequence s (0 <= j < q_len) sees keys [0, ctx_len - q_len + j]: decode is q_len = 1,
-// a prefill chunk with a cached prefix is q_len = L.
+// a prefill chunk with a cached prefix is q_len = L. With a sliding window W > 0 it sees only the
+// last W of them, keys (ctx_len - q_len + j - W, ctx_len - q_len + j] (Hugging Face's
+// `kv_idx > q_idx - W`): an item's keys start at its first query's first visible key, so blocks
+// wholly before the window are never read, and keys of a tile below a row's window are masked
+// after its scores (mask_below_window), before the softmax.
 //
 // Work item = (sequence, kv head, query tile, key split). The G = Hq / Hkv query heads sharing a
 // KV head are G rows of one item, so each K/V row is read once per item (GQA without copies). A
@@ -94,6 +98,7 @@ struct Problem {
   const int32_t* q_len;
   const int32_t* ctx_len;
   float scale;
+  int window;  // 0: none
 };
 
 // Rows of an item: kv heads [head, head + nh) x queries [j0, j1) x the G query heads of each,
@@ -211,6 +216,7 @@ struct Kernel {
     const float* vrow[kKeyTile];
     alignas(64) float sc[kMaxRows * kKeyTile];
     int limit[kMaxRows];  // last key index (inclusive) each row may see
+    int first[kMaxRows];  // first key index each row may see (> 0 only with a window)
     int hoff[kMaxRows];   // the row's kv head, as a float offset from the item's first
     float tmax[kMaxRows];  // each row's largest score in the current key tile
     const int esz = p.act_dtype == kF32 ? 4 : 2;
@@ -236,6 +242,7 @@ struct Kernel {
               _mm512_store_ps(qbuf + r * D + c * 16,
                               _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
           limit[r] = ctx - qlen + it.j0 + j;
+          first[r] = p.window > 0 ? std::max(0, limit[r] - p.window + 1) : 0;
           hoff[r] = hh * D;
           m[r] = kNegInf;
           l[r] = 0.0f;
@@ -304,6 +311,7 @@ struct Kernel {
                                           sc + r * kKeyTile);
         }
       }
+      if (t0 < first[rows - 1]) mask_below_window(first, rows, t0, n, sc, tmax);
       // V after every row's scores: a widened tile then reuses K's scratch, which stays in L1.
       if (dot_bf16)
         locate(p, p.v_cache, it.seq, it.head, t0, n, vraw);
@@ -353,6 +361,22 @@ struct Kernel {
       }
     }
     if (amx) amx_release();
+  }
+
+  // Sliding window: scores of keys below a row's first visible key (first[r]) become -inf and
+  // the row's tile max is taken again over the rest (-inf when none is left: the softmax step
+  // then adds nothing). Rows' first keys ascend with r's query, so the last row's is the largest.
+  static void mask_below_window(const int* first, int rows, int t0, int n, float* sc,
+                                float* tmax) {
+    for (int r = 0; r < rows; ++r) {
+      const int cut = std::min(n, first[r] - t0);
+      if (cut <= 0) continue;
+      float* s = sc + r * kKeyTile;
+      std::fill_n(s, cut, kNegInf);
+      float mx = kNegInf;
+      for (int i = cut; i < n; ++i) mx = std::max(mx, s[i]);
+      tmax[r] = mx;
+    }
   }
 
   // Scores of one row against keys [t0, t0 + n): 16 keys at a time, `dot(i)` giving key i's
@@ -573,7 +597,7 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
   int max_ctx = 0;
   for (int s = 0; s < num_seqs; ++s) {
     base += (p.q_len[s] + qt - 1) / qt * p.num_kv_heads;
-    max_ctx = std::max(max_ctx, p.ctx_len[s]);
+    max_ctx = std::max(max_ctx, p.window > 0 ? std::min(p.ctx_len[s], p.window) : p.ctx_len[s]);
   }
   int want = 1;
   if (threads > 1 && base < 4 * threads)
@@ -586,7 +610,9 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
     for (int j0 = 0; j0 < qlen; j0 += qt) {
       const int j1 = std::min(qlen, j0 + qt);
       const int kend = ctx - qlen + j1;  // exclusive
-      const int splits = std::min(want, std::max(1, kend / kMinSplitKeys));
+      // The tile's first query's first visible key (a window skips the keys before it).
+      const int kbeg = p.window > 0 ? std::max(0, ctx - qlen + j0 - p.window + 1) : 0;
+      const int splits = std::min(want, std::max(1, (kend - kbeg) / kMinSplitKeys));
       int nh = 1;
       if (group_heads && splits == 1)
         nh = std::max(1, std::min({p.num_kv_heads, kMaxItemWidth / p.head_dim,
@@ -594,16 +620,17 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
       for (int h = 0; h < p.num_kv_heads; h += nh) {
         const int n_h = std::min(nh, p.num_kv_heads - h);
         if (splits == 1) {
-          items.push_back({s, h, n_h, j0, j1, 0, kend, -1});
+          items.push_back({s, h, n_h, j0, j1, kbeg, kend, -1});
           continue;
         }
         const int64_t split_size =
             static_cast<int64_t>(item_rows(p, n_h, j0, j1)) * (p.head_dim + 2);
         merges.push_back({s, h, n_h, j0, j1, splits, scratch_floats});
-        int per = (kend + splits - 1) / splits;
+        int per = (kend - kbeg + splits - 1) / splits;
         per = (per + kKeyTile - 1) / kKeyTile * kKeyTile;
         for (int sp = 0; sp < splits; ++sp) {
-          const int k0 = std::min(kend, sp * per), k1 = std::min(kend, (sp + 1) * per);
+          const int k0 = std::min(kend, kbeg + sp * per);
+          const int k1 = std::min(kend, kbeg + (sp + 1) * per);
           items.push_back({s, h, n_h, j0, j1, k0, k1, scratch_floats + sp * split_size});
         }
         scratch_floats += splits * split_size;
@@ -616,22 +643,24 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
 
 extern "C" {
 
-int inferd_paged_attention_version() { return 1; }
+int inferd_paged_attention_version() { return 2; }
 
 // Returns 0, or -1 for an unsupported head_dim / dtype (the caller falls back to PyTorch).
+// `window`: each query sees its last `window` keys only (0: every key before it).
 int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* kv_cache,
                            int kv_dtype, int64_t num_blocks, int block_size, int num_heads,
                            int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
-                           int num_seqs, float scale) {
+                           int num_seqs, float scale, int window) {
   ItemFn fn = pick(head_dim);
   if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > kI8 ||
+      window < 0 ||
       num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > kMaxRows)
     return -1;
   const int64_t half = num_blocks * block_size * num_kv_heads * kv_row_bytes(kv_dtype, head_dim);
   const char* kc = static_cast<const char*>(kv_cache);
   Problem p{out,  q,        act_dtype, kc,         kc + half, kv_dtype, block_size, num_heads,
-            num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale};
+            num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale, window};
   const int threads = omp_get_max_threads();
   std::vector<Item> items;
   std::vector<Merge> merges;
@@ -643,7 +672,9 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
   const int n_merges = static_cast<int>(merges.size());
   // Tiny batches run on the calling thread: waking the pool costs more than the work.
   int64_t work = 0;
-  for (int s = 0; s < num_seqs; ++s) work += static_cast<int64_t>(q_len[s]) * ctx_len[s];
+  for (int s = 0; s < num_seqs; ++s)
+    work += static_cast<int64_t>(q_len[s]) * (window > 0 ? std::min(ctx_len[s], window + q_len[s])
+                                                         : ctx_len[s]);
   const int nthr = work * num_heads < kMinParallelWork ? 1 : std::min(threads, n_items);
 #pragma omp parallel num_threads(nthr)
   {
