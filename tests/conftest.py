@@ -8,12 +8,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from inferd.config import read_environment
 from inferd.models import kernels
 from inferd.models.kernels import NativeKernels
 
 _TIERS = ("unit", "integration", "e2e")
+
+# No per-example deadline anywhere: Hypothesis's default 200 ms fails a pure test on a 2-core box
+# busy with other work, which proves nothing about the code. A test's own @settings inherit this.
+settings.register_profile("inferd", deadline=None)
+settings.load_profile("inferd")
 _ROOT = Path(__file__).parent
 
 

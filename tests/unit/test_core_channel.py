@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferd.engine.core_channel import CoreSocket, FrameProtocol, FrameSplitter, frame
 
 
+@settings(deadline=None)  # a loaded 2-core box must not fail a pure test
 @given(
     payloads=st.lists(st.binary(max_size=300), max_size=12),
     cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=20),
