@@ -36,6 +36,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
+    _engine_pid: int | None = None
 
     @property
     def url(self) -> str:
@@ -46,13 +47,23 @@ class Server:
         return parse_samples(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def engine_pid(self) -> int:
-        """The engine core: the server's child process running Python."""
-        pids = child_pids(self.proc.pid)
-        for pid in pids:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
-                return pid
-        raise AssertionError(f"no engine child among {pids}")
+        """The engine core: the server's child process running Python (looked up once: it lives
+        as long as the server)."""
+        if self._engine_pid is None:
+            self._engine_pid = _engine_child(self.proc.pid)
+        return self._engine_pid
+
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """The engine core stopped (SIGSTOP) for the block, then continued: what it runs makes
+        no step meanwhile, so a test decides when a generation goes on instead of racing it. The
+        front keeps serving (admission, queue deadlines, readiness, metrics)."""
+        pid = self.engine_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
 
 def free_port() -> int:
@@ -82,6 +93,15 @@ def start_server(tmp: Path, *extra: str, timeout_s: float = 120.0) -> Server:
         time.sleep(0.2)
     stop_server(server)
     raise RuntimeError(f"server not ready in {timeout_s} s:\n{log.read_text()}")
+
+
+def _engine_child(server_pid: int) -> int:
+    pids = child_pids(server_pid)
+    for pid in pids:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"multiprocessing" in cmd and b"resource_tracker" not in cmd:
+            return pid
+    raise AssertionError(f"no engine child among {pids}")
 
 
 def child_pids(pid: int) -> list[int]:
