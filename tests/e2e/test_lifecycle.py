@@ -91,7 +91,7 @@ def _scheduled_at(server: Server, request_id: str) -> float:
     the end of its `queue` stage, which the engine's own first-scheduled instant closes."""
     doc = httpx.get(f"{server.url}/v1/requests/{request_id}", timeout=10).json()
     (queue,) = [s for s in doc["stages"] if s["stage"] == "queue"]
-    return float(doc["arrival_unix"]) + queue["start"] + queue["seconds"]
+    return float(doc["arrival_unix"]) + float(queue["start"]) + float(queue["seconds"])
 
 
 @pytest.fixture(scope="module")
