@@ -25,6 +25,8 @@ from inferd.kv_cache.events import (
 
 BLOCK = 16
 SHARED = [(i * 37) % 3000 + 10 for i in range(96)]  # 6 full blocks
+# Events the tests publish themselves, beside the engine's: no block has a negative hash.
+PROBE, MARKER = BlockRemoved([-1]), BlockRemoved([-2])
 
 
 def _params(n: int = 1) -> SamplingParams:
@@ -63,32 +65,52 @@ def test_n_choices_count_their_prompt_once(llm: LLM) -> None:
     assert out.metrics.num_cached_tokens == len(SHARED)
 
 
+def _connect(publisher: KVEventPublisher, subscriber: KVEventSubscriber) -> int:
+    """Publishes a probe until the subscriber receives one (PUB drops what it sends before a
+    subscription has reached it), then a last probe, read up to: nothing published earlier is
+    still on the way. Returns the seq the next batch will carry."""
+    deadline = time.monotonic() + 30
+    while subscriber.receive(timeout_s=0.05) is None:
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        publisher.publish([PROBE])
+    publisher.publish([MARKER])
+    while (received := subscriber.receive(timeout_s=30)) is not None:
+        if received.batch.events == [MARKER]:
+            return received.batch.seq + 1
+    raise AssertionError("the last probe never arrived")
+
+
 @pytest.fixture
-def llm_with_events() -> Iterator[tuple[LLM, KVEventSubscriber]]:
+def llm_with_events() -> Iterator[tuple[LLM, KVEventSubscriber, int]]:
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     llm = LLM(
         dtype="float32", kv_cache_memory=16 << 20, block_size=BLOCK, kv_events_endpoint=endpoint
     )
     subscriber = KVEventSubscriber(endpoint)
-    time.sleep(0.3)  # PUB/SUB: a subscription needs a moment to reach the publisher
-    yield llm, subscriber
-    subscriber.close()
     publisher = llm.llm_engine.kv_events
     assert publisher is not None
+    next_seq = _connect(publisher, subscriber)
+    yield llm, subscriber, next_seq
+    subscriber.close()
     publisher.close()
 
 
 def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
-    llm_with_events: tuple[LLM, KVEventSubscriber],
+    llm_with_events: tuple[LLM, KVEventSubscriber, int],
 ) -> None:
-    llm, subscriber = llm_with_events
+    llm, subscriber, expected_seq = llm_with_events
     prompt = [*SHARED, 3, 4]
     llm.generate(_prompt([3, 4]), _params(), use_tqdm=False)
+    # A marker after the generation: what arrives before it is all the generation published.
+    publisher = llm.llm_engine.kv_events
+    assert publisher is not None
+    publisher.publish([MARKER])
     stored: list[int] = []
-    expected_seq = 0
-    while (received := subscriber.receive(timeout_s=2.0)) is not None:
+    while (received := subscriber.receive(timeout_s=30)) is not None:
         assert not received.gap and received.batch.seq == expected_seq
         expected_seq += 1
+        if received.batch.events == [MARKER]:
+            break
         for event in received.batch.events:
             assert isinstance(event, BlockStored) and event.block_size == BLOCK
             stored += event.block_hashes
