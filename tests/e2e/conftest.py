@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inferd.kv_cache.block_hash import block_hashes
+from inferd.kv_cache.events import BlockStored, KVEventSubscriber
 from inferd.telemetry.metrics import parse_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,3 +133,33 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def model_name() -> str:
     return "inferd-tiny"
+
+
+# Token ids no test prompt uses (theirs stay below 2,100; inferd-tiny's vocabulary has 4,096).
+_PROBE_BASE = 3000
+
+
+def probe_prompt(i: int, block_size: int = 16) -> list[int]:
+    """A prompt of one full KV block that no other prompt shares (so storing it is news)."""
+    return [_PROBE_BASE + i, *range(_PROBE_BASE + 500, _PROBE_BASE + 500 + block_size)]
+
+
+def kv_events_connected(
+    server: Server, subscriber: KVEventSubscriber, timeout_s: float = 60
+) -> None:
+    """Sends probe prompts to `server` until `subscriber` receives the BlockStored of the last
+    one sent, reading everything before it: the replica's PUB socket drops what it publishes
+    before a subscription has reached it (ZeroMQ's slow joiner), and delivers the rest in order,
+    so afterwards every event the test causes arrives and nothing older is still on the way."""
+    deadline = time.monotonic() + timeout_s
+    for i in itertools.count():
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        prompt = probe_prompt(i)
+        body = {"prompt": prompt, "max_tokens": 1}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        (want,) = block_hashes(prompt, 16)
+        while (received := subscriber.receive(timeout_s=0.5)) is not None:
+            events = received.batch.events
+            if any(isinstance(e, BlockStored) and want in e.block_hashes for e in events):
+                return
