@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -69,32 +69,46 @@ class Server:
             os.kill(pid, signal.SIGCONT)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The log lines that name the port a server listens on (it binds port 0: the OS picks one).
+READY_LINE = re.compile(rb"ready: https?://\S+?:(\d+)")
+ROUTER_LINE = re.compile(rb"router on https?://\S+?:(\d+)")
+_logs = itertools.count()
 
 
-def start_server(tmp: Path, *extra: str, timeout_s: float = 120.0) -> Server:
-    port = free_port()
-    log = tmp / f"server-{port}.log"
+def start_server(
+    tmp: Path, *extra: str, timeout_s: float = 120.0, listening: re.Pattern[bytes] = READY_LINE
+) -> Server:
+    """`inferd serve` on a port the OS picks (`--port 0`), read back from the log line that names
+    it (`listening`), so nothing can take the port between a test choosing it and the server
+    binding it; returns once /health/ready answers 200."""
+    log = tmp / f"server-{next(_logs)}.log"
     cmd = [sys.executable, "-m", "inferd.cli", "serve", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), *SMALL, *extra]
+    cmd += ["--port", "0", *SMALL, *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    server = Server(proc, port, log)
+    return wait_listening(proc, log, timeout_s, listening)
+
+
+def wait_listening(
+    proc: subprocess.Popen[bytes], log: Path, timeout_s: float, listening: re.Pattern[bytes]
+) -> Server:
+    """The server `proc` once its log names its port and its readiness answers 200."""
     deadline = time.monotonic() + timeout_s
+    port: int | None = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{server.url}/health/ready", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
+        if port is None and (found := listening.search(log.read_bytes())) is not None:
+            port = int(found.group(1))
+        if port is not None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                    return Server(proc, port, log)
+            except httpx.HTTPError:
+                pass
         time.sleep(0.2)
-    stop_server(server)
+    stop_server(Server(proc, port or 0, log))
     raise RuntimeError(f"server not ready in {timeout_s} s:\n{log.read_text()}")
 
 

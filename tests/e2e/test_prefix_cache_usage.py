@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import Server, free_port, kv_events_connected, start_server, stop_server
+from conftest import Server, kv_events_connected, start_server, stop_server
 
 from inferd.kv_cache.block_hash import block_hashes
 from inferd.kv_cache.events import BlockStored, KVEventSubscriber
@@ -23,8 +23,8 @@ SYSTEM = "You are a careful assistant. " * 12
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, KVEventSubscriber]]:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     tmp: Path = tmp_path_factory.mktemp("prefix")
+    endpoint = f"ipc://{tmp}/kv"  # a socket path: no port to race other processes for
     server = start_server(tmp, "--kv-events-endpoint", endpoint)
     subscriber = KVEventSubscriber(endpoint)
     kv_events_connected(server, subscriber)

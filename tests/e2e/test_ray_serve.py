@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from conftest import SMALL, free_port
+from conftest import SMALL
 
 # Ray reads this when it starts; set before `ray.init` so no usage report is attempted.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -59,6 +60,13 @@ class App:
     def completion(self, prompt: str) -> httpx.Response:
         body = {"model": "inferd-tiny", "prompt": prompt, "max_tokens": 2}
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+
+
+def free_port() -> int:
+    """A port free now; Serve's proxy takes no port 0 it would report, hence the retry below."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _start_serve(tries: int = 3) -> int:

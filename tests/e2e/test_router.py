@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ROOT, Server, free_port, start_server, stop_server
+from conftest import ROOT, ROUTER_LINE, Server, start_server, stop_server, wait_listening
 
 PREFIX = (
     "You are a careful assistant for the city archive. The history of the city begins with a "
@@ -40,24 +41,21 @@ class Cluster:
 
 
 def start_router(tmp: Path, replicas: list[Server], *extra: str) -> Server:
-    port = free_port()
-    log = tmp / "router.log"
-    cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", str(port)]
+    """`inferd router` over `replicas` on a port the OS picks (`--port 0`, read back from its
+    log), once it has every replica in rotation."""
+    log = tmp / f"router-{uuid.uuid4().hex[:8]}.log"
+    cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", "0"]
     cmd += ["--health-interval", "0.5", "--max-retries", "2", *extra]
     for r in replicas:
         cmd += ["--replica", r.url]
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    router = Server(proc, port, log)
+    router = wait_listening(proc, log, 60, ROUTER_LINE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            ready = httpx.get(f"{router.url}/health/ready", timeout=1).json()
-            if ready.get("replicas_ready") == len(replicas):
-                return router
-        except httpx.HTTPError:
-            pass
+        ready = httpx.get(f"{router.url}/health/ready", timeout=5).json()
+        if ready.get("replicas_ready") == len(replicas):
+            return router
         time.sleep(0.2)
     raise AssertionError(f"router not ready:\n{log.read_text()}")
 

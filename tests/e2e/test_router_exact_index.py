@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import Server, free_port, probe_prompt, start_server, stop_server
+from conftest import Server, probe_prompt, start_server, stop_server
 from test_router import PREFIX, Cluster, completion, start_router
 
 BLOCK_SIZE = 16  # the replicas' and the router's default
@@ -20,7 +20,7 @@ BLOCK_SIZE = 16  # the replicas' and the router's default
 @pytest.fixture(scope="module")
 def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("router-kv")
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    endpoints = [f"ipc://{tmp}/kv-{i}" for i in range(2)]  # socket paths: no port races
     with ThreadPoolExecutor(2) as pool:
         replicas = list(
             pool.map(lambda ep: start_server(tmp, "--kv-events-endpoint", ep), endpoints)

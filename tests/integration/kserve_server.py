@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import textwrap
 import threading
 import time
@@ -32,6 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from inferd.config import ServerConfig
 from inferd.gateway import create_app, gateway_state
+from inferd.gateway.connection import listening_port
 from inferd.gateway.state import GatewayState
 from inferd.repository.manager import ModelRepository
 from inferd.serve import uvicorn_options
@@ -186,12 +186,6 @@ def write_repository(root: Path) -> Path:
     return root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class LiveServer:
     port: int
@@ -213,14 +207,13 @@ class LiveServer:
 
 @contextlib.contextmanager
 def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
-    """The app with `root` as its model repository and no LLM, on a free port."""
+    """The app with `root` as its model repository and no LLM, on a port the OS picks."""
     config = ServerConfig(access_log=False, **server)
     app = create_app(None, config)
     state = gateway_state(app)
     state.serves_llm = False
-    port = free_port()
-    # The server's own uvicorn options (TLS, timeouts, connection bounds) on a test port.
-    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port}
+    # The server's own uvicorn options (TLS, timeouts, connection bounds) on port 0.
+    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": 0}
     del options["log_config"]
     uv = uvicorn.Server(uvicorn.Config(app, **options, log_level="warning", lifespan="off"))
     loops: list[asyncio.AbstractEventLoop] = []
@@ -250,7 +243,7 @@ def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
             raise RuntimeError(f"server did not start: {failures}")
         time.sleep(0.02)
     try:
-        yield LiveServer(port, state, loops[0])
+        yield LiveServer(listening_port(uv, 0), state, loops[0])
     finally:
         uv.should_exit = True
         thread.join(30)

@@ -5,7 +5,6 @@ stable hashes of the prompt's blocks."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 
@@ -37,10 +36,9 @@ def _prompt(suffix: list[int]) -> TokensPrompt:
     return {"prompt_token_ids": [*SHARED, *suffix]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A socket path (short: ZeroMQ's ipc paths are bounded), so no port is raced for."""
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/kv"
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +79,10 @@ def _connect(publisher: KVEventPublisher, subscriber: KVEventSubscriber) -> int:
 
 
 @pytest.fixture
-def llm_with_events() -> Iterator[tuple[LLM, KVEventSubscriber, int]]:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+def llm_with_events(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LLM, KVEventSubscriber, int]]:
+    endpoint = _endpoint(tmp_path_factory)
     llm = LLM(
         dtype="float32", kv_cache_memory=16 << 20, block_size=BLOCK, kv_events_endpoint=endpoint
     )
@@ -117,8 +117,10 @@ def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
     assert stored == block_hashes(prompt, BLOCK)
 
 
-def test_an_asyncio_subscriber_sees_numbered_batches_and_a_gap_when_it_joins_late() -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+def test_an_asyncio_subscriber_sees_numbered_batches_and_a_gap_when_it_joins_late(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    endpoint = _endpoint(tmp_path_factory)
     publisher = KVEventPublisher(endpoint)
     stored = BlockStored([1, 2], None, list(range(2 * BLOCK)), BLOCK)
 
