@@ -6,6 +6,8 @@ import asyncio
 import json
 import shutil
 import subprocess
+import time
+from typing import Any
 
 import httpx
 import openai
@@ -261,3 +263,35 @@ def test_metrics_names_and_promtool(server: Server) -> None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_the_access_log_has_one_json_line_per_request(server: Server) -> None:
+    # On by default: the line is the `inferd.access` logger's message, in the server's output.
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "Hello there", "max_tokens": 3, "ignore_eos": True},
+        headers={"X-Request-Id": "access-log-1"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30  # written as the response ends: maybe just after we read it
+    while not (lines := _access_lines(server, "access-log-1")):
+        assert time.monotonic() < deadline, "no access-log line for the request"
+        time.sleep(0.05)
+    (entry,) = lines
+    assert (entry["method"], entry["path"], entry["status"]) == ("POST", "/v1/completions", 200)
+    assert entry["bytes_out"] == len(r.content)
+    assert entry["client"].startswith("127.0.0.1:")
+    usage = r.json()["usage"]
+    assert entry["prompt_tokens"] == usage["prompt_tokens"]
+    assert entry["completion_tokens"] == usage["completion_tokens"] == 3
+    assert 0 < entry["duration_ms"] < 60_000
+
+
+def _access_lines(server: Server, request_id: str) -> list[dict[str, Any]]:
+    out = []
+    for line in server.log.read_text(errors="replace").splitlines():
+        _, marker, payload = line.partition("inferd.access: ")
+        if marker and f'"request_id":"{request_id}"' in payload:
+            out.append(json.loads(payload))
+    return out
