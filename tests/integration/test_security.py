@@ -30,8 +30,7 @@ from openai import DefaultHttpxClient, OpenAI
 from tritonclient.utils import InferenceServerException
 from websockets.sync.client import connect as ws_connect
 
-from inferd.config import AdmissionConfig, EngineConfig, ServerConfig
-from inferd.engine.async_client import AsyncLLM
+from inferd.config import EngineConfig, ServerConfig
 from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
 from inferd.serve import uvicorn_options
 from inferd.telemetry.metrics import parse_samples
@@ -338,7 +337,7 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
     """--ssl-ca-certs: HTTP and gRPC accept only clients with a certificate the CA signed."""
     certs = make_certs(tmp_path)
     root = write_repository(tmp_path / "repo")
-    tls = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
+    tls: dict[str, Any] = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
     with serve(root, **tls, ssl_ca_certs=str(certs.ca)) as live:
         grpc_server = live.call(start_grpc_server(live.state, "127.0.0.1", 0))
         try:
@@ -408,20 +407,16 @@ def secure_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureLLM]:
     tmp = tmp_path_factory.mktemp("secure-llm")
     certs = make_certs(tmp)
     (tmp / "keys").write_text(LLM_KEYS)
-    tls = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
-    with serve(write_repository(tmp / "repo"), api_key_file=str(tmp / "keys"), **tls) as live:
-        config = EngineConfig.from_kwargs(
-            dtype="float32", kv_cache_memory=8 << 20, max_model_len=256
-        )
-        llm = live.call(AsyncLLM.start(config, AdmissionConfig()), timeout_s=300)
-        live.state.llm = llm
-        live.state.serves_llm = True
-        try:
-            trust = ssl.create_default_context(cafile=str(certs.ca))
-            yield SecureLLM(f"https://127.0.0.1:{live.port}", trust)
-        finally:
-            live.state.llm = None
-            live.call(llm.shutdown(), timeout_s=60)
+    engine = EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    with serve(
+        None,
+        engine=engine,
+        api_key_file=str(tmp / "keys"),
+        ssl_keyfile=str(certs.key),
+        ssl_certfile=str(certs.cert),
+    ) as live:
+        trust = ssl.create_default_context(cafile=str(certs.ca))
+        yield SecureLLM(f"https://127.0.0.1:{live.port}", trust)
 
 
 def test_llm_routes_over_tls_take_keys_and_count_tokens_per_key(secure_llm: SecureLLM) -> None:
