@@ -76,6 +76,18 @@ def test_a_stop_string_cuts_a_stream_the_same_way(server: Server, greedy: dict[s
     assert choices[-1]["finish_reason"] == "stop"
 
 
+def test_min_tokens_holds_back_stop_strings_too(server: Server, greedy: dict[str, Any]) -> None:
+    # vLLM's rule: no stop string ends within the first min_tokens tokens' text.
+    text, generated = greedy["choices"][0]["text"], tokens(greedy)
+    first, stop = next((i, t) for i, t in enumerate(generated) if t in generated[i + 1 :])
+    min_tokens = first + 1  # the stop's first occurrence is inside them
+    boundary = len("".join(generated[:min_tokens]))
+    cut = text.find(stop, boundary - len(stop) + 1)  # the first that ends past them
+    assert 0 <= text.index(stop) < cut
+    choice = complete(server, stop=stop, min_tokens=min_tokens)["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (text[:cut], "stop")
+
+
 def test_a_stop_token_id_ends_the_choice_on_that_token(
     server: Server, greedy: dict[str, Any]
 ) -> None:
