@@ -2,9 +2,7 @@
 
 The engine's output processor keeps one TextStream per sequence and, each step, pushes the ids
 sampled for it; when the sequence ends for another reason (EOS, length, abort) it calls finish()
-to release the text still held back. Stop strings are looked for once the sequence has more than
-`min_tokens` tokens (vLLM's rule: min_tokens holds back stop strings as it does EOS and
-stop_token_ids): one that ends within the first min_tokens tokens' text does not stop it.
+to release the text still held back.
 """
 
 from __future__ import annotations
@@ -25,7 +23,10 @@ class TextDelta:
 class TextStream:
     """ids in, text deltas out; `.text` is everything handed out so far.
 
-    After a stop string matched, the sequence is over: later pushes and finish() return nothing.
+    Stop strings are looked for once the sequence has more than `min_tokens` tokens (vLLM's rule:
+    min_tokens holds back stop strings as it does EOS and stop_token_ids), so one that ends within
+    the first min_tokens tokens' text does not stop it. After a stop string matched, the sequence
+    is over: later pushes and finish() return nothing.
     """
 
     def __init__(
