@@ -27,6 +27,7 @@ import uvicorn
 from inferd.config import AdmissionConfig, RepositoryConfig, ServeConfig, ServerConfig
 from inferd.errors import ModelLoadError
 from inferd.gateway.app import create_app, set_engine
+from inferd.gateway.connection import listening_port, read_timeout_protocol
 from inferd.gateway.state import GatewayState, gateway_state
 from inferd.heap import freeze_startup_heap
 
@@ -74,7 +75,8 @@ async def run_server(config: ServeConfig) -> int:
         await parts.close(0.0)
         return EXIT_LOAD_FAILED
     freeze_startup_heap("server")
-    logger.info("ready: http://%s:%d%s", server.host, server.port, parts.describe())
+    port = listening_port(http, server.port)
+    logger.info("ready: http://%s:%d%s", server.host, port, parts.describe())
     code = await _wait_for_end(stop, parts.llm, http_task)
     state.draining = True
     if code == EXIT_OK:
@@ -107,8 +109,6 @@ def uvicorn_options(server: ServerConfig) -> dict[str, Any]:
     if server.ssl_ca_certs is not None and server.ssl_certfile is not None:
         options["ssl_cert_reqs"] = ssl.CERT_REQUIRED  # a CA given: clients must show a cert
     if server.read_timeout_s is not None:
-        from inferd.gateway.connection import read_timeout_protocol
-
         options["http"] = read_timeout_protocol(server.read_timeout_s)
     return options
 

@@ -1,20 +1,73 @@
 """Test tiers by folder, as LitServe marks them: every test under tests/unit is `unit`, under
 tests/integration `integration`, under tests/e2e `e2e`, so `pytest -m unit` finds all of them
-without a marker line in each file (a file may still add its own, e.g. a timeout)."""
+without a marker line in each file (a file may still add its own, e.g. a timeout).
+
+The run ends with its skips (and expected failures) counted by reason, also written, with
+pytest's exit status, to the file `--skip-summary PATH` names (.ci/run prints it last): a missing
+tool or CPU feature shows as one line with its count, not as hundreds of `-ra` lines."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from inferd.config import read_environment
 from inferd.models import kernels
 from inferd.models.kernels import NativeKernels
 
 _TIERS = ("unit", "integration", "e2e")
+
+# No per-example deadline anywhere: Hypothesis's default 200 ms fails a pure test on a 2-core box
+# busy with other work, which proves nothing about the code. A test's own @settings inherit this.
+settings.register_profile("inferd", deadline=None)
+settings.load_profile("inferd")
 _ROOT = Path(__file__).parent
+
+
+_skips: Counter[str] = Counter()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--skip-summary",
+        metavar="PATH",
+        help="also write the skips counted by reason to PATH (.ci/run prints it at the end)",
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped:
+        _skips[_skip_reason(report)] += 1
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """`xfail: why` for an expected failure, else the skip's reason (a skip mark's own words, or
+    pytest.skip's message without its "Skipped: " prefix)."""
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    lines = [f"{count:6d}  {reason}" for reason, count in _skips.most_common()]
+    if lines:
+        terminalreporter.write_sep("=", "skipped or xfailed, by reason")
+        for line in lines:
+            terminalreporter.write_line(line)
+    path = config.getoption("--skip-summary")
+    if path:
+        total = sum(_skips.values())
+        head = f"skipped or xfailed: {total}, by reason:"
+        status = f"pytest exit status: {int(exitstatus)}"
+        Path(path).write_text("\n".join([head, *lines, status]) + "\n")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

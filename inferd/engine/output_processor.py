@@ -86,6 +86,7 @@ class OutputProcessor:
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop_strings,
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
             choice = Choice(index=i, request=child, stream=stream)
             choice.logprobs = [] if params.logprobs is not None else None

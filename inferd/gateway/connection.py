@@ -10,6 +10,8 @@ the app (the gateway middleware sees the disconnect while it reads the body). A 
 upgrade disarms it: the WebSocket protocol takes the connection.
 
     config = uvicorn.Config(app, http=read_timeout_protocol(30.0))
+
+and where a started server listens (`listening_port`: the port the OS chose for `--port 0`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("inferd.gateway")
@@ -70,3 +73,12 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
 def read_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
     """The protocol class for uvicorn.Config(http=...), with `timeout_s` per request."""
     return type("ReadTimeoutProtocol", (ReadTimeoutProtocol,), {"read_timeout_s": timeout_s})
+
+
+def listening_port(server: uvicorn.Server, configured: int) -> int:
+    """The TCP port `server` listens on once started: `configured`, or the one the OS chose when
+    that was 0."""
+    for listener in server.servers:
+        for sock in listener.sockets:
+            return int(sock.getsockname()[1])
+    return configured

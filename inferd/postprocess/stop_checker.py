@@ -13,6 +13,10 @@ anyway, and a stop found now always ends in the new delta.
 When several stop strings match in one push, the one that ends first wins (ties: the one that
 starts first), which is the one a character-by-character stream would have hit, so the result does
 not depend on how the text was split into deltas.
+
+A push with `match=False` (the sequence has not reached its min_tokens yet) looks for no stop
+string but keeps the state: a stop that ends in such a push never matches, one that starts there
+and ends in a later push does, as vLLM's detokenizer checks them only past min_tokens.
 """
 
 from __future__ import annotations
@@ -49,14 +53,15 @@ class StopChecker:
     def stopped(self) -> bool:
         return self.stop is not None
 
-    def push(self, delta: str) -> StopResult:
+    def push(self, delta: str, *, match: bool = True) -> StopResult:
+        """`delta`'s text that can be emitted now; `match=False`: no stop string may end here."""
         if self.stop is not None or not delta:
             return StopResult("")
         buf = self._tail + delta
         first_unsent = len(self._tail) - self._held
-        match = earliest_stop(buf, self._stops, new_from=len(self._tail))
-        if match is not None:
-            return self._stop_at(buf, first_unsent, *match)
+        found = earliest_stop(buf, self._stops, new_from=len(self._tail)) if match else None
+        if found is not None:
+            return self._stop_at(buf, first_unsent, *found)
         hold = 0 if self._include else held_suffix_len(buf, self._stops, self._context_len)
         end = max(first_unsent, len(buf) - hold)
         self._tail = buf[max(0, len(buf) - self._context_len) :]

@@ -26,7 +26,10 @@ class TextDelta:
 class TextStream:
     """ids in, text deltas out; `.text` is everything handed out so far.
 
-    After a stop string matched, the sequence is over: later pushes and finish() return nothing.
+    Stop strings are looked for once the sequence has more than `min_tokens` tokens (vLLM's rule:
+    min_tokens holds back stop strings as it does EOS and stop_token_ids), so one that ends within
+    the first min_tokens tokens' text does not stop it. After a stop string matched, the sequence
+    is over: later pushes and finish() return nothing.
     """
 
     def __init__(
@@ -37,10 +40,13 @@ class TextStream:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._checker = StopChecker(stop, include_stop_str_in_output) if stop else None
         self._text = TextBuffer()
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
 
     @property
     def text(self) -> str:
@@ -54,6 +60,7 @@ class TextStream:
     def push(self, ids: Sequence[int]) -> TextDelta:
         if self.stop is not None:
             return TextDelta("")
+        self._num_tokens += len(ids)
         return self._check(self._detokenizer.add_tokens(ids))
 
     def finish(self) -> str:
@@ -71,7 +78,7 @@ class TextStream:
         if self._checker is None:
             self._append(text)
             return TextDelta(text)
-        result = self._checker.push(text)
+        result = self._checker.push(text, match=self._num_tokens > self._min_tokens)
         self._append(result.text)
         return TextDelta(result.text, result.stop)
 

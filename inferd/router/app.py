@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -30,6 +31,7 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
 
+from inferd.gateway.connection import listening_port
 from inferd.gateway.errors import bad_request, install_error_handlers
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.router import dashboard
@@ -182,11 +184,15 @@ def run_router(config: RouterConfig) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     app = create_router_app(config)
     replicas = ", ".join(config.replicas) or config.dns_name
-    logger.info(
-        "router on http://%s:%d, policy %s: %s", config.host, config.port, config.policy, replicas
-    )
+
+    def listening(port: int) -> None:
+        logger.info(
+            "router on http://%s:%d, policy %s: %s", config.host, port, config.policy, replicas
+        )
+
     server = _Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False)
+        uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False),
+        listening,
     )
     asyncio.run(_serve_until_signal(server, app.state.router))
     return 0
@@ -194,11 +200,21 @@ def run_router(config: RouterConfig) -> int:
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling, which re-raises SIGTERM after shutdown and so
-    would kill the process before `--data-parallel-size` stops its replicas."""
+    would kill the process before `--data-parallel-size` stops its replicas; `on_listening` gets
+    the port it listens on (the OS's choice for port 0) once it does."""
+
+    def __init__(self, config: uvicorn.Config, on_listening: Callable[[int], None]) -> None:
+        super().__init__(config)
+        self.on_listening = on_listening
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_listening(listening_port(self, self.config.port))
 
 
 async def _serve_until_signal(server: uvicorn.Server, router: Router) -> None:

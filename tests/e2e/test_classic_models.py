@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import io
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import Server, free_port, start_server, stop_server
+from conftest import Server, start_server, stop_server
 from openai import OpenAI
 from tritonclient.utils import InferenceServerException
 
@@ -33,18 +34,19 @@ def repo() -> Path:
 
 
 @pytest.fixture(scope="module")
-def grpc_port() -> int:
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, repo: Path, grpc_port: int
-) -> Iterator[Server]:
-    extra = ("inferd-tiny", "--model-repository", str(repo), "--grpc-port", str(grpc_port))
+def server(tmp_path_factory: pytest.TempPathFactory, repo: Path) -> Iterator[Server]:
+    # gRPC on a port the OS picks too; the ready line names it (`grpc_port`).
+    extra = ("inferd-tiny", "--model-repository", str(repo), "--grpc-port", "0")
     s = start_server(tmp_path_factory.mktemp("classic"), *extra, timeout_s=300)
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def grpc_port(server: Server) -> int:
+    found = re.search(rb"ready: .* gRPC :(\d+)", server.log.read_bytes())
+    assert found is not None, server.log.read_text()
+    return int(found.group(1))
 
 
 def http_client(server: Server) -> httpclient.InferenceServerClient:

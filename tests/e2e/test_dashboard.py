@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 KEY = "sk-dashboard-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRAFANA = ROOT / "deploy" / "grafana" / "inferd.json"
+STATIC = ROOT / "inferd" / "gateway" / "static" / "dashboard"
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,18 @@ def _assert_path_sums_to_e2e(doc: dict[str, object]) -> None:
 def test_page_and_assets_are_open_data_is_behind_the_key(server: Server) -> None:
     page = httpx.get(f"{server.url}/dashboard", timeout=10)
     assert page.status_code == 200 and "/dashboard/static/app.js" in page.text
-    for name in ("app.js", "common.js", "style.css"):
-        assert httpx.get(f"{server.url}/dashboard/static/{name}", timeout=10).status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    types = {"app.js": "javascript", "common.js": "javascript", "style.css": "text/css"}
+    for name, kind in types.items():
+        asset = httpx.get(f"{server.url}/dashboard/static/{name}", timeout=10)
+        assert asset.status_code == 200 and kind in asset.headers["content-type"]
+        assert asset.content == (STATIC / name).read_bytes()  # the packaged file, whole
     assert httpx.get(f"{server.url}/dashboard/static/nope.js", timeout=10).status_code == 404
     for path in ("/v1/requests", "/v1/requests/x", "/v1/dashboard/overview"):
-        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 401
+        r = httpx.get(f"{server.url}{path}", timeout=10)
+        assert r.status_code == 401, path
+        error = r.json()["error"]
+        assert error["type"] == "authentication_error" and "API key" in error["message"], error
 
 
 def test_llm_request_timeline_by_its_request_id(server: Server) -> None:
@@ -118,7 +126,10 @@ def test_list_filters(server: Server) -> None:
     assert fraud and all(r["model"] == "fraud" for r in fraud)
     slowest = [r["e2e"] for r in _get(server, "/v1/requests", slowest="1").json()["data"]]
     assert slowest == sorted(slowest, reverse=True)
-    assert _get(server, "/v1/requests/no-such-id").status_code == 404
+    missing = _get(server, "/v1/requests/no-such-id")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
+    assert "'no-such-id'" in missing.json()["error"]["message"]
 
 
 def test_overview_and_its_event_stream(server: Server) -> None:
@@ -201,4 +212,6 @@ def test_event_stream_ends_when_the_server_drains() -> None:
 def test_a_query_parameter_that_is_not_a_number_is_a_400(server: Server, path: str) -> None:
     r = httpx.get(f"{server.url}{path}", headers=AUTH, timeout=10)
     assert r.status_code == 400, r.text
-    assert "must be a number" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    name = path.partition("?")[2].partition("=")[0]
+    assert error["param"] == name and error["message"] == f"'{name}' must be a number"

@@ -6,6 +6,8 @@ import asyncio
 import json
 import shutil
 import subprocess
+import time
+from typing import Any
 
 import httpx
 import openai
@@ -102,43 +104,96 @@ def test_async_client_n_and_logprobs(server: Server, model_name: str) -> None:
     asyncio.run(run())
 
 
-BAD = [
-    (b"{not json", "application/json"),
-    (b'{"prompt": "x", "max_tokens": "many"}', "application/json"),
-    (b'{"prompt": "x", "max_tokens": -3}', "application/json"),
-    (b'{"prompt": "x", "max_tokens": 100000000}', "application/json"),
-    (b'{"prompt": "x", "temperature": NaN}', "application/json"),
-    (b'{"prompt": "\xff\xfe bad utf8"}', "application/json"),
-    (b'{"prompt": "x", "model": "no-such-model"}', "application/json"),
-    (b'{"prompt": ' + b'"word ' * 400 + b'"}', "application/json"),
-    (b'{"prompt": [99999999]}', "application/json"),
-    (b"[1, 2, 3]", "application/json"),
-    (b'{"prompt": "x", "n": 0}', "application/json"),
+# Bad bodies and the error the protocol fixes for each: (status, code, param, words of the message).
+BAD: list[tuple[bytes, tuple[int, str, str | None, str]]] = [
+    (b"{not json", (400, "invalid_json", None, "malformed JSON")),
+    (b'{"prompt": "x", "max_tokens": "many"}', (400, "invalid_value", "max_tokens", "integer")),
+    (b'{"prompt": "x", "max_tokens": -3}', (400, "invalid_value", "max_tokens", "greater than")),
+    (
+        b'{"prompt": "x", "max_tokens": 100000000}',
+        (400, "context_length_exceeded", "max_tokens", "exceeds the context window"),
+    ),
+    (b'{"prompt": "x", "temperature": NaN}', (400, "invalid_value", "temperature", "finite")),
+    (b'{"prompt": "\xff\xfe bad utf8"}', (400, "invalid_request", None, "parsing the body")),
+    (
+        b'{"prompt": "x", "model": "no-such-model"}',
+        (404, "model_not_found", "model", "'no-such-model' does not exist"),
+    ),
+    (
+        b'{"prompt": "' + b"word " * 400 + b'"}',
+        (400, "context_length_exceeded", "prompt", "context window is 256 tokens"),
+    ),
+    (b'{"prompt": [99999999]}', (400, "invalid_value", "prompt", "[0, 4096)")),
+    (b"[1, 2, 3]", (400, "invalid_value", None, "object")),
+    (b'{"prompt": "x", "n": 0}', (400, "invalid_value", "n", "greater than or equal to 1")),
+]
+CHAT_BAD: list[tuple[object, str, str]] = [
+    ([], "messages", "at least 1 item"),
+    ("hi", "messages", "valid list"),
+    ([{"role": "x"}], "messages.0.role", "'system', 'user', 'assistant', 'developer' or 'tool'"),
 ]
 
 
-def test_bad_input_storm_gets_4xx_and_good_requests_still_work(server: Server) -> None:
+@pytest.mark.parametrize(("body", "expected"), BAD, ids=[b[:24].decode("latin-1") for b, _ in BAD])
+def test_a_bad_completion_body_gets_the_protocols_error(
+    server: Server, body: bytes, expected: tuple[int, str, str | None, str]
+) -> None:
+    status, code, param, words = expected
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    assert (err["type"], err["code"], err["param"]) == (kind, code, param)
+    assert words in err["message"]
+
+
+@pytest.mark.parametrize(("messages", "param", "words"), CHAT_BAD)
+def test_bad_chat_messages_get_a_400_naming_the_field(
+    server: Server, messages: object, param: str, words: str
+) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"], err["param"]) == (
+        "invalid_request_error",
+        "invalid_value",
+        param,
+    )
+    assert words in err["message"]
+
+
+def test_after_a_storm_of_bad_input_good_requests_still_work(server: Server) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as h:
-        for body, ctype in BAD:
-            r = h.post("/v1/completions", content=body, headers={"content-type": ctype})
-            assert 400 <= r.status_code < 500, (body[:60], r.status_code, r.text)
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"}
-        chat_bad = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "x"}]}]
-        for payload in chat_bad:
-            r = h.post("/v1/chat/completions", json=payload)
-            assert r.status_code == 400, r.text
+        for body, _ in BAD:
+            h.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         r = h.post("/v1/completions", content=b"x" * 70000)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = h.get("/v1/nope")
-        assert r.status_code == 404 and "error" in r.json()
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "message": "Not Found",
+            "type": "not_found_error",
+            "param": None,
+            "code": "not_found",
+        }
         r = h.post("/v1/completions", json={"prompt": "still fine", "max_tokens": 2})
         assert r.status_code == 200
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def test_health_and_openapi(server: Server) -> None:
-    for path in ("/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"):
-        assert httpx.get(server.url + path, timeout=10).status_code == 200
+    # The body says what the status says, in each protocol's words.
+    expected = {
+        "/health/live": {"status": "live"},
+        "/health/ready": {"status": "ready"},
+        "/v2/health/live": {"live": True},
+        "/v2/health/ready": {"ready": True},
+    }
+    for path, body in expected.items():
+        r = httpx.get(server.url + path, timeout=10)
+        assert (r.status_code, r.json()) == (200, body), path
     doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
     assert "/v1/chat/completions" in doc["paths"]
 
@@ -208,3 +263,35 @@ def test_metrics_names_and_promtool(server: Server) -> None:
         pytest.skip("promtool not installed (apt-get install prometheus)")
     res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
+
+
+def test_the_access_log_has_one_json_line_per_request(server: Server) -> None:
+    # On by default: the line is the `inferd.access` logger's message, in the server's output.
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "Hello there", "max_tokens": 3, "ignore_eos": True},
+        headers={"X-Request-Id": "access-log-1"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30  # written as the response ends: maybe just after we read it
+    while not (lines := _access_lines(server, "access-log-1")):
+        assert time.monotonic() < deadline, "no access-log line for the request"
+        time.sleep(0.05)
+    (entry,) = lines
+    assert (entry["method"], entry["path"], entry["status"]) == ("POST", "/v1/completions", 200)
+    assert entry["bytes_out"] == len(r.content)
+    assert entry["client"].startswith("127.0.0.1:")
+    usage = r.json()["usage"]
+    assert entry["prompt_tokens"] == usage["prompt_tokens"]
+    assert entry["completion_tokens"] == usage["completion_tokens"] == 3
+    assert 0 < entry["duration_ms"] < 60_000
+
+
+def _access_lines(server: Server, request_id: str) -> list[dict[str, Any]]:
+    out = []
+    for line in server.log.read_text(errors="replace").splitlines():
+        _, marker, payload = line.partition("inferd.access: ")
+        if marker and f'"request_id":"{request_id}"' in payload:
+            out.append(json.loads(payload))
+    return out

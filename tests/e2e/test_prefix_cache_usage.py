@@ -4,13 +4,12 @@ blocks' stable hashes."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from conftest import Server, free_port, start_server, stop_server
+from conftest import Server, kv_events_connected, start_server, stop_server
 
 from inferd.kv_cache.block_hash import block_hashes
 from inferd.kv_cache.events import BlockStored, KVEventSubscriber
@@ -24,11 +23,11 @@ SYSTEM = "You are a careful assistant. " * 12
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, KVEventSubscriber]]:
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     tmp: Path = tmp_path_factory.mktemp("prefix")
+    endpoint = f"ipc://{tmp}/kv"  # a socket path: no port to race other processes for
     server = start_server(tmp, "--kv-events-endpoint", endpoint)
     subscriber = KVEventSubscriber(endpoint)
-    time.sleep(0.3)  # PUB/SUB: a subscription needs a moment to reach the publisher
+    kv_events_connected(server, subscriber)
     yield server, subscriber
     subscriber.close()
     stop_server(server)
@@ -52,8 +51,9 @@ def test_completions_report_cached_tokens_and_the_counters_move(
     c = client(server)
     first = c.completions.create(model="inferd-tiny", prompt=[*SHARED, 7, 8], max_tokens=2)
     assert cached(first.usage) == 0
-    stored = [h for event in _stored_events(subscriber) for h in event.block_hashes]
-    assert stored == block_hashes([*SHARED, 7, 8], BLOCK)
+    want = block_hashes([*SHARED, 7, 8], BLOCK)
+    stored = [h for event in _stored_events(subscriber, len(want)) for h in event.block_hashes]
+    assert stored == want
     before = server.metrics()
     second = c.completions.create(model="inferd-tiny", prompt=[*SHARED, 9], max_tokens=2)
     assert cached(second.usage) == len(SHARED)
@@ -89,9 +89,13 @@ def test_chat_reports_cached_tokens_streamed_and_not(
     assert len(usages) == 1 and cached(usages[0]) >= BLOCK
 
 
-def _stored_events(subscriber: KVEventSubscriber) -> list[BlockStored]:
-    events = []
-    while (received := subscriber.receive(timeout_s=2.0)) is not None:
+def _stored_events(subscriber: KVEventSubscriber, num_blocks: int) -> list[BlockStored]:
+    """The BlockStored events that arrive until they name `num_blocks` blocks (the subscription
+    is up and nothing older is on the way: `kv_events_connected`)."""
+    events: list[BlockStored] = []
+    while sum(len(e.block_hashes) for e in events) < num_blocks:
+        received = subscriber.receive(timeout_s=30)
+        assert received is not None, "the replica's events stopped short"
         assert not received.gap
         events += [e for e in received.batch.events if isinstance(e, BlockStored)]
     return events

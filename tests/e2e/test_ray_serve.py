@@ -7,7 +7,9 @@ replica actor, and shutdown follows."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,17 +17,25 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from conftest import SMALL, free_port
+from conftest import SMALL
 
 # Ray reads this when it starts; set before `ray.init` so no usage report is attempted.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Serve's controller gives a starting proxy actor 5 s to report ready, then kills it with
+# ray.kill and starts another: on a loaded 2-core machine a proxy can take longer than that, and
+# each one was killed before it ran. The cluster's processes inherit this from `ray.init`.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+START_DEADLINE_S = 300.0  # Serve's own readiness, waited for on a loaded 2-core machine
 ray = pytest.importorskip("ray", reason="the Ray Serve path needs the ray extra")
 serve = pytest.importorskip("ray.serve")
+
+from ray.serve.schema import ProxyStatus  # noqa: E402
 
 from inferd.cli import build_parser  # noqa: E402
 from inferd.cli import serve_config as config_from_args  # noqa: E402
 from inferd.config import ServeConfig, read_environment  # noqa: E402
 from inferd.router.ray_serve import RayServeOptions, build_app  # noqa: E402
+from inferd.telemetry.metrics import parse_samples  # noqa: E402
 
 PREFIX = (
     "You are a careful assistant for the city archive. The history of the city begins with a "
@@ -52,20 +62,50 @@ class App:
         return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
 
 
+def free_port() -> int:
+    """A port free now; Serve's proxy takes no port 0 it would report, hence the retry below."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _start_serve(tries: int = 3) -> int:
-    """Starts Ray Serve's HTTP proxy on a free loopback port; returns the port. A port found free
-    can be taken before the proxy binds it (Ray's own processes bind ephemeral ports too: seen once
-    in CI as "Failed to bind to address"), so a failed bind is retried on another."""
+    """Starts Ray Serve's HTTP proxy on a free loopback port and waits until Serve reports it
+    healthy; returns the port. A port found free can be taken before the proxy binds it (Ray's own
+    processes bind ephemeral ports too: seen once in CI as "Failed to bind to address"): only
+    that failure is retried on another port. Anything else is a slow start, which Serve itself
+    sees through (it restarts a proxy that failed): nothing is shut down while still starting."""
     for attempt in range(tries):
         port = free_port()
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
-            return port
-        except ray.exceptions.RayTaskError:
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            if not _failed_to_bind(e):
+                _wait_for_proxies()
+                return port
             serve.shutdown()
             if attempt == tries - 1:
                 raise
+            continue
+        _wait_for_proxies()
+        return port
     raise AssertionError("not reached")
+
+
+def _failed_to_bind(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "bind" in text or "address already in use" in text
+
+
+def _wait_for_proxies() -> None:
+    """Until `serve.status()` lists every proxy HEALTHY."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(s == ProxyStatus.HEALTHY for s in proxies.values()):
+            return
+        assert time.monotonic() < deadline, f"Serve's proxies never became healthy: {proxies}"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -151,17 +191,25 @@ def test_the_replicas_block_digests_reach_the_router_with_their_routing_stats(ap
     assert first.status_code == 200
     home = first.headers[REPLICA]
     applied = f'inferd_router_replica_digests_total{{replica="{home}",result="applied"}}'
-    deadline = time.monotonic() + 30
-    while True:
-        text = httpx.get(f"{app.url}/router/metrics", timeout=30).text
-        if any(line.startswith(applied) for line in text.splitlines()):
+    # Two more digests applied: the second was taken at a poll after the first one's, so after
+    # this request's prefill. The router applies digests as it routes (it reads the replicas'
+    # routing stats then): unrelated requests let it, one per Serve poll.
+    target = _metric(app, applied) + 2
+    deadline = time.monotonic() + 60
+    for i in itertools.count():
+        if _metric(app, applied) >= target:
             break
-        assert time.monotonic() < deadline, "no digest was applied in 30 s"
+        assert time.monotonic() < deadline, "no two digests were applied in 60 s"
+        assert app.completion(f"Filler {i}, about the weather in the hills.").status_code == 200
         time.sleep(0.5)
-    time.sleep(2.5)  # a digest taken after the first request's prefill
     again = app.completion(prefix + "The second storm.")
     assert again.headers[REPLICA] == home
     assert int(again.headers["x-inferd-route-cached-tokens"]) >= 32
+
+
+def _metric(app: App, name: str) -> float:
+    text = httpx.get(f"{app.url}/router/metrics", timeout=30).text
+    return parse_samples(text).get(name, 0.0)
 
 
 def test_bad_input_gets_the_replicas_own_400(app: App) -> None:

@@ -5,10 +5,12 @@ The tests run in file order and the last ones take the replicas down one by one.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ROOT, Server, free_port, start_server, stop_server
+from conftest import ROOT, ROUTER_LINE, Server, start_server, stop_server, wait_listening
 
 PREFIX = (
     "You are a careful assistant for the city archive. The history of the city begins with a "
@@ -39,24 +41,21 @@ class Cluster:
 
 
 def start_router(tmp: Path, replicas: list[Server], *extra: str) -> Server:
-    port = free_port()
-    log = tmp / "router.log"
-    cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", str(port)]
+    """`inferd router` over `replicas` on a port the OS picks (`--port 0`, read back from its
+    log), once it has every replica in rotation."""
+    log = tmp / f"router-{uuid.uuid4().hex[:8]}.log"
+    cmd = [sys.executable, "-m", "inferd.cli", "router", "--port", "0"]
     cmd += ["--health-interval", "0.5", "--max-retries", "2", *extra]
     for r in replicas:
         cmd += ["--replica", r.url]
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    router = Server(proc, port, log)
+    router = wait_listening(proc, log, 60, ROUTER_LINE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            ready = httpx.get(f"{router.url}/health/ready", timeout=1).json()
-            if ready.get("replicas_ready") == len(replicas):
-                return router
-        except httpx.HTTPError:
-            pass
+        ready = httpx.get(f"{router.url}/health/ready", timeout=5).json()
+        if ready.get("replicas_ready") == len(replicas):
+            return router
         time.sleep(0.2)
     raise AssertionError(f"router not ready:\n{log.read_text()}")
 
@@ -205,20 +204,36 @@ def test_a_replica_killed_mid_run_costs_no_request_not_yet_streaming(c: Cluster)
     prompts = [PREFIX + f"Long answer {i}." for i in range(4)]
     prompts += [f"Another group entirely, item {i}. " * 4 for i in range(4)]
     body = {"max_tokens": 48, "ignore_eos": True}
-    victim = c.replicas[0]
+    victim, survivor = c.replicas
+    in_flight = f'inferd_router_in_flight{{replica="{victim.url}"}}'
+    before = _retries(c)
+    # The victim's engine is paused: what the router sends there is still in flight when the
+    # victim dies, however fast the machine, so every such request must fail over.
+    os.kill(victim.engine_pid(), signal.SIGSTOP)
     with ThreadPoolExecutor(8) as pool:
         futures = [
             pool.submit(c.post, "/v1/completions", {**body, "prompt": p}) for p in prompts * 2
         ]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while (stuck := c.router_metrics().get(in_flight, 0)) < 1:
+            assert time.monotonic() < deadline, "the router sent nothing to the victim"
+            time.sleep(0.05)
         stop_server(victim)
         answers = [f.result() for f in futures]
     assert [r.status_code for r in answers] == [200] * len(answers)
-    assert {r.headers["x-inferd-replica"] for r in answers[-4:]} <= {c.replicas[1].url}
+    # The victim answered none of them: each one it held was retried on the survivor.
+    assert {r.headers["x-inferd-replica"] for r in answers} == {survivor.url}
+    assert _retries(c) - before >= stuck
     m = c.router_metrics()
     assert m[f'inferd_router_replica_ready{{replica="{victim.url}"}}'] == 0.0
     after = [completion(c, PREFIX + "After the failure.") for _ in range(3)]
-    assert {r.headers["x-inferd-replica"] for r in after} == {c.replicas[1].url}
+    assert {r.headers["x-inferd-replica"] for r in after} == {survivor.url}
+
+
+def _retries(c: Cluster) -> float:
+    return sum(
+        v for k, v in c.router_metrics().items() if k.startswith("inferd_router_retries_total")
+    )
 
 
 def test_a_draining_replica_leaves_rotation_and_then_503_with_retry_after(c: Cluster) -> None:

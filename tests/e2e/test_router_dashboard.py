@@ -62,13 +62,19 @@ def test_overview_shows_each_replica_and_adds_up(c: Cluster) -> None:
 def test_page_and_event_stream(c: Cluster) -> None:
     page = httpx.get(f"{c.router.url}/dashboard", timeout=10)
     assert page.headers["content-type"].startswith("text/html") and "router.js" in page.text
-    script = httpx.get(f"{c.router.url}/dashboard/static/router.js", timeout=10)
-    assert script.status_code == 200
+    static = ROOT / "inferd" / "gateway" / "static" / "dashboard"
+    for name in ("router.js", "common.js", "style.css"):
+        asset = httpx.get(f"{c.router.url}/dashboard/static/{name}", timeout=10)
+        assert asset.status_code == 200, name
+        assert asset.content == (static / name).read_bytes()  # the packaged file, whole
     url = f"{c.router.url}/v1/dashboard/events"
     with httpx.stream("GET", url, params={"interval": "0.25"}, timeout=10) as events:
         assert events.headers["content-type"].startswith("text/event-stream")
         data = next(line for line in events.iter_lines() if line.startswith("data: "))
-    assert len(json.loads(data[len("data: ") :])["replicas"]) == 2
+    # The same snapshot the overview answers with: one row per replica, by its URL.
+    event = json.loads(data[len("data: ") :])
+    assert {r["url"] for r in event["replicas"]} == {r.url for r in c.replicas}
+    assert event.keys() == overview(c).keys()
 
 
 def test_page_in_a_browser_lists_both_replicas(c: Cluster) -> None:

@@ -9,14 +9,14 @@ Models (all built here in milliseconds):
 - `slow` (python backend): x FP32 [n, 1] -> y = 2x after SLOW_S seconds; its queue holds one
   request, so concurrent requests find it full (429) or time out in it (503).
 
-Used by test_kserve_http.py and test_embeddings_api.py.
+Used by test_kserve_http.py and test_embeddings_api.py; `serve` also runs an LLM on a real
+engine core (test_security.py, test_router_replicas.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import textwrap
 import threading
 import time
@@ -30,8 +30,10 @@ import onnx
 import uvicorn
 from onnx import TensorProto, helper, numpy_helper
 
-from inferd.config import ServerConfig
+from inferd.config import AdmissionConfig, EngineConfig, ServerConfig
+from inferd.engine.async_client import AsyncLLM
 from inferd.gateway import create_app, gateway_state
+from inferd.gateway.connection import listening_port
 from inferd.gateway.state import GatewayState
 from inferd.repository.manager import ModelRepository
 from inferd.serve import uvicorn_options
@@ -186,12 +188,6 @@ def write_repository(root: Path) -> Path:
     return root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class LiveServer:
     port: int
@@ -212,15 +208,17 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
-    """The app with `root` as its model repository and no LLM, on a free port."""
+def serve(
+    root: Path | None, *, engine: EngineConfig | None = None, **server: Any
+) -> Iterator[LiveServer]:
+    """The app on a port the OS picks, with `root` as its model repository (None: none) and an
+    LLM on a real engine core when `engine` is given."""
     config = ServerConfig(access_log=False, **server)
     app = create_app(None, config)
     state = gateway_state(app)
-    state.serves_llm = False
-    port = free_port()
-    # The server's own uvicorn options (TLS, timeouts, connection bounds) on a test port.
-    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": port}
+    state.serves_llm = engine is not None
+    # The server's own uvicorn options (TLS, timeouts, connection bounds) on port 0.
+    options = {**uvicorn_options(config), "host": "127.0.0.1", "port": 0}
     del options["log_config"]
     uv = uvicorn.Server(uvicorn.Config(app, **options, log_level="warning", lifespan="off"))
     loops: list[asyncio.AbstractEventLoop] = []
@@ -228,13 +226,18 @@ def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
 
     async def main() -> None:
         loops.append(asyncio.get_running_loop())
-        repo = ModelRepository(root, observer=state.model_metrics)
-        await repo.start()
-        state.repository = repo
+        if root is not None:
+            state.repository = ModelRepository(root, observer=state.model_metrics)
+            await state.repository.start()
+        llm = None if engine is None else await AsyncLLM.start(engine, AdmissionConfig())
+        state.llm = llm
         try:
             await uv.serve()
         finally:
-            await repo.shutdown(5.0)
+            if state.repository is not None:
+                await state.repository.shutdown(5.0)
+            if llm is not None:
+                await llm.shutdown()
 
     def run() -> None:
         try:
@@ -244,13 +247,13 @@ def serve(root: Path, **server: Any) -> Iterator[LiveServer]:
 
     thread = threading.Thread(target=run, name="uvicorn-test", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # an engine core loads its model first
     while not uv.started:
         if failures or not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"server did not start: {failures}")
         time.sleep(0.02)
     try:
-        yield LiveServer(port, state, loops[0])
+        yield LiveServer(listening_port(uv, 0), state, loops[0])
     finally:
         uv.should_exit = True
         thread.join(30)

@@ -4,6 +4,10 @@ Two engines, each started once per module: `roomy` (default batching) checks str
 offline LLM, aborts, deadlines while generating and drain; `narrow` (one sequence at a time, a
 3-request queue, tiny output buffer) checks queue bounds, queue deadlines, priority order, slow
 readers and engine death. Every test runs its coroutine on the engine's own event loop.
+
+Where a test needs a request still running at some point, it pauses the engine core process
+(SIGSTOP, `paused`) instead of hoping a generation is long enough; waits are on the engine's state
+(`until`), never a sleep that guesses how long something takes.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -115,6 +120,42 @@ async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return await stream.__anext__()
 
 
+@contextmanager
+def paused(h: Harness) -> Iterator[None]:
+    """The engine core stopped (SIGSTOP) for the block: it makes no step, so nothing it runs can
+    finish meanwhile; the front (admission, queue deadlines, streams) goes on."""
+    pid = h.llm._core.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Returns once `condition()` holds, checking between the loop's other work."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
+def _refused_at_once(stream: AsyncIterator[RequestOutput]) -> Exception:
+    """The error the stream's first read raises without waiting for anything: a read that waited
+    (in the queue, for the engine) would hand control back to the loop instead of raising."""
+    step = stream.__anext__()
+    assert isinstance(step, Coroutine)
+    try:
+        step.send(None)
+    except StopIteration:
+        raise AssertionError("the first read returned an output") from None
+    except Exception as e:  # the caller checks which
+        return e
+    step.close()
+    raise AssertionError("the first read waited instead of being refused")
+
+
 def _long(h: Harness, rid: str, **kw: Any) -> AsyncIterator[RequestOutput]:
     """A request that runs for the rest of the context window unless stopped."""
     ids = h.llm.tokenizer.encode("a long story")
@@ -173,13 +214,16 @@ def test_closing_the_iterator_aborts_and_frees_blocks(roomy: Harness) -> None:
 
 def test_running_past_deadline_finishes_with_timeout(roomy: Harness) -> None:
     async def main() -> list[RequestOutput]:
-        return await _collect(_long(roomy, "deadline", timeout_s=0.3))
+        stream = _long(roomy, "deadline", timeout_s=0.3)
+        first = await _first(stream)
+        # Paused after its first token, the request outlasts its deadline on any machine.
+        with paused(roomy):
+            await asyncio.sleep(0.3)
+        return [first, *await _collect(stream)]
 
-    t0 = time.monotonic()
     deltas = roomy.run(main())
     _, ids, reason = _joined(deltas)
     assert reason == "timeout" and ids
-    assert time.monotonic() - t0 < 5
 
 
 def test_abort_by_id(roomy: Harness) -> None:
@@ -197,18 +241,24 @@ def test_drain_finishes_in_flight_then_refuses(roomy: Harness) -> None:
     llm = roomy.llm
 
     async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
-        short = asyncio.ensure_future(
-            _collect(llm.generate(GenerateRequest("d1", [5, 6, 7], _greedy(8))))
-        )
-        long = asyncio.ensure_future(_collect(_long(roomy, "d2")))
-        await asyncio.sleep(0.05)
-        # Long enough for 8 tokens, far too short for the rest of the context window (~2,000
-        # tokens; the tiny model decoded them within 3 s once single streams got faster).
-        await llm.drain(timeout_s=0.5)
-        assert not llm.ready
+        # Both accepted while the core is paused, so both are in flight when the drain starts.
+        with paused(roomy):
+            short = asyncio.ensure_future(
+                _collect(llm.generate(GenerateRequest("d1", [5, 6, 7], _greedy(8))))
+            )
+            long = asyncio.ensure_future(_collect(_long(roomy, "d2")))
+            await until(lambda: llm.stats().in_flight == 2)
+            drain = asyncio.ensure_future(llm.drain(timeout_s=2.0))
+            await asyncio.sleep(0)
+            assert not llm.ready
         with pytest.raises(DrainingError):
             await _first(llm.generate(GenerateRequest("d3", [5, 6, 7], _greedy(4))))
-        return await short, await long
+        # 8 tokens finish inside the drain's 2 s even on a loaded machine; the long one (the
+        # rest of the context window) is then held paused until the drain's deadline passed.
+        done = await short
+        with paused(roomy):
+            await drain
+        return done, await long
 
     short, long = roomy.run(main())
     assert _joined(short)[2] == "length" and len(_joined(short)[1]) == 8
@@ -226,17 +276,16 @@ def test_queue_full_rejects_at_once(narrow: Harness) -> None:
         await _first(hog)
         # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
-        queued = [llm.generate(GenerateRequest(f"q{i}", [5, 6], _greedy(2))) for i in range(3)]
-        tasks = [asyncio.ensure_future(_collect(q)) for q in queued]
-        await asyncio.sleep(0.05)
-        assert llm.stats().queued == 3 and llm.stats().queued_prompt_tokens == 6
-        t0 = time.monotonic()
-        with pytest.raises(QueueFullError) as info:
-            await _first(llm.generate(GenerateRequest("over", [5, 6], _greedy(2))))
-        assert time.monotonic() - t0 < 0.05
-        assert info.value.retry_after >= 1
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        with paused(narrow):  # the hog holds the only slot until the block ends
+            queued = [llm.generate(GenerateRequest(f"q{i}", [5, 6], _greedy(2))) for i in range(3)]
+            tasks = [asyncio.ensure_future(_collect(q)) for q in queued]
+            await until(lambda: llm.stats().queued == 3)
+            assert llm.stats().queued_prompt_tokens == 6
+            error = _refused_at_once(llm.generate(GenerateRequest("over", [5, 6], _greedy(2))))
+            assert isinstance(error, QueueFullError), error
+            assert error.retry_after >= 1
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         for t in tasks:
             assert _joined(await t)[2] == "length"
 
@@ -249,49 +298,60 @@ def test_queue_timeout(narrow: Harness) -> None:
         await _first(hog)
         # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
-        t0 = time.monotonic()
-        with pytest.raises(QueueTimeoutError):
-            await _first(
-                narrow.llm.generate(GenerateRequest("late", [5, 6], _greedy(2), timeout_s=0.2))
-            )
-        assert 0.2 <= time.monotonic() - t0 < 1.0
-        assert narrow.llm.stats().queued == 0
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        with paused(narrow):  # the hog holds the only slot until the block ends
+            t0 = time.monotonic()
+            with pytest.raises(QueueTimeoutError):
+                await _first(
+                    narrow.llm.generate(GenerateRequest("late", [5, 6], _greedy(2), timeout_s=0.2))
+                )
+            assert time.monotonic() - t0 >= 0.2
+            assert narrow.llm.stats().queued == 0
+            assert not reader.done()  # failed by its own deadline, not let in by the hog's end
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     narrow.run(main())
 
 
 def test_priority_order(narrow: Harness) -> None:
     llm = narrow.llm
-    order: list[str] = []
 
-    async def run(rid: str, priority: int) -> None:
-        await _collect(llm.generate(GenerateRequest(rid, [5, 6, 7], _greedy(3), priority=priority)))
-        order.append(rid)
+    async def scheduled_at(rid: str, priority: int) -> float:
+        params = _greedy(3)
+        deltas = await _collect(
+            llm.generate(GenerateRequest(rid, [5, 6, 7], params, priority=priority))
+        )
+        assert _joined(deltas)[2] == "length"
+        first = deltas[-1].metrics.first_scheduled_time
+        assert first is not None
+        return first
 
-    async def main() -> None:
+    async def main() -> list[float]:
         hog = _long(narrow, "hog3")
         await _first(hog)
         # Read the hog as a client would while the test goes on.
         reader = asyncio.ensure_future(_collect(hog))
-        tasks = [asyncio.ensure_future(run(r, p)) for r, p in [("lo1", 1), ("lo2", 1), ("hi", 0)]]
-        await asyncio.sleep(0.05)
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
-        await asyncio.gather(*tasks)
+        with paused(narrow):  # all three wait in the queue behind the hog
+            tasks = [
+                asyncio.ensure_future(scheduled_at(r, p))
+                for r, p in [("lo1", 1), ("lo2", 1), ("hi", 0)]
+            ]
+            await until(lambda: llm.stats().queued == 3)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        return list(await asyncio.gather(*tasks))
 
-    narrow.run(main())
-    assert order == ["hi", "lo1", "lo2"]
+    lo1, lo2, hi = narrow.run(main())
+    # The order the engine scheduled them in, by its own clock.
+    assert hi < lo1 < lo2
 
 
 def test_slow_reader_is_aborted(backlog: Harness) -> None:
     async def main() -> None:
         stream = _long(backlog, "slow")
         await _first(stream)
-        # The engine runs on; 16 unread tokens is the bound. 2 s leaves room for steps that a
-        # busy machine makes 10x slower (threads of other processes on the same cores).
-        await asyncio.sleep(2.0)
+        # The engine runs on; past 16 unread tokens the front drops the request's stream.
+        await until(lambda: "slow" not in backlog.llm._streams, timeout_s=60)
         with pytest.raises(OutputBacklogError):
             await _collect(stream)
         deadline = time.monotonic() + 5

@@ -5,7 +5,6 @@ stable hashes of the prompt's blocks."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 
@@ -25,6 +24,8 @@ from inferd.kv_cache.events import (
 
 BLOCK = 16
 SHARED = [(i * 37) % 3000 + 10 for i in range(96)]  # 6 full blocks
+# Events the tests publish themselves, beside the engine's: no block has a negative hash.
+PROBE, MARKER = BlockRemoved([-1]), BlockRemoved([-2])
 
 
 def _params(n: int = 1) -> SamplingParams:
@@ -35,10 +36,9 @@ def _prompt(suffix: list[int]) -> TokensPrompt:
     return {"prompt_token_ids": [*SHARED, *suffix]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A socket path (short: ZeroMQ's ipc paths are bounded), so no port is raced for."""
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/kv"
 
 
 @pytest.fixture(scope="module")
@@ -63,40 +63,64 @@ def test_n_choices_count_their_prompt_once(llm: LLM) -> None:
     assert out.metrics.num_cached_tokens == len(SHARED)
 
 
+def _connect(publisher: KVEventPublisher, subscriber: KVEventSubscriber) -> int:
+    """Publishes a probe until the subscriber receives one (PUB drops what it sends before a
+    subscription has reached it), then a last probe, read up to: nothing published earlier is
+    still on the way. Returns the seq the next batch will carry."""
+    deadline = time.monotonic() + 30
+    while subscriber.receive(timeout_s=0.05) is None:
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        publisher.publish([PROBE])
+    publisher.publish([MARKER])
+    while (received := subscriber.receive(timeout_s=30)) is not None:
+        if received.batch.events == [MARKER]:
+            return received.batch.seq + 1
+    raise AssertionError("the last probe never arrived")
+
+
 @pytest.fixture
-def llm_with_events() -> Iterator[tuple[LLM, KVEventSubscriber]]:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+def llm_with_events(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LLM, KVEventSubscriber, int]]:
+    endpoint = _endpoint(tmp_path_factory)
     llm = LLM(
         dtype="float32", kv_cache_memory=16 << 20, block_size=BLOCK, kv_events_endpoint=endpoint
     )
     subscriber = KVEventSubscriber(endpoint)
-    time.sleep(0.3)  # PUB/SUB: a subscription needs a moment to reach the publisher
-    yield llm, subscriber
-    subscriber.close()
     publisher = llm.llm_engine.kv_events
     assert publisher is not None
+    next_seq = _connect(publisher, subscriber)
+    yield llm, subscriber, next_seq
+    subscriber.close()
     publisher.close()
 
 
 def test_kv_events_carry_the_stable_hashes_of_the_prompt_blocks(
-    llm_with_events: tuple[LLM, KVEventSubscriber],
+    llm_with_events: tuple[LLM, KVEventSubscriber, int],
 ) -> None:
-    llm, subscriber = llm_with_events
+    llm, subscriber, expected_seq = llm_with_events
     prompt = [*SHARED, 3, 4]
     llm.generate(_prompt([3, 4]), _params(), use_tqdm=False)
+    # A marker after the generation: what arrives before it is all the generation published.
+    publisher = llm.llm_engine.kv_events
+    assert publisher is not None
+    publisher.publish([MARKER])
     stored: list[int] = []
-    expected_seq = 0
-    while (received := subscriber.receive(timeout_s=2.0)) is not None:
+    while (received := subscriber.receive(timeout_s=30)) is not None:
         assert not received.gap and received.batch.seq == expected_seq
         expected_seq += 1
+        if received.batch.events == [MARKER]:
+            break
         for event in received.batch.events:
             assert isinstance(event, BlockStored) and event.block_size == BLOCK
             stored += event.block_hashes
     assert stored == block_hashes(prompt, BLOCK)
 
 
-def test_an_asyncio_subscriber_sees_numbered_batches_and_a_gap_when_it_joins_late() -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+def test_an_asyncio_subscriber_sees_numbered_batches_and_a_gap_when_it_joins_late(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    endpoint = _endpoint(tmp_path_factory)
     publisher = KVEventPublisher(endpoint)
     stored = BlockStored([1, 2], None, list(range(2 * BLOCK)), BLOCK)
 

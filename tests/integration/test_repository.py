@@ -297,19 +297,25 @@ def test_version_policies(tmp_path: Path) -> None:
 
 # -- reload / unload while requests are in flight ---------------------------------------------
 
-SLOW_MODEL = """
+# The model answers only once the gate file exists: the test decides when requests in flight
+# finish, instead of a sleep in the model guessing how long the test needs them in flight.
+GATED_MODEL = """
+import os
 import time
 import numpy as np
+
+GATE = {gate!r}
 
 class Model:
     def initialize(self, config, version_dir):
         self.version = float(version_dir.name)
 
     def predict(self, inputs):
-        time.sleep(0.2)
-        return {"y": inputs["x"] * 0 + self.version}
+        while not os.path.exists(GATE):
+            time.sleep(0.005)
+        return {{"y": inputs["x"] * 0 + self.version}}
 """
-SLOW_CONFIG = {
+GATED_CONFIG = {
     "backend": "python",
     "max_batch_size": 8,
     "input": [{"name": "x", "data_type": "FP32", "dims": [1]}],
@@ -318,7 +324,14 @@ SLOW_CONFIG = {
 }
 
 
-async def _in_flight(root: Path, model_dir: Path) -> None:
+async def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
+async def _in_flight(root: Path, model_dir: Path, gate: Path) -> None:
     repo = ModelRepository(root)
     await repo.start()
     one = np.ones((1, 1), np.float32)
@@ -327,23 +340,30 @@ async def _in_flight(root: Path, model_dir: Path) -> None:
         response = await repo.get("slow").infer(request("slow", one))
         return float(outputs(response)["y"][0, 0])
 
-    # Reload onto version 2 while six requests sit in version 1's batch.
+    # Reload onto version 2 while six requests are held in version 1.
+    v1 = repo.get("slow")
     first = [asyncio.create_task(call()) for _ in range(6)]
-    await asyncio.sleep(0.05)
-    write_python_model(model_dir / "2", SLOW_MODEL)
-    await repo.load("slow")
+    await until(lambda: v1.inflight == 6)
+    write_python_model(model_dir / "2", GATED_MODEL.format(gate=str(gate)))
+    loading = asyncio.create_task(repo.load("slow"))
+    await until(lambda: repo.versions("slow") == ["2"])  # swapped in; v1 still holds six
+    assert v1.inflight == 6
+    gate.touch()
+    await loading
     assert await asyncio.gather(*first) == [1.0] * 6  # in-flight requests finished on v1
     assert await call() == 2.0
-    assert repo.versions("slow") == ["2"]
 
     # Unload while requests are in flight: they finish, later ones are refused.
+    gate.unlink()
+    v2 = repo.get("slow")
     second = [asyncio.create_task(call()) for _ in range(4)]
-    await asyncio.sleep(0.05)
+    await until(lambda: v2.inflight == 4)
     unloading = asyncio.create_task(repo.unload("slow"))
-    await asyncio.sleep(0)
-    assert {e["state"] for e in repo.index()} == {"UNLOADING"}
+    await until(lambda: {e["state"] for e in repo.index()} == {"UNLOADING"})
     with pytest.raises(ModelNotReadyError):
         repo.get("slow")
+    assert not unloading.done()
+    gate.touch()
     await unloading
     assert await asyncio.gather(*second) == [2.0] * 4
     assert repo.index()[0]["state"] == "UNAVAILABLE"
@@ -351,10 +371,11 @@ async def _in_flight(root: Path, model_dir: Path) -> None:
 
 
 def test_reload_and_unload_with_requests_in_flight(tmp_path: Path) -> None:
-    model_dir = add_model(
-        tmp_path, "slow", SLOW_CONFIG, {1: lambda d: write_python_model(d, SLOW_MODEL)}
-    )
-    asyncio.run(_in_flight(tmp_path, model_dir))
+    gate = tmp_path / "gate"
+    model = GATED_MODEL.format(gate=str(gate))
+    root = tmp_path / "repo"
+    model_dir = add_model(root, "slow", GATED_CONFIG, {1: lambda d: write_python_model(d, model)})
+    asyncio.run(_in_flight(root, model_dir, gate))
 
 
 async def _failed_reload(root: Path, model_dir: Path) -> None:

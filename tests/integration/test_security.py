@@ -30,7 +30,7 @@ from openai import DefaultHttpxClient, OpenAI
 from tritonclient.utils import InferenceServerException
 from websockets.sync.client import connect as ws_connect
 
-from inferd.config import ServerConfig
+from inferd.config import EngineConfig, ServerConfig
 from inferd.gateway.kserve.grpc_server import GrpcServer, start_grpc_server, stop_grpc_server
 from inferd.serve import uvicorn_options
 from inferd.telemetry.metrics import parse_samples
@@ -154,13 +154,20 @@ def test_https_keys_and_scopes(secure: Secure) -> None:
     with secure.client() as c:
         r = c.post("/v2/models/classifier/infer", json=_infer_body())
         assert r.status_code == 401 and set(r.json()) == {"error"}  # KServe's error body
+        assert "API key" in r.json()["error"]
         r = c.post("/v2/models/classifier/infer", json=_infer_body(), headers=USER)
         assert r.status_code == 200, r.text
+        assert [o["name"] for o in r.json()["outputs"]] == ["probs"]
         assert "x-ratelimit-limit-requests" not in r.headers  # no limit set for this key
         r = c.post("/v2/repository/models/classifier/unload", headers=USER)
         assert r.status_code == 403 and "admin" in r.json()["error"]
         assert c.post("/v2/repository/models/classifier/load", headers=OPS).status_code == 200
-        assert c.get("/v2/health/ready").status_code == 200  # probes need no key
+        index = c.post("/v2/repository/index", headers=OPS).json()
+        assert {"name": "classifier", "state": "READY"}.items() <= next(
+            e for e in index if e["name"] == "classifier"
+        ).items()
+        ready = c.get("/v2/health/ready")  # probes need no key
+        assert (ready.status_code, ready.json()) == (200, {"ready": True})
     with pytest.raises(httpx.HTTPError):  # plain HTTP to the TLS port
         httpx.get(f"http://127.0.0.1:{secure.live.port}/v2/health/live", timeout=5)
     with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
@@ -330,7 +337,7 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path: Path) -> None:
     """--ssl-ca-certs: HTTP and gRPC accept only clients with a certificate the CA signed."""
     certs = make_certs(tmp_path)
     root = write_repository(tmp_path / "repo")
-    tls = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
+    tls: dict[str, Any] = {"ssl_keyfile": str(certs.key), "ssl_certfile": str(certs.cert)}
     with serve(root, **tls, ssl_ca_certs=str(certs.ca)) as live:
         grpc_server = live.call(start_grpc_server(live.state, "127.0.0.1", 0))
         try:
@@ -372,3 +379,69 @@ def test_a_websocket_outlives_the_read_timeout(secure: Secure) -> None:
         ws.send('{"prompt": "hi"}')
         reply = json.loads(ws.recv(timeout=10))  # this server runs no LLM: 503, on the socket
         assert reply["status"] == 503 and ws.recv(timeout=10) == "[DONE]"
+
+
+# -- the LLM routes on a real engine ---------------------------------------------------------------
+
+LLM_KEYS = """
+sk-user   name=user
+sk-tokens name=tokens tpm=30
+"""
+
+
+@dataclass
+class SecureLLM:
+    url: str
+    trust: ssl.SSLContext
+
+    def post(self, path: str, body: dict[str, object], key: str | None) -> httpx.Response:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        with httpx.Client(verify=self.trust, timeout=60) as c:
+            return c.post(f"{self.url}{path}", json=body, headers=headers)
+
+
+@pytest.fixture(scope="module")
+def secure_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureLLM]:
+    """HTTPS, a key file with a per-key token limit, and inferd-tiny on a real engine core (the
+    other tests here serve classic models only; the gateway's own tests use a fake engine)."""
+    tmp = tmp_path_factory.mktemp("secure-llm")
+    certs = make_certs(tmp)
+    (tmp / "keys").write_text(LLM_KEYS)
+    engine = EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+    with serve(
+        None,
+        engine=engine,
+        api_key_file=str(tmp / "keys"),
+        ssl_keyfile=str(certs.key),
+        ssl_certfile=str(certs.cert),
+    ) as live:
+        trust = ssl.create_default_context(cafile=str(certs.ca))
+        yield SecureLLM(f"https://127.0.0.1:{live.port}", trust)
+
+
+def test_llm_routes_over_tls_take_keys_and_count_tokens_per_key(secure_llm: SecureLLM) -> None:
+    body = {"prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
+    refused = secure_llm.post("/v1/completions", body, key=None)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    # The official client, over HTTPS with the test CA, with a key.
+    http = DefaultHttpxClient(verify=secure_llm.trust)
+    with OpenAI(base_url=f"{secure_llm.url}/v1", api_key="sk-user", http_client=http) as client:
+        chat = client.chat.completions.create(
+            model="inferd-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert chat.usage is not None and chat.usage.completion_tokens <= 4
+    # 30 tokens a minute for this key: a few requests' prompts and outputs spend them.
+    first = secure_llm.post("/v1/completions", body, key="sk-tokens")
+    assert first.status_code == 200, first.text
+    assert first.headers["x-ratelimit-limit-tokens"] == "30"
+    # The bucket refills at half a token a second: far slower than these requests spend it.
+    codes = [first.status_code]
+    while codes[-1] == 200 and len(codes) < 10:
+        limited = secure_llm.post("/v1/completions", body, key="sk-tokens")
+        codes.append(limited.status_code)
+    assert codes[-1] == 429, codes
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["retry-after"]) >= 1
+    # The other key is not held back by this one's limit.
+    assert secure_llm.post("/v1/completions", body, key="sk-user").status_code == 200

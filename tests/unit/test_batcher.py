@@ -401,8 +401,10 @@ async def test_removed_request_never_runs() -> None:
     assert not h.batcher.remove(h.handles["gone"]) and h.batcher.num_queued == 0
     h.gate.set()
     await gate
-    await asyncio.sleep(0.02)  # time for a (wrongly) dispatched batch to reach a worker
-    assert h.batches() == [["gate"]]
+    # The one worker takes batches in queue order: once a later request has run, a (wrongly)
+    # dispatched "gone" would have run before it.
+    await h.submit("probe")
+    assert h.batches() == [["gate"], ["probe"]]
 
 
 @async_test

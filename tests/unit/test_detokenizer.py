@@ -365,3 +365,17 @@ def test_text_stream_without_stops_passes_text_through() -> None:
     stream = TextStream(SENTENCEPIECE, [])
     text = "".join(stream.push([t]).text for t in ids) + stream.finish()
     assert text == SENTENCEPIECE.decode(ids) == stream.text
+
+
+def test_text_stream_looks_for_stop_strings_only_past_min_tokens() -> None:
+    # vLLM's rule: min_tokens holds back stop strings as it does EOS and stop_token_ids. A stop
+    # that ends in the first min_tokens tokens' text is passed; the next one stops the stream.
+    text = "one two one two one two"
+    ids = BYTE_LEVEL.encode(text).ids
+    first_end = next(i for i in range(1, len(ids) + 1) if "two" in BYTE_LEVEL.decode(ids[:i]))
+    stream = TextStream(BYTE_LEVEL, [], stop=("two",), min_tokens=first_end)
+    deltas = [stream.push([t]) for t in ids]
+    assert [d.stop for d in deltas if d.stop is not None] == ["two"]
+    assert stream.text == "one two one "
+    eager = TextStream(BYTE_LEVEL, [], stop=("two",))
+    assert [eager.push([t]).stop for t in ids].count("two") == 1 and eager.text == "one "

@@ -12,8 +12,15 @@ from inferd.models import kernels
 from inferd.models.kernels.gemv import PANEL_COLUMNS, PanelWeight
 from inferd.models.kernels.greedy import MIN_COLUMNS, GreedyHead, ScreenWeight
 
-# Every test on both paths where the CPU has AMX (tests/conftest.py's panel_path).
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def native_kernels(native_kernels: kernels.NativeKernels, panel_path: str) -> kernels.NativeKernels:
+    """The session's kernels (tests/conftest.py), each test that uses them on both paths where
+    the CPU has AMX (panel_path); the pure-Python ones (the screen's layout) run everywhere."""
+    return native_kernels
+
 
 DTYPES = [torch.float32, torch.bfloat16]
 ANY_ROWS = {torch.float32: 128, torch.bfloat16: 128}

@@ -79,12 +79,35 @@ def binary_bodies(draw: st.DrawFn) -> tuple[bytes, str | None]:
     return header + binary, length
 
 
+_VALID_HEADER = json.dumps(
+    {
+        "inputs": [
+            {"name": "x0", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}
+        ]
+    }
+).encode()
+
+
 @FUZZ
 @given(binary_bodies())
+@example((_VALID_HEADER + bytes(8), str(len(_VALID_HEADER))))  # one that decodes, at least
 def test_binary_bodies_decode_or_400(case: tuple[bytes, str | None]) -> None:
     body, header_length = case
     request = decodes_or_refuses(codec.decode_request, body, header_length, "m")
-    assert request is None or isinstance(request, InferRequest)
+    if request is None:
+        return  # refused with the protocol's InvalidRequestError (a 400), nothing else
+    assert isinstance(request, InferRequest)
+    # Decoded: exactly what the header declared, and the binary section used up to the byte.
+    n = len(body) if header_length is None else int(header_length)
+    entries = json.loads(body[:n])["inputs"]
+    assert list(request.inputs) == [e["name"] for e in entries]
+    for entry in entries:
+        array = request.inputs[entry["name"]]
+        assert list(array.shape) == entry["shape"]
+        if entry["datatype"] != "BYTES":
+            assert array.dtype == DATATYPES[entry["datatype"]]
+            assert array.nbytes == entry["parameters"]["binary_data_size"]
+    assert sum(e["parameters"]["binary_data_size"] for e in entries) == len(body) - n
 
 
 @st.composite

@@ -114,7 +114,11 @@ def test_replica_args_parse_with_the_serve_parser() -> None:
     args = build_parser().parse_args(container["args"])
     assert args.command == "serve"
     assert args.host == "0.0.0.0"  # reachable from the router's pod
-    assert args.shutdown_timeout is not None
+    # The probes' named port is the one the server listens on.
+    (http,) = [p for p in container["ports"] if p["name"] == "http"]
+    assert args.port == http["containerPort"]
+    # The drain time is the manifest's own (its shutdown timeline counts on 30 s), not a default.
+    assert "--shutdown-timeout" in container["args"] and args.shutdown_timeout == 30.0
 
 
 def test_router_args_parse_and_discover_replicas_through_the_headless_service() -> None:

@@ -16,11 +16,14 @@ from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 
 # The kernel tests run on AMX tiles and without (tests/conftest.py's panel_path): bfloat16 prefill
 # items take the tiles where the CPU has them.
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
+pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def kernel(native_kernels: kernels.NativeKernels) -> PagedAttentionKernel:
+@pytest.fixture
+def kernel(native_kernels: kernels.NativeKernels, panel_path: str) -> PagedAttentionKernel:
+    """Every test of the kernel runs on both paths where the CPU has AMX (tests/conftest.py's
+    panel_path); the pure-Python ones (selection, the fallback when no build is possible) run
+    everywhere, above all where the kernel cannot be built."""
     return native_kernels.attention
 
 
@@ -229,6 +232,7 @@ def test_select_honours_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("INFERD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("INFERD_DISABLE_KERNELS", raising=False)  # the build itself must fail
     monkeypatch.setattr(kernels, "compiler", lambda: None)
     cpu, f32, env = torch.device("cpu"), torch.float32, read_environment()
     assert kernels.select("auto", cpu, f32, f32, 64, env) is None

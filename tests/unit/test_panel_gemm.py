@@ -15,14 +15,15 @@ from torch import Tensor
 from inferd.models import kernels
 from inferd.models.kernels.gemv import PANEL_COLUMNS, Gemv, PanelWeight
 
-# Every test on both paths where the CPU has AMX (tests/conftest.py's panel_path).
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("panel_path")]
+pytestmark = pytest.mark.unit
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def gemv(native_kernels: kernels.NativeKernels) -> Gemv:
+@pytest.fixture
+def gemv(native_kernels: kernels.NativeKernels, panel_path: str) -> Gemv:
+    """Every test of the kernel runs on both paths where the CPU has AMX (tests/conftest.py's
+    panel_path); the pure-Python ones (the packing) run everywhere, kernel or not."""
     return native_kernels.gemv
 
 

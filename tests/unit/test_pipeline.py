@@ -313,7 +313,7 @@ async def test_priority_is_validated_and_orders_the_queue() -> None:
     await until(lambda: bool(backend.seen))
     low = asyncio.ensure_future(model.infer(req(1.0)))  # 0 -> default level 2
     high = asyncio.ensure_future(model.infer(req(2.0, priority=1)))
-    await asyncio.sleep(0.02)
+    await until(lambda: model._batcher.num_queued == 2)  # both wait behind the gated batch
     gate.set()
     await asyncio.gather(first, low, high)
     assert [b["x"][0, 0] for b in backend.seen] == [0.0, 2.0, 1.0]
@@ -394,8 +394,7 @@ async def test_stop_lets_accepted_requests_finish() -> None:
     accepted = [asyncio.ensure_future(model.infer(req(float(i)))) for i in range(3)]
     await until(lambda: bool(backend.seen))
     stopping = asyncio.ensure_future(model.stop(timeout_s=10))
-    await asyncio.sleep(0.01)
-    assert not model.ready
+    await until(lambda: not model.ready)
     with pytest.raises(ModelNotReadyError, match="stopping"):
         await model.infer(req(9.0))
     gate.set()

@@ -4,10 +4,16 @@ W8A8 int8 layout loads; everything else is refused at load with the field that d
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from inferd.cli import main
 from inferd.errors import ModelLoadError
 from inferd.models.config import ArchConfig
 from inferd.models.quantized import Int8Checkpoint, parse_quantization_config
@@ -88,3 +94,52 @@ def test_the_architecture_config_carries_it() -> None:
     assert ArchConfig.from_dict({**base, "compression_config": W8A8}).quantization is not None
     with pytest.raises(ModelLoadError, match="quant_method"):
         ArchConfig.from_dict({**base, "quantization_config": {"quant_method": "awq"}})
+
+
+# -- `inferd quantize`: the command's own paths, no model run (so no VNNI needed) ---------------
+
+
+def _float_folder(path: Path) -> Path:
+    """The least a float Hugging Face folder has for `quantize`: config.json and one shard with
+    two projections, an embedding and an lm_head."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (path / "tokenizer.json").write_text("{}")
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(8, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4, generator=g),
+        "model.embed_tokens.weight": torch.randn(16, 4, generator=g),
+        "lm_head.weight": torch.randn(16, 4, generator=g),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_quantize_writes_int8_projections_and_refuses_what_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src, dst = _float_folder(tmp_path / "float"), tmp_path / "int8"
+    assert main(["quantize", str(src), str(dst)]) == 0
+    assert "2 linear weights as int8" in capsys.readouterr().out
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.int8
+        assert f.get_tensor("lm_head.weight").dtype == torch.float32  # ignored by default
+    assert (
+        "model.layers.0.mlp.up_proj.weight_scale" in names and "lm_head.weight_scale" not in names
+    )
+    config = json.loads((dst / "config.json").read_text())
+    # What inferd itself loads: the lm_head stays float, the projections are int8.
+    rules = parse_quantization_config(config["quantization_config"], "int8/config.json")
+    assert rules.ignores("lm_head") and not rules.ignores("model.layers.0.mlp.up_proj")
+    assert (dst / "tokenizer.json").is_file()  # the other files come along
+    # The refusals: each a one-line error and exit code 2, and no folder left half-written.
+    assert main(["quantize", str(src), str(dst)]) == 2  # dst exists
+    assert main(["quantize", str(tmp_path / "nowhere"), str(tmp_path / "a")]) == 2
+    assert main(["quantize", str(dst), str(tmp_path / "b")]) == 2  # already quantized
+    assert main(["quantize", str(src), str(tmp_path / "c"), "--ignore", "re:.*"]) == 2
+    errors = capsys.readouterr().err
+    for words in ("exists", "no config.json", "already quantized", "no linear weight"):
+        assert words in errors
+    assert not any((tmp_path / name).exists() for name in "abc")

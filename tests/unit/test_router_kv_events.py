@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferd.kv_cache.events import BlockRemoved, BlockStored, KVEvent, KVEventBatch, ReceivedBatch
@@ -76,6 +76,7 @@ op = st.one_of(
 )
 
 
+@settings(deadline=None)  # a loaded 2-core box must not fail a pure test
 @given(st.lists(op, max_size=40))
 def test_the_index_is_the_set_implied_since_the_last_gap(ops: list[tuple[str, list[int]]]) -> None:
     index = PrefixIndex(capacity_blocks=1)

@@ -97,4 +97,6 @@ def test_invalid_values_name_the_field(kwargs: dict[str, Any], param: str) -> No
     ],
 )
 def test_edge_values_accepted(kwargs: dict[str, Any]) -> None:
-    SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs)
+    # Accepted as given: neither clamped nor replaced by a default.
+    assert {name: getattr(params, name) for name in kwargs} == kwargs

@@ -126,3 +126,13 @@ def test_held_suffix_len() -> None:
     assert held_suffix_len("hello wor", ("world",), 4) == 3
     assert held_suffix_len("hello", ("world",), 4) == 0
     assert held_suffix_len("aaaa", ("aaab",), 3) == 3
+
+
+def test_a_push_that_may_not_match_keeps_the_state_a_later_match_needs() -> None:
+    # Before min_tokens (TextStream passes match=False): a stop that ends there is not one...
+    c = StopChecker(("ab",))
+    assert c.push("xab", match=False) == StopResult("xab")
+    # ...but what might start one is still held, and a stop that ends later is found whole.
+    assert c.push("a", match=False) == StopResult("")
+    assert c.push("b!") == StopResult("", "ab")
+    assert c.stopped

@@ -1,5 +1,7 @@
-"""The router app in-process against scripted replicas (httpx.MockTransport): retries, passive
-ejection, pass-through of a request's own failure, a stream broken mid-way, timings, KServe."""
+"""The router app in-process against scripted replicas (httpx.MockTransport), a unit test of its
+proxy: retries, passive ejection, pass-through of a request's own failure, a stream broken
+mid-way, timings, KServe. (tests/integration/test_router_replicas.py puts real replicas behind
+it.)"""
 
 from __future__ import annotations
 
@@ -190,9 +192,10 @@ def test_replica_reports_come_from_its_metrics_page() -> None:
 
 
 def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
-    cancelled = asyncio.Event()
+    cancelled, forwarded = asyncio.Event(), asyncio.Event()
 
     async def handler(req: httpx.Request) -> httpx.Response:
+        forwarded.set()
         try:
             await asyncio.sleep(60)  # the replica still prefilling
         except asyncio.CancelledError:
@@ -207,7 +210,7 @@ def test_a_client_leaving_cancels_the_upstream_request(tok: Tokenizer) -> None:
     async def receive() -> MutableMapping[str, Any]:
         if messages:
             return messages.pop()
-        await asyncio.sleep(0.2)
+        await forwarded.wait()  # the client leaves once the replica has the request
         return {"type": "http.disconnect"}
 
     sent: list[MutableMapping[str, Any]] = []
