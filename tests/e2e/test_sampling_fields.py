@@ -188,12 +188,15 @@ def test_chat_template_kwargs_reach_the_template(server: Server) -> None:
     assert unread["usage"]["prompt_tokens"] == chat(server)["usage"]["prompt_tokens"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="inferd/gateway/openai/serving.py's tokenize_body passes add_generation_prompt and the "
-    "kwargs to apply_chat_template separately: a TypeError, answered 500 (vLLM lets the kwargs "
-    "override)",
-)
 def test_chat_template_kwargs_override_the_generation_prompt(server: Server) -> None:
     without = chat(server, chat_template_kwargs={"add_generation_prompt": False})
     assert without["usage"]["prompt_tokens"] < chat(server)["usage"]["prompt_tokens"]
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"messages": []},
+        },
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"

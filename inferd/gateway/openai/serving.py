@@ -198,22 +198,34 @@ def _has_text(body: Body) -> bool:
 
 def tokenize_body(tok: Tokenizer, body: Body) -> list[Prompt]:
     if isinstance(body, ChatCompletionRequest):
-        add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
-        tools = None
-        if body.tools:
-            tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
         text = tok.apply_chat_template(
-            [m.for_template() for m in body.messages],
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            [m.for_template() for m in body.messages], **_template_kwargs(body)
         )
         return [Prompt(text, tok.encode(text, add_special_tokens=False))]
     return [
         Prompt(p, tok.encode(p)) if isinstance(p, str) else Prompt(None, list(p))
         for p in body.prompts()
     ]
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's arguments from the body's fields; `chat_template_kwargs` overrides them
+    (as vLLM's do), all but `messages`, which only the body's messages set."""
+    extra = body.chat_template_kwargs or {}
+    if "messages" in extra:
+        raise bad_request(
+            "chat_template_kwargs cannot set messages; send them as messages",
+            "chat_template_kwargs",
+        )
+    tools = None
+    if body.tools:
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools]
+    return {
+        "add_generation_prompt": body.add_generation_prompt and not body.continue_final_message,
+        "tools": tools,
+        "continue_final_message": body.continue_final_message,
+        **extra,
+    }
 
 
 def _check_prompt(ids: list[int], params: SamplingParams, llm: EngineClient) -> None:
