@@ -17,14 +17,18 @@ prompt), offline, no server. Two measurements (issue 36's "Done when"):
    checks the per-request token counts are equal and counts grammar refusals (the runner logs
    one if a sampled token breaks the grammar). Both variants are warmed up first (the schema is
    compiled then: the runs measure masking, not compiling). Reported: output tok/s of each, json
-   / plain per round and the median (issue target >= 0.85 on CPU), and the engine's step split
-   (forward incl. lm_head, grammar = mask fill + apply + matcher advance, sample) per run.
+   / plain per round and the median (issue target >= 0.85 on CPU), the same ratio by the
+   process's CPU ms per output token (less swayed than wall time by other work's load), and the
+   engine's step split per run: forward (with the lm_head: a constrained batch runs the whole
+   lm_head, an unconstrained greedy one the greedy screen), grammar (mask fill + apply + matcher
+   advance), sample.
 2. First-token latency: one request at a time on the idle engine (`add_request`, then `step()`
    until its token, `time.perf_counter`), greedy, max_tokens=1, a 32-token prompt: unconstrained,
    a schema the compiler has never seen (a unique property name each repeat), and the same
    schema again (cached); for the small schema above and a typical tool-argument schema (nested
    object, enum, bounded integer, pattern, bounded array). Medians over `--repeats`; the extra
-   first-token ms of a cached schema (issue target < 5 ms) and of a new one over unconstrained.
+   first-token ms of a cached schema (issue target < 5 ms) and of a new one over unconstrained
+   (the median of each repeat's difference), and the compile wait the engine recorded.
 
 Prints tables and writes JSON (command, machine, every run) to bench/results/.
 """
@@ -138,11 +142,13 @@ def run_once(llm: LLM, reqs: list[BenchRequest], variant: str) -> tuple[dict[str
     params = workload_params(reqs, constraint(items_schema()) if variant == "json" else None)
     stats = llm.llm_engine.step_stats
     stats.clear()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     lengths = [len(o.outputs[0].token_ids) for o in outs]
-    result: dict[str, Any] = {"tokens": sum(lengths), "wall_s": wall, "tok_s": sum(lengths) / wall}
+    n = sum(lengths)
+    result: dict[str, Any] = {"tokens": n, "wall_s": wall, "tok_s": n / wall}
+    result["cpu_ms_per_token"] = cpu / n * 1e3
     result |= step_split(stats.summary())
     result["sample_text"] = outs[0].outputs[0].text[:80]
     return result, lengths
@@ -164,40 +170,51 @@ def step_split(summary: dict[str, float]) -> dict[str, Any]:
 
 
 def throughput(llm: LLM, reqs: list[BenchRequest], rounds: int) -> dict[str, Any]:
-    """plain and json alternating; per-round ratios json / plain, and the token-count check."""
+    """plain and json alternating; per-round ratios json / plain, and the token-count check
+    (every run's per-request counts against the first plain run's and the workload's)."""
     counter = RefusalCounter()
     logging.getLogger("inferd").addHandler(counter)
     for variant in VARIANTS:  # warm-up: kernels, xgrammar, the schema's compile
         run_once(llm, reqs[:8], variant)
     runs: list[dict[str, Any]] = []
-    lengths: dict[str, list[int]] = {}
+    lengths: dict[str, list[list[int]]] = {v: [] for v in VARIANTS}
     for rnd in range(rounds):
         order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
         for variant in order:
-            result, lengths[variant] = run_once(llm, reqs, variant)
+            result, counts = run_once(llm, reqs, variant)
+            lengths[variant].append(counts)
             runs.append({"round": rnd, "variant": variant, **result})
             print_run(runs[-1])
     logging.getLogger("inferd").removeHandler(counter)
-    ratios = [by(runs, r, "json")["tok_s"] / by(runs, r, "plain")["tok_s"] for r in range(rounds)]
+    ratios = [ratio(runs, r, "tok_s") for r in range(rounds)]
+    cpu_ratios = [1 / ratio(runs, r, "cpu_ms_per_token") for r in range(rounds)]
+    expected = [r.output_len for r in reqs]
     check = {
-        "equal_per_request": lengths["plain"] == lengths["json"],
-        "expected_per_request": lengths["plain"] == [r.output_len for r in reqs],
-        "plain_tokens": sum(lengths["plain"]),
-        "json_tokens": sum(lengths["json"]),
+        "equal_per_request": all(c == lengths["plain"][0] for c in lengths["json"]),
+        "expected_per_request": all(c == expected for c in lengths["plain"]),
+        "plain_tokens": [sum(c) for c in lengths["plain"]],
+        "json_tokens": [sum(c) for c in lengths["json"]],
         "grammar_refusals": counter.count,
     }
-    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios), **check}
+    medians = {"median_ratio": statistics.median(ratios)}
+    medians["median_cpu_ratio"] = statistics.median(cpu_ratios)
+    return {"runs": runs, "ratios": ratios, "cpu_ratios": cpu_ratios, **medians, **check}
 
 
-def by(runs: list[dict[str, Any]], rnd: int, variant: str) -> dict[str, Any]:
-    return next(r for r in runs if r["round"] == rnd and r["variant"] == variant)
+def ratio(runs: list[dict[str, Any]], rnd: int, key: str) -> float:
+    """json's `key` over plain's in round `rnd`."""
+    json_run, plain = (
+        next(r for r in runs if r["round"] == rnd and r["variant"] == v) for v in ("json", "plain")
+    )
+    return float(json_run[key] / plain[key])
 
 
 def print_run(r: dict[str, Any]) -> None:
     s = r["split_s"]
     print(
-        f"round {r['round']} {r['variant']:>5}: {r['tok_s']:8.1f} tok/s  {r['tokens']} tokens  "
-        f"{r['steps']} steps  forward {s['forward']:6.2f} s  grammar {s['grammar']:5.2f} s  "
+        f"round {r['round']} {r['variant']:>5}: {r['tok_s']:8.1f} tok/s "
+        f"({r['cpu_ms_per_token']:.2f} CPU ms/tok)  {r['tokens']} tokens  {r['steps']} steps  "
+        f"forward {s['forward']:6.2f} s  grammar {s['grammar']:5.2f} s  "
         f"sample {s['sample']:5.2f} s  other {s['other']:5.2f} s  "
         f"grammar {r['grammar_share']:5.1%} ({r['grammar_ms_per_step']:.2f} ms/step)",
         flush=True,
@@ -259,12 +276,22 @@ def latency(llm: LLM, prompt: list[int], repeats: int) -> dict[str, Any]:
 def summarize_latency(
     samples: dict[str, list[float]], compile_s: dict[str, list[float]]
 ) -> dict[str, Any]:
-    """Medians in ms, and each constrained case's extra ms over the unconstrained median."""
-    median_ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-    extra_ms = {k: v - median_ms["plain"] for k, v in median_ms.items() if k != "plain"}
-    wait_ms = {k: statistics.median(v) * 1e3 for k, v in compile_s.items() if k != "plain"}
+    """Medians in ms, and each constrained case's extra ms over unconstrained: the median of the
+    repeats' differences (each repeat's cases ran back to back, so a slow spell hits both)."""
     all_ms = {k: [s * 1e3 for s in v] for k, v in samples.items()}
-    return {"median_ms": median_ms, "extra_ms": extra_ms, "compile_wait_ms": wait_ms, "ms": all_ms}
+    plain = all_ms.pop("plain")
+    extra_ms = {
+        k: statistics.median(c - p for c, p in zip(v, plain, strict=True))
+        for k, v in all_ms.items()
+    }
+    median_ms = {k: statistics.median(v) for k, v in {"plain": plain, **all_ms}.items()}
+    wait_ms = {k: statistics.median(v) * 1e3 for k, v in compile_s.items() if k != "plain"}
+    return {
+        "median_ms": median_ms,
+        "extra_ms": extra_ms,
+        "compile_wait_ms": wait_ms,
+        "ms": {"plain": plain, **all_ms},
+    }
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -272,9 +299,12 @@ def summarize_latency(
 
 def print_throughput(t: dict[str, Any]) -> None:
     ratios = "  ".join(f"{r:.3f}" for r in t["ratios"])
+    cpu = "  ".join(f"{r:.3f}" for r in t["cpu_ratios"])
     print(
         f"json / plain tok/s per round: {ratios}   median {t['median_ratio']:.3f} "
-        f"(target >= 0.85)\ntokens: plain {t['plain_tokens']}, json {t['json_tokens']}, "
+        f"(target >= 0.85)\nby CPU time per token (plain / json): {cpu}   "
+        f"median {t['median_cpu_ratio']:.3f}\n"
+        f"tokens: plain {t['plain_tokens']}, json {t['json_tokens']}, "
         f"equal per request: {t['equal_per_request']}, as the workload asks: "
         f"{t['expected_per_request']}; grammar refusals: {t['grammar_refusals']}"
     )
@@ -314,7 +344,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--rounds", type=int, default=None, help="plain/json pairs (default 3)")
     p.add_argument("--num-requests", type=int, default=None, help="default: the mixed workload's")
-    p.add_argument("--repeats", type=int, default=None, help="first-token repeats (default 10)")
+    p.add_argument("--repeats", type=int, default=None, help="first-token repeats (default 20)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="24 requests, 1 round, 3 repeats")
@@ -322,7 +352,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     quick = args.quick
     args.rounds = args.rounds or (1 if quick else 3)
-    args.repeats = args.repeats or (3 if quick else 10)
+    args.repeats = args.repeats or (3 if quick else 20)
     args.num_requests = args.num_requests or (
         QUICK_REQUESTS if quick else MIXED_REQUESTS[args.shape]
     )
