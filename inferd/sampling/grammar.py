@@ -173,6 +173,10 @@ class RequestGrammar:
         `ignore_eos` keeps the sequence going, and what follows is free)."""
         return self._active and not self.matcher.is_terminated()
 
+    @property
+    def finished(self) -> bool:
+        return self.matcher.is_terminated()
+
     def accept(self, token_id: int) -> bool:
         if self._active:
             return self.matcher.is_terminated() or bool(self.matcher.accept_token(token_id))

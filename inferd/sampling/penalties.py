@@ -12,9 +12,16 @@ from inferd.sampling.metadata import PenaltyTensors
 
 
 def apply_min_tokens(logits: Tensor, index: tuple[Tensor, Tensor]) -> Tensor:
-    """Bans EOS / stop token ids of rows still below min_tokens: logits[rows, ids] = -inf."""
+    """Bans EOS / stop token ids of rows still below min_tokens: logits[rows, ids] = -inf.
+
+    A ban never leaves a row with no token: where the stop ids were all that remained (a finished
+    grammar allows only EOS), that row keeps them, and ends as its grammar says."""
     rows, token_ids = index
+    kept = logits[rows, token_ids]
     logits[rows, token_ids] = float("-inf")
+    emptied = logits[rows].amax(dim=-1) == float("-inf")
+    if bool(emptied.any()):
+        logits[rows[emptied], token_ids[emptied]] = kept[emptied]
     return logits
 
 

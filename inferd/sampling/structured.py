@@ -101,6 +101,11 @@ class TokenConstraint(Protocol):
         """False while the constraint does not apply yet (the model is still reasoning)."""
         ...
 
+    @property
+    def finished(self) -> bool:
+        """The grammar accepted a stop token: the answer is complete."""
+        ...
+
     def accept(self, token_id: int) -> bool:
         """Advances over a sampled token; False if the grammar refuses it."""
         ...

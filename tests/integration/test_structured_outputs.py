@@ -195,3 +195,17 @@ def test_ignore_eos_continues_freely_after_the_grammar_ends(llm: LLM) -> None:
     c = out.outputs[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 12
     assert c.text.startswith(("yes", "no"))
+
+
+def test_min_tokens_never_pushes_a_finished_grammar_off_its_answer(llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    for temperature in (0.0, 1.0):
+        params = _params(
+            Structured(json=schema, disable_any_whitespace=True),
+            min_tokens=40,
+            temperature=temperature,
+        )
+        (out,) = llm.generate(["x"], params, use_tqdm=False)
+        c = out.outputs[0]
+        assert c.finish_reason == "stop"
+        assert json.loads(c.text) in ({"a": True}, {"a": False})

@@ -510,3 +510,15 @@ def test_more_logprobs_than_vocabulary() -> None:
 def test_empty_batch() -> None:
     out = Sampler()(torch.empty(0, 10), _meta([], 10))
     assert out.token_ids.shape == (0,)
+
+
+def test_min_tokens_ban_never_empties_a_row() -> None:
+    from inferd.sampling.penalties import apply_min_tokens
+
+    inf = float("-inf")
+    # Row 0 has other tokens: EOS (id 1) is banned. Row 1 (a finished grammar's mask) has only
+    # EOS left: it keeps it.
+    logits = torch.tensor([[0.5, 2.0, 1.0], [inf, 3.0, inf]])
+    index = (torch.tensor([0, 1]), torch.tensor([1, 1]))
+    out = apply_min_tokens(logits, index)
+    assert out.tolist() == [[0.5, inf, 1.0], [inf, 3.0, inf]]
