@@ -56,6 +56,7 @@ from inferd.batching.assembler import (
     step_error,
 )
 from inferd.batching.batcher import DynamicBatcher, Queued
+from inferd.batching.pace import Pace
 from inferd.batching.rules import (
     DEFAULT_LIMITS,
     QueueLimits,
@@ -137,6 +138,7 @@ class ServedModel:
         labels: Mapping[str, Sequence[str]] | None = None,
         observer: ModelObserver | None = None,
         limits: QueueLimits = DEFAULT_LIMITS,
+        pace: Pace | None = None,  # when a partial batch waits; None: MeasuredPace
     ) -> None:
         if len(backends) < 1:
             raise ValueError("a served model needs at least one backend")
@@ -169,6 +171,7 @@ class ServedModel:
             done=self._finish_batch,
             expired=self._expire,
             name=name,
+            pace=pace,
         )
         self._state: State = "new"
         self._live: set[asyncio.Future[InferResponse]] = set()
