@@ -255,6 +255,15 @@ class DynamicBatcher(Generic[T, B, R]):
     def num_queued(self) -> int:
         return self._num_queued
 
+    def idle(self) -> bool:
+        """Whether a request submitted now runs at once and alone: a worker is free, nothing
+        is queued, and requests arrive slower than a batch runs (waiting cannot grow it)."""
+        return (
+            bool(self._free)
+            and not self._num_queued
+            and not self._pace.batch_can_grow(len(self._backends))
+        )
+
     @property
     def num_busy(self) -> int:
         """Workers running a batch now."""

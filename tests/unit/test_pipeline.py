@@ -569,12 +569,22 @@ async def test_timings_cover_every_stage() -> None:
 
 
 @async_test
-async def test_a_lone_request_on_an_idle_instance_does_not_wait_the_window() -> None:
-    model, _, _, _ = text_model(FakeObserver(), pace=MeasuredPace(max_delay_s=0.1))
+async def test_a_lone_request_runs_at_once_preprocessed_by_its_worker() -> None:
+    observer = FakeObserver()
+    model, backend, pre, _ = text_model(observer, pace=MeasuredPace(max_delay_s=0.1))
     await model.start()
-    for _ in range(3):  # one client: each request finds the instance idle
-        seconds = (await model.infer(text("one two"))).timings.seconds
+    for words in ("one two", "three four five"):  # one client: the instance is idle each time
+        response = await model.infer(text(words))
+        seconds = response.timings.seconds
         assert seconds[Stage.QUEUE] + seconds[Stage.BATCH] < 0.05  # not the 100 ms window
+        assert seconds[Stage.PREPROCESS] > 0 and response.num_input_tokens == len(words.split())
+    assert pre.threads == backend.threads  # one hop: the worker ran the preprocess steps
+    # Its preprocess failing there fails it alone, as in the pool.
+    not_utf8 = InferRequest("text", {"text": np.array([[b"\xff"]], dtype=object)})
+    with pytest.raises(BackendError, match="preprocess"):
+        await model.infer(not_utf8)
+    assert observer.outcomes() == ["success", "success", "error"]
+    assert [b["ids"].shape for b in backend.seen] == [(1, 2), (1, 3)]
     await model.stop()
 
 
