@@ -19,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,12 @@ def pytriton(args: argparse.Namespace) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
 
+    # Triton's Python stub loads libpython by its soname. Unless told where this interpreter's is,
+    # it finds the system's (here /usr/lib's libpython3.11, an older patch release than pyenv's
+    # 3.11.7) and runs this stdlib on it: multiprocessing's resource tracker then fails on
+    # `RLock._recursion_count` and the model never loads.
+    libdir = sysconfig.get_config_var("LIBDIR")
+    os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}"
     embed = Embedder(args.model_dir, args.threads)
 
     @batch  # type: ignore[untyped-decorator]
