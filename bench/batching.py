@@ -105,7 +105,8 @@ async def closed_loop(
             if status != 200:
                 errors += 1
                 continue
-            t = orjson.loads(body).get("timings")
+            answer = orjson.loads(body)  # timings: OpenAI's top level, KServe's parameters
+            t = answer.get("timings") or answer.get("parameters", {}).get("timings")
             if t:
                 timings.append(t | {"client_latency": latencies[-1]})
 

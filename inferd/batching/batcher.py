@@ -11,10 +11,24 @@ Batch rules (Triton's dynamic batcher), checked per length bucket (`key`): a bat
 most `max_batch_size` rows and is sent at once when the bucket holds that many rows, or when it
 holds at least a preferred batch size (the largest such size caps the batch), or when its
 oldest request has waited `max_delay_s`. Without dynamic batching (or with no batch dimension)
-every request runs alone as soon as a worker is free. Among buckets that are ready, the one
-whose first request has the best (priority, arrival) goes first. Within a bucket the order is
-the AdmissionQueue's: lowest priority value first, FIFO within one value; a batch stops at the
-first request that does not fit, so a big request is never overtaken forever by small ones.
+every request runs alone as soon as a worker is free.
+
+No wait when waiting cannot help (unlike Triton): the `max_delay_s` window holds a partial
+batch on a free worker only while the batch can actually grow, i.e. while requests arrive
+faster than one batch runs (more arrivals during one batch's compute than there are workers;
+`Pace`, from moving means of the arrival gap and of dispatch-to-finish times). Otherwise a
+request that finds a worker free runs at once, with whatever is queued beside it. Requests that
+arrive while every worker is busy queue as before and go together when one frees (their wait
+for the busy instance counts toward the window), so a burst still batches: no request waits
+longer than the window plus the batch running when it arrived (with fewer rows queued than
+fit in one batch). Worked example, window 3 ms, a batch of 1 takes 4 ms: one client sends
+every ~5 ms (gap > compute), each request runs at once, 0 ms of batching; 8 clients send
+every ~1 ms, the first request of a quiet instance waits up to 3 ms for the others.
+
+Order: among buckets that are ready, the one whose first request has the best (priority,
+arrival) goes first. Within a bucket the order is the AdmissionQueue's: lowest priority value
+first, FIFO within one value; a batch stops at the first request that does not fit, so a big
+request is never overtaken forever by small ones.
 
 Cross-bucket filling: a batch sent from one bucket with rows to spare takes requests of other
 buckets of the same `group` (closest length first; within a bucket in its own order, stopping
@@ -54,6 +68,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from inferd.admission.queue import AdmissionQueue
 from inferd.admission.retry_after import CompletionRate
 from inferd.batching.clock import MONOTONIC, Clock, Timer
+from inferd.batching.pace import MeasuredPace, Pace
 from inferd.errors import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -180,6 +195,7 @@ class DynamicBatcher(Generic[T, B, R]):
         expired: Callable[[T], None],
         name: str = "model",
         clock: Clock = MONOTONIC,
+        pace: Pace | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a batcher needs at least one backend")
@@ -191,6 +207,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._expired = expired
         self._name = name
         self._clock = clock
+        self._pace = pace if pace is not None else MeasuredPace(policy.max_delay_s)
         self._buckets: dict[Hashable, _Bucket[T]] = {}
         self._num_queued = 0
         self._seq = itertools.count()
@@ -238,6 +255,15 @@ class DynamicBatcher(Generic[T, B, R]):
     def num_queued(self) -> int:
         return self._num_queued
 
+    def idle(self) -> bool:
+        """Whether a request submitted now runs at once and alone: a worker is free, nothing
+        is queued, and requests arrive slower than a batch runs (waiting cannot grow it)."""
+        return (
+            bool(self._free)
+            and not self._num_queued
+            and not self._pace.batch_can_grow(len(self._backends))
+        )
+
     @property
     def num_busy(self) -> int:
         """Workers running a batch now."""
@@ -262,7 +288,9 @@ class DynamicBatcher(Generic[T, B, R]):
         if self._loop is None or self._closed:
             raise RuntimeError("the batcher is not running")
         self.check_room()
-        queued = Queued(item, rows, key, next(self._seq), self._clock.now(), length)
+        now = self._clock.now()
+        queued = Queued(item, rows, key, next(self._seq), now, length)
+        self._pace.arrived(now)
         bucket = self._buckets.get(key)
         if bucket is None:
             max_rows = self.policy.max_queue_size * max(1, self.policy.max_batch_size)
@@ -354,7 +382,7 @@ class DynamicBatcher(Generic[T, B, R]):
         if i > 0:
             return preferred[i - 1], now
         ready_at = bucket.oldest().enqueued + policy.max_delay_s
-        if now + _EPSILON_S >= ready_at:
+        if now + _EPSILON_S >= ready_at or not self._pace.batch_can_grow(len(self._backends)):
             return policy.max_batch_size, now
         return None, ready_at
 
@@ -376,7 +404,7 @@ class DynamicBatcher(Generic[T, B, R]):
             queued.queue_s = now - queued.enqueued - queued.batch_s
         backend = self._free.pop()
         assert self._pool is not None
-        self._pool.submit(self._work, backend, batch)
+        self._pool.submit(self._work, backend, batch, now)
 
     def _take(
         self,
@@ -451,7 +479,7 @@ class DynamicBatcher(Generic[T, B, R]):
 
     # -- workers -----------------------------------------------------------------------------
 
-    def _work(self, backend: B, batch: list[Queued[T]]) -> None:
+    def _work(self, backend: B, batch: list[Queued[T]], sent: float) -> None:
         """Worker thread: one batch on one backend, then one hop back to the loop."""
         result: R | BaseException
         try:
@@ -460,12 +488,16 @@ class DynamicBatcher(Generic[T, B, R]):
             result = exc
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._finish, backend, batch, result)
+            self._loop.call_soon_threadsafe(self._finish, backend, batch, result, sent)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             _close_quietly(backend)
 
-    def _finish(self, backend: B, batch: list[Queued[T]], result: R | BaseException) -> None:
-        self._completions.record(self._clock.now(), len(batch))
+    def _finish(
+        self, backend: B, batch: list[Queued[T]], result: R | BaseException, sent: float
+    ) -> None:
+        now = self._clock.now()
+        self._pace.ran(now - sent)
+        self._completions.record(now, len(batch))
         if self._closed:
             assert self._loop is not None
             self._loop.run_in_executor(None, _close_quietly, backend)

@@ -9,8 +9,12 @@ orchestrator; the batch's array work is assembler.py's, when a batch runs batche
 
 Performance rules: the event loop runs only validation and bookkeeping; a request makes at
 most one hop to the preprocess pool (none without preprocess steps), and a batch makes one hop
-to a worker and one back, whatever its size. Every accepted request ends in exactly one of: a
-response, or an InferdError (nothing is dropped, even when the model stops).
+to a worker and one back, whatever its size. A request that would run at once and alone (the
+batcher is idle: a worker free, nothing queued or preprocessing, arrivals slower than a batch
+runs) skips the pool: its worker runs the preprocess steps before the model, so a lone request
+costs two thread wake-ups instead of four (each one a scheduling delay on a busy machine).
+Every accepted request ends in exactly one of: a response, or an InferdError (nothing is
+dropped, even when the model stops).
 
 Failure isolation: a request that fails validation fails alone before queueing; when the
 backend raises on a batch of several requests, each is re-run alone on the same worker and only
@@ -56,6 +60,7 @@ from inferd.batching.assembler import (
     step_error,
 )
 from inferd.batching.batcher import DynamicBatcher, Queued
+from inferd.batching.pace import Pace
 from inferd.batching.rules import (
     DEFAULT_LIMITS,
     QueueLimits,
@@ -112,6 +117,7 @@ class _Work:
     batch: list[str] = field(default_factory=list)
     # The id the request log knows it by (the HTTP X-Request-Id, else the protocol's own id).
     log_id: str = ""
+    unprepared: bool = False  # its preprocess steps run on the batch's worker (runs alone)
 
 
 # (rows, padding ratio) of each backend call a batch made.
@@ -137,6 +143,7 @@ class ServedModel:
         labels: Mapping[str, Sequence[str]] | None = None,
         observer: ModelObserver | None = None,
         limits: QueueLimits = DEFAULT_LIMITS,
+        pace: Pace | None = None,  # when a partial batch waits; None: MeasuredPace
     ) -> None:
         if len(backends) < 1:
             raise ValueError("a served model needs at least one backend")
@@ -169,6 +176,7 @@ class ServedModel:
             done=self._finish_batch,
             expired=self._expire,
             name=name,
+            pace=pace,
         )
         self._state: State = "new"
         self._live: set[asyncio.Future[InferResponse]] = set()
@@ -262,14 +270,20 @@ class ServedModel:
         future = work.future
         self._live.add(future)
         try:
-            if self._pre_pool is not None:
-                self._batcher.check_room(self._preprocessing)
-                self._preprocessing += 1
-                self._pre_pool.submit(self._preprocess, work)
-            else:
+            if self._pre_pool is None:
                 work.tensors, work.extras = split_private(request.inputs)
                 self._place(work)
                 self._enqueue(work)
+            elif not self._preprocessing and self._batcher.idle():
+                # It will run alone: a bucket of its own that nothing fills (group and key are
+                # the work itself, length 0), preprocessed on the worker.
+                work.unprepared = True
+                work.key = work.group = work
+                self._enqueue(work)
+            else:
+                self._batcher.check_room(self._preprocessing)
+                self._preprocessing += 1
+                self._pre_pool.submit(self._preprocess, work)
             return await future
         except asyncio.CancelledError:
             if work.queued is not None:
@@ -305,6 +319,14 @@ class ServedModel:
         """Preprocess thread: runs the steps, then hands the request back to the loop (one hop
         each way)."""
         assert self._loop is not None
+        error = self._prepare(work)
+        if error is None:
+            self._place(work)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._preprocessed, work, error)
+
+    def _prepare(self, work: _Work) -> BaseException | None:
+        """Runs the preprocess steps (a preprocess or worker thread); returns the error."""
         start = time.monotonic()
         error: BaseException | None = None
         try:
@@ -314,13 +336,11 @@ class ServedModel:
             work.tensors, work.extras = split_private(tensors)
             if self._batched:
                 check_rows(work.tensors, work.rows)
-            self._place(work)
             work.num_tokens = num_tokens(work.extras)
         except Exception as exc:
             error = step_error("preprocess", exc)
         work.timings.set(Stage.PREPROCESS, time.monotonic() - start, start)
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-            self._loop.call_soon_threadsafe(self._preprocessed, work, error)
+        return error
 
     def _preprocessed(self, work: _Work, error: BaseException | None) -> None:
         self._preprocessing -= 1
@@ -369,8 +389,13 @@ class ServedModel:
             queued.item.timings.set(Stage.QUEUE, queued.queue_s, enqueued)
             queued.item.timings.set(Stage.BATCH, queued.batch_s, enqueued + queued.queue_s)
             queued.item.batch[:] = ids
+        for work in works:
+            if work.unprepared:
+                work.result = self._prepare(work)  # None, or the request's 400/500
         executed: _Executed = []
-        self._execute(backend, works, executed)
+        ready = [w for w in works if w.result is None]
+        if ready:
+            self._execute(backend, ready, executed)
         return executed
 
     def _execute(self, backend: Backend, works: list[_Work], executed: _Executed) -> None:

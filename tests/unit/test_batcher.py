@@ -4,6 +4,11 @@ The fake backend's `run` records each batch it is given; a request named "gate" 
 worker until the test opens the gate, which makes "the worker is busy" deterministic instead
 of a matter of sleeps. Time is a FakeClock the test advances by hand: batch delays and queue
 deadlines fire exactly when the clock passes them, whatever the machine's load.
+
+Whether a partial batch waits its window on a free worker depends on the pace of arrivals
+(inferd.batching.pace). Most tests here are about the window itself, so their harness states
+"requests arrive faster than a batch runs" (`FixedWindow`); the tests of the idle rule at the end
+use the measured pace, fed by the fake clock.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import pytest
 
 from inferd.batching.batcher import BatchPolicy, DynamicBatcher, Queued
+from inferd.batching.pace import FixedWindow, MeasuredPace, Pace
 from inferd.errors import QueueFullError, QueueTimeoutError
 
 LONG = 30.0  # a batch delay no test waits for: a batch sent anyway was sent by another rule
@@ -115,6 +121,8 @@ class Harness:
     handles: dict[str, Queued[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     clock: FakeClock = field(default_factory=FakeClock)
+    pace: Pace | None = field(default_factory=FixedWindow)  # None: the batcher's measured pace
+    paced: threading.Semaphore | None = None  # when set, each batch takes one permit to finish
 
     def __post_init__(self) -> None:
         self.backends = [FakeBackend() for _ in range(self.workers)]
@@ -125,6 +133,7 @@ class Harness:
             done=self.done,
             expired=self.expired,
             clock=self.clock,
+            pace=self.pace,
         )
         self.batcher.start()
 
@@ -148,6 +157,8 @@ class Harness:
                 assert self.gate.wait(10)
             if self.meet is not None:
                 self.meet.wait(10)
+            if self.paced is not None:
+                assert self.paced.acquire(timeout=10)
             if self.fail_on in names:
                 raise RuntimeError("poisoned batch")
             return names
@@ -588,3 +599,80 @@ async def test_a_filled_request_splits_its_wait_from_its_own_arrival() -> None:
     assert batch_s["old14"] == pytest.approx(0.05)
     assert batch_s["new30"] == 0.0
     assert queue_s["old14"] == pytest.approx(0.25) and queue_s["new30"] == pytest.approx(0.2)
+
+
+# -- no wait when waiting cannot help (the measured pace) ----------------------------------------
+
+
+async def drive(h: Harness, arrivals: list[tuple[float, str]], compute: float) -> None:
+    """Runs a timeline on the fake clock in 5 ms steps: each request is submitted at its
+    instant (seconds from now) and each batch finishes `compute` seconds after it started."""
+    h.paced = threading.Semaphore(0)
+    t0, step, finished, i = h.clock.now(), 0.005, 0, 0
+    running: Ran | None = None
+    while True:
+        now = h.clock.now()
+        while i < len(arrivals) and t0 + arrivals[i][0] <= now + 1e-9:
+            h.submit(arrivals[i][1])
+            i += 1
+        await settle()
+        if running is None and h.batcher.num_busy:
+            while len(h.ran) <= finished:  # the worker records the batch it took
+                await asyncio.sleep(0.001)
+            running = h.ran[-1]
+        if running is not None and now + 1e-9 >= running.started + compute:
+            h.paced.release()
+            await asyncio.gather(*(h.futures[n] for n in running.names))
+            finished, running = finished + 1, None
+            continue  # the freed worker may take the next batch at this very instant
+        if i == len(arrivals) and running is None and not h.batcher.num_queued:
+            return
+        h.clock.advance(step)
+
+
+def waited(h: Harness) -> dict[str, float]:
+    return {n: r.started - h.submitted[n] for r in h.ran for n in r.names}
+
+
+@async_test
+async def test_a_request_finding_the_instance_idle_runs_at_once() -> None:
+    h = Harness(dynamic(8, delay=LONG), pace=None)
+    await h.submit("first")  # nothing measured yet: no reason to wait
+    # One client: a request every 50 ms, a batch takes 10 ms; the instance is idle each time.
+    await drive(h, [(0.05 * k, f"r{k}") for k in range(1, 6)], compute=0.01)
+    assert h.batches() == [["first"]] + [[f"r{k}"] for k in range(1, 6)]
+    assert all(w == 0.0 for w in waited(h).values())
+    assert all(r.batch_s == [0.0] for r in h.ran)
+
+
+@async_test
+async def test_a_burst_batches_and_no_request_waits_past_the_window_plus_one_batch() -> None:
+    delay, compute = 0.03, 0.02
+    h = Harness(dynamic(16, delay=delay), pace=None)
+    # A request every 5 ms (4 per batch's compute) for 200 ms, then one every 100 ms.
+    burst = [(0.005 * k, f"b{k}") for k in range(40)]
+    quiet = [(0.3 + 0.1 * k, f"q{k}") for k in range(6)]
+    await drive(h, burst + quiet, compute=compute)
+    wait = waited(h)
+    assert wait["b0"] == 0.0  # the first found the instance idle
+    assert max(wait.values()) <= delay + compute + 1e-9
+    # Once arrivals outpace a batch, a free instance holds a partial batch for its window...
+    assert any(w == pytest.approx(delay) for w in wait.values())
+    assert max(len(b) for b in h.batches()) > 1
+    # ...and once they slow down again, each request runs at once.
+    assert [wait[f"q{k}"] for k in range(3, 6)] == [0.0, 0.0, 0.0]
+
+
+def test_measured_pace() -> None:
+    pace = MeasuredPace(max_delay_s=0.003)
+    assert not pace.batch_can_grow(1)  # nothing measured
+    for k in range(10):
+        pace.arrived(k * 0.001)  # 1 ms apart
+    assert not pace.batch_can_grow(1)  # no batch measured yet
+    pace.ran(0.004)  # 4 arrivals per batch
+    assert pace.batch_can_grow(1) and pace.batch_can_grow(3)
+    assert not pace.batch_can_grow(4)  # 4 instances run them one by one
+    pace.arrived(60.0)  # a minute idle counts as a capped gap: a few arrivals decide again
+    for k in range(1, 4):
+        pace.arrived(60.0 + k * 0.001)
+    assert pace.batch_can_grow(1)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from inferd.backends.base import TensorSpec
+from inferd.batching.pace import FixedWindow, MeasuredPace, Pace
 from inferd.batching.pipeline import BackendError, QueueLimits, ServedModel
 from inferd.errors import (
     InvalidRequestError,
@@ -138,9 +139,11 @@ def tabular(
     gate: threading.Event | None = None,
     observer: FakeObserver | None = None,
     limits: QueueLimits = DEFAULT_LIMITS,
+    pace: Pace | None = None,
 ) -> tuple[ServedModel, list[FakeBackend]]:
     config = config or tabular_config()
     backends = [FakeBackend(TABULAR_IN, TABULAR_OUT, gate) for _ in range(instances)]
+    pace = pace or FixedWindow()  # these tests are about the batch window, not the pace
     model = ServedModel(
         "tab",
         "1",
@@ -149,6 +152,7 @@ def tabular(
         labels={"y": LABELS},
         observer=observer,
         limits=limits,
+        pace=pace,
     )
     return model, backends
 
@@ -465,8 +469,10 @@ class MeanOfHidden:
 
 
 def text_model(
-    observer: FakeObserver, limits: QueueLimits = DEFAULT_LIMITS
+    observer: FakeObserver, limits: QueueLimits = DEFAULT_LIMITS, pace: Pace | None = None
 ) -> tuple[ServedModel, FakeBackend, WordIds, MeanOfHidden]:
+    """Concurrent requests reach the batcher one by one from the preprocess pool; FixedWindow
+    (the default here) holds each partial batch for its window, so they meet in one."""
     config = ModelRepoConfig.model_validate(
         {
             "backend": "python",
@@ -481,7 +487,15 @@ def text_model(
     )
     pre, post = WordIds(), MeanOfHidden()
     model = ServedModel(
-        "text", "2", config, [backend], [pre], [post], observer=observer, limits=limits
+        "text",
+        "2",
+        config,
+        [backend],
+        [pre],
+        [post],
+        observer=observer,
+        limits=limits,
+        pace=pace or FixedWindow(),
     )
     return model, backend, pre, post
 
@@ -550,6 +564,26 @@ async def test_timings_cover_every_stage() -> None:
     for before, after in itertools.pairwise(stages):
         assert starts[Stage(after)] >= starts[Stage(before)] + seconds[Stage(before)] - 1e-6
     assert observer.batch_ids == [(response.id,)]  # it ran alone: no batch mates
+    await model.stop()
+
+
+@async_test
+async def test_a_lone_request_runs_at_once_preprocessed_by_its_worker() -> None:
+    observer = FakeObserver()
+    model, backend, pre, _ = text_model(observer, pace=MeasuredPace(max_delay_s=0.1))
+    await model.start()
+    for words in ("one two", "three four five"):  # one client: the instance is idle each time
+        response = await model.infer(text(words))
+        seconds = response.timings.seconds
+        assert seconds[Stage.QUEUE] + seconds[Stage.BATCH] < 0.05  # not the 100 ms window
+        assert seconds[Stage.PREPROCESS] > 0 and response.num_input_tokens == len(words.split())
+    assert pre.threads == backend.threads  # one hop: the worker ran the preprocess steps
+    # Its preprocess failing there fails it alone, as in the pool.
+    not_utf8 = InferRequest("text", {"text": np.array([[b"\xff"]], dtype=object)})
+    with pytest.raises(BackendError, match="preprocess"):
+        await model.infer(not_utf8)
+    assert observer.outcomes() == ["success", "success", "error"]
+    assert [b["ids"].shape for b in backend.seen] == [(1, 2), (1, 3)]
     await model.stop()
 
 
