@@ -59,7 +59,6 @@ import bisect
 import itertools
 import logging
 import math
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +66,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from inferd.admission.queue import AdmissionQueue
 from inferd.admission.retry_after import CompletionRate
+from inferd.batching.buckets import BatchShape, Bucket
+from inferd.batching.buckets import Queued as Queued  # re-exported: the batcher's message
 from inferd.batching.clock import MONOTONIC, Clock, Timer
 from inferd.batching.pace import MeasuredPace, Pace
 from inferd.errors import QueueFullError
@@ -111,79 +112,6 @@ class BatchPolicy:
         object.__setattr__(self, "preferred_batch_sizes", tuple(usable))
 
 
-@dataclass(eq=False, slots=True)
-class Queued(Generic[T]):
-    """One accepted request as the batcher sees it. `queue_s`/`batch_s` are set at dispatch."""
-
-    item: T
-    rows: int
-    key: Hashable
-    seq: int  # arrival order across every bucket
-    enqueued: float  # the batcher clock's now() (time.monotonic() by default)
-    length: int = 0  # longest variable dim (0: none), for the padding ratio of a batch
-    # Its wait, split in two: `batch_s` inside its batch's window (max_queue_delay from the
-    # batch's oldest request: the cost of the batching policy), `queue_s` the rest (every
-    # instance was busy).
-    queue_s: float = 0.0
-    batch_s: float = 0.0
-
-    @property
-    def request_id(self) -> str:
-        return str(self.seq)
-
-
-class _Bucket(Generic[T]):
-    """Requests of one length bucket: the AdmissionQueue (order, deadlines, row count) plus
-    arrival order, since with priority levels the oldest request need not be first in line."""
-
-    def __init__(self, max_requests: int, max_rows: int, group: Hashable) -> None:
-        self.queue: AdmissionQueue[Queued[T]] = AdmissionQueue(max_requests, max_rows)
-        self.arrivals: deque[Queued[T]] = deque()
-        self.group = group  # buckets of one group may share a batch
-
-    def push(self, queued: Queued[T], priority: int, deadline: float | None) -> None:
-        self.queue.push(
-            queued.request_id,
-            queued,
-            num_prompt_tokens=queued.rows,
-            priority=priority,
-            deadline=deadline,
-        )
-        self.arrivals.append(queued)
-
-    def oldest(self) -> Queued[T]:
-        # Entries that left the queue (dispatched, expired, removed) are dropped lazily here;
-        # a rebuild bounds the deque when a starved old request pins stale entries behind it.
-        arrivals, queue = self.arrivals, self.queue
-        while arrivals[0].request_id not in queue:
-            arrivals.popleft()
-        if len(arrivals) > 2 * len(queue) + 64:
-            self.arrivals = deque(q for q in arrivals if q.request_id in queue)
-        return self.arrivals[0]
-
-
-@dataclass(slots=True)
-class _Shape:
-    """Rows and elements of a forming batch, for its padding ratio: a request counts as
-    `rows` x `length` elements, padded to the batch's longest `length`."""
-
-    rows: int = 0
-    elements: int = 0
-    longest: int = 0
-
-    def add(self, queued: Queued[Any]) -> None:
-        self.rows += queued.rows
-        self.elements += queued.rows * queued.length
-        self.longest = max(self.longest, queued.length)
-
-    def ratio_with(self, queued: Queued[Any]) -> float:
-        """The padding ratio once `queued` joins: padded / total elements."""
-        total = (self.rows + queued.rows) * max(self.longest, queued.length)
-        if total == 0:
-            return 0.0
-        return 1.0 - (self.elements + queued.rows * queued.length) / total
-
-
 class DynamicBatcher(Generic[T, B, R]):
     def __init__(
         self,
@@ -208,7 +136,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._name = name
         self._clock = clock
         self._pace = pace if pace is not None else MeasuredPace(policy.max_delay_s)
-        self._buckets: dict[Hashable, _Bucket[T]] = {}
+        self._buckets: dict[Hashable, Bucket[T]] = {}
         self._num_queued = 0
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -294,7 +222,7 @@ class DynamicBatcher(Generic[T, B, R]):
         bucket = self._buckets.get(key)
         if bucket is None:
             max_rows = self.policy.max_queue_size * max(1, self.policy.max_batch_size)
-            bucket = self._buckets[key] = _Bucket(self.policy.max_queue_size, max_rows, group)
+            bucket = self._buckets[key] = Bucket(self.policy.max_queue_size, max_rows, group)
         bucket.push(queued, priority, deadline)
         self._num_queued += 1
         # Arrivals of one loop iteration share one scheduling pass (and so can share a batch).
@@ -368,7 +296,7 @@ class DynamicBatcher(Generic[T, B, R]):
                 best, best_rank, best_limit = key, rank, limit
         return best, best_limit, due
 
-    def _limit(self, bucket: _Bucket[T], now: float) -> tuple[int | None, float]:
+    def _limit(self, bucket: Bucket[T], now: float) -> tuple[int | None, float]:
         """(rows the batch may take, now) when the bucket should be sent; (None, when it will
         be ready) otherwise. A limit of 0 takes exactly one request."""
         policy = self.policy
@@ -391,7 +319,7 @@ class DynamicBatcher(Generic[T, B, R]):
         policy = self.policy
         window_start = bucket.oldest().enqueued
         batch: list[Queued[T]] = []
-        shape = _Shape()
+        shape = BatchShape()
         self._take(key, bucket, limit, batch, shape, math.inf)
         if policy.dynamic and policy.max_padding_ratio > 0 and shape.longest > 0:
             self._fill(key, bucket.group, limit, batch, shape)
@@ -409,10 +337,10 @@ class DynamicBatcher(Generic[T, B, R]):
     def _take(
         self,
         key: Hashable,
-        bucket: _Bucket[T],
+        bucket: Bucket[T],
         limit: int,
         batch: list[Queued[T]],
-        shape: _Shape,
+        shape: BatchShape,
         max_ratio: float,
     ) -> None:
         """Moves requests from `bucket` into `batch` in the bucket's order until the first one
@@ -438,7 +366,7 @@ class DynamicBatcher(Generic[T, B, R]):
         group: Hashable,
         limit: int,
         batch: list[Queued[T]],
-        shape: _Shape,
+        shape: BatchShape,
     ) -> None:
         """Fills the rows `batch` has to spare from the other buckets of its group, closest
         length first, while the padding ratio stays <= max_padding_ratio."""
@@ -454,7 +382,7 @@ class DynamicBatcher(Generic[T, B, R]):
             other = self._buckets[other_key]
             self._take(other_key, other, limit, batch, shape, self.policy.max_padding_ratio)
 
-    def _drop_if_empty(self, key: Hashable, bucket: _Bucket[T]) -> None:
+    def _drop_if_empty(self, key: Hashable, bucket: Bucket[T]) -> None:
         if not len(bucket.queue) and self._buckets.get(key) is bucket:
             del self._buckets[key]
 

@@ -30,6 +30,10 @@ Postprocess steps see the request's rows of the *padded* inputs, so mean pooling
 attention_mask of the same length as the hidden states.
 """
 
+# Over 500 lines because ServedModel is the request's life in order (validate, preprocess on the
+# pool or the worker, enqueue, run a batch, respond), one short method per step; its array work
+# is already assembler.py's and its scheduling batcher.py's.
+
 from __future__ import annotations
 
 import asyncio
