@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "inferd-tiny"
 
@@ -116,12 +116,54 @@ class StructuredOutputsConfig(_Frozen):
     reasoning_parser: str | None = None
 
 
+class LoRAModule(_Frozen):
+    """An adapter served from start-up (`--lora-modules name=path`)."""
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    # The base model it was trained on, as /v1/models reports it; None: the served model.
+    base_model_name: str | None = None
+
+
+class LoRAConfig(_Frozen):
+    """Many LoRA adapters over one base model, batched together (inferd/lora)."""
+
+    enable_lora: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+    # Distinct adapters one engine step may run (the slots the step's LoRA kernels read).
+    max_loras: int = Field(default=8, gt=0)
+    # The largest adapter rank accepted; the slots are sized for it.
+    max_lora_rank: int = Field(default=16, gt=0, le=512)
+    # Adapters kept loaded in host memory, least recently used evicted; None: max_loras or the
+    # number of --lora-modules, whichever is larger.
+    max_cpu_loras: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be distinct, got {names}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters host memory keeps loaded."""
+        return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules))
+
+
 class EngineConfig(_Frozen):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -143,6 +185,7 @@ _SECTIONS: dict[str, type[_Frozen]] = {
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
     "structured_outputs": StructuredOutputsConfig,
+    "lora": LoRAConfig,
 }
 _FIELD_TO_SECTION = {f: s for s, cls in _SECTIONS.items() for f in cls.model_fields}
 
@@ -158,6 +201,9 @@ class Environment(_Frozen):
     api_key: str | None = None
     # INFERD_ROUTER_REPLICA_API_KEY: the key `inferd router` reads replicas' block digests with.
     router_replica_api_key: str | None = None
+    # INFERD_ALLOW_RUNTIME_LORA_UPDATING=1 (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True):
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (to admin keys).
+    allow_runtime_lora_updating: bool = False
 
     @field_validator("cache_dir")
     @classmethod
@@ -177,6 +223,8 @@ def read_environment() -> Environment:
         disable_kernels=_flag("INFERD_DISABLE_KERNELS"),
         api_key=os.environ.get("INFERD_API_KEY") or None,
         router_replica_api_key=os.environ.get("INFERD_ROUTER_REPLICA_API_KEY") or None,
+        allow_runtime_lora_updating=_flag("INFERD_ALLOW_RUNTIME_LORA_UPDATING")
+        or _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
     )
 
 

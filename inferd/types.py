@@ -104,6 +104,8 @@ class RequestMetrics:
     # scheduled, and the request's share of the steps' mask work (fill, apply, advance).
     grammar_compile_s: float = 0.0
     grammar_mask_s: float = 0.0
+    # Seconds waiting for its LoRA adapter to load from disk before it could be scheduled.
+    lora_load_s: float = 0.0
     # Prompt tokens found in the prefix cache when the request was first scheduled: the most any
     # of its `n` choices found (they share one prompt, so it counts once); 0 until scheduled.
     num_cached_tokens: int = 0

@@ -9,6 +9,10 @@ cached, so it gets no hash). Block i's hash covers block i *and* every block bef
 so two prompts share h[i] exactly when they share their first (i+1)*B tokens, and "how much of
 this prompt does a replica hold" is "how many leading hashes it holds".
 
+A LoRA adapter changes every K/V of a prompt, so a prompt run under an adapter chains from its
+own seed, `seed || 0x00 || adapter name`: the same tokens under two adapters (or an adapter and
+the base model) share no hash. The adapter's name, not a per-process id, so replicas agree.
+
 Stable across processes, restarts and machines: BLAKE2b over the little-endian uint32 token ids,
 never Python's `hash` (salted per process unless PYTHONHASHSEED is pinned, llm-d's pitfall). Hashes
 are 64-bit ints: 8 bytes a block in an index, with a collision chance far below anything a router
@@ -31,10 +35,21 @@ BLOCK_HASH_SEED = b"inferd-block-hash-v1"
 _DIGEST_BYTES = 8
 
 
+def chain_seed(lora_name: str | None = None) -> bytes:
+    """The bytes the first block's hash chains from: the base model's, or an adapter's own."""
+    if lora_name is None:
+        return BLOCK_HASH_SEED
+    return BLOCK_HASH_SEED + b"\x00" + lora_name.encode()
+
+
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    max_blocks: int | None = None,
+    lora_name: str | None = None,
 ) -> list[int]:
-    """The chained hash of each full block of `token_ids`, at most `max_blocks` of them.
+    """The chained hash of each full block of `token_ids`, at most `max_blocks` of them, as run
+    under the adapter `lora_name` (None: the base model).
 
     Token ids must be in [0, 2**32); `block_size` must be the engine's (`--block-size`)."""
     if block_size < 1:
@@ -43,7 +58,7 @@ def block_hashes(
     if max_blocks is not None:
         n = min(n, max_blocks)
     pack = struct.Struct(f"<{block_size}I").pack
-    parent = BLOCK_HASH_SEED
+    parent = chain_seed(lora_name)
     out: list[int] = []
     for i in range(n):
         h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)
@@ -53,16 +68,19 @@ def block_hashes(
     return out
 
 
-def next_block_hash(parent_hash: int | None, block_tokens: Sequence[int]) -> int:
+def next_block_hash(
+    parent_hash: int | None, block_tokens: Sequence[int], lora_name: str | None = None
+) -> int:
     """One link of the chain: the hash of a full block whose predecessor hashed to `parent_hash`
-    (None for a sequence's first block). Equal to `block_hashes(...)[i]` when `parent_hash` is
-    entry i-1 of it, so a block can be hashed where it is registered, from its parent's hash.
+    (None for a sequence's first block, which chains from `lora_name`'s seed). Equal to
+    `block_hashes(...)[i]` when `parent_hash` is entry i-1 of it, so a block can be hashed where
+    it is registered, from its parent's hash.
 
     >>> hs = block_hashes(list(range(32)), 16)
     >>> next_block_hash(hs[0], range(16, 32)) == hs[1]
     True
     """
-    parent = BLOCK_HASH_SEED
+    parent = chain_seed(lora_name)
     if parent_hash is not None:
         parent = parent_hash.to_bytes(_DIGEST_BYTES, "little")
     h = hashlib.blake2b(parent, digest_size=_DIGEST_BYTES)

@@ -19,6 +19,11 @@ block also gets its chained hash (kv_cache/block_hash.py, about 1 us a block), a
 evicts, by that hash (kv_cache/events.py); `take_kv_events()` drains the log once a step. With
 neither, no hash is computed and nothing is logged.
 
+LoRA adapters: a request run under an adapter (`lora_name`) has other K/V for the same tokens,
+so its blocks chain from the adapter's own root in the prefix cache (a negative serial the
+manager gives each adapter name it meets) and its stable hashes from the adapter's seed
+(block_hash.py): prompts share cached blocks only under the same adapter.
+
 Pure Python, no torch, single-threaded: the engine loop is the only caller.
 """
 
@@ -78,6 +83,10 @@ class BlockManager:
         self._serials: dict[str, list[int]] = {}
         # Per request, with hashing only: the stable hash of each block in `_serials`.
         self._hashes: dict[str, list[int]] = {}
+        # The root serial of each adapter met (never reused), and the adapter of each request
+        # that runs one.
+        self._roots: dict[str, int] = {}
+        self._lora_of: dict[str, str] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -111,21 +120,39 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
-        """Cached blocks covering a prefix of `token_ids`; nothing is taken yet.
+    def lookup_prefix(self, token_ids: Sequence[int], lora_name: str | None = None) -> PrefixHit:
+        """Cached blocks covering a prefix of `token_ids` as run under adapter `lora_name` (None:
+        the base model); nothing is taken yet.
 
         The hit never covers the last token: at least one token is left to compute, so the model
         produces logits for the last position. Pass the hit to `allocate` to take the blocks.
         """
         if not self.enable_prefix_caching or not token_ids:
             return NO_HIT
-        return self._prefix.lookup(token_ids, (len(token_ids) - 1) // self._block_size)
+        max_blocks = (len(token_ids) - 1) // self._block_size
+        return self._prefix.lookup(token_ids, max_blocks, self._root(lora_name))
 
-    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit = NO_HIT) -> bool:
+    def _root(self, lora_name: str | None) -> int:
+        """The serial the first block of a sequence under `lora_name` chains from."""
+        if lora_name is None:
+            return ROOT_SERIAL
+        root = self._roots.get(lora_name)
+        if root is None:
+            root = self._roots[lora_name] = ROOT_SERIAL - 1 - len(self._roots)
+        return root
+
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        prefix: PrefixHit = NO_HIT,
+        lora_name: str | None = None,
+    ) -> bool:
         """Grows the request's table to cover its first `num_tokens` tokens.
 
         `prefix` (only for a request holding no blocks) is taken first, reference count +1 per
-        block. All or nothing: on False nothing changed.
+        block; `lora_name`, given when the table is created, the adapter the request runs under
+        (its blocks are cached under it). All or nothing: on False nothing changed.
         """
         table = self._tables.get(request_id)
         held = len(table) if table is not None else 0
@@ -140,6 +167,8 @@ class BlockManager:
         if table is None:
             table = self._tables[request_id] = []
             self._serials[request_id] = list(prefix.serials)
+            if lora_name is not None:
+                self._lora_of[request_id] = lora_name
             if self._prefix.hashing:
                 self._hashes[request_id] = [self._prefix.block_hash(b) for b in prefix.block_ids]
         for block_id in prefix.block_ids:
@@ -159,13 +188,14 @@ class BlockManager:
         table = self._tables[request_id]
         bs = self._block_size
         hashes = self._hashes.get(request_id)
+        lora_name = self._lora_of.get(request_id)
         for i in range(len(serials), num_computed_tokens // bs):
-            parent = serials[-1] if serials else ROOT_SERIAL
+            parent = serials[-1] if serials else self._root(lora_name)
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             chain = None
             if hashes is not None:
                 parent_hash = hashes[-1] if hashes else None
-                chain = (next_block_hash(parent_hash, tokens), parent_hash)
+                chain = (next_block_hash(parent_hash, tokens, lora_name), parent_hash)
                 hashes.append(chain[0])
             serials.append(self._prefix.register(table[i], parent, tokens, chain))
 
@@ -184,6 +214,7 @@ class BlockManager:
         table = self._tables.pop(request_id, None)
         self._serials.pop(request_id, None)
         self._hashes.pop(request_id, None)
+        self._lora_of.pop(request_id, None)
         now = self._clock() if table else 0.0
         for block_id in reversed(table or ()):
             assert self._ref[block_id] > 0, f"double free of block {block_id}"

@@ -36,7 +36,8 @@ from inferd.kv_cache.events import KVEventLog
 
 ROOT_SERIAL = -1
 
-# (serial of the parent block or ROOT_SERIAL, the block's token ids)
+# (serial of the parent block, or for a first block its root: ROOT_SERIAL or an adapter's
+# lower one; the block's token ids)
 BlockKey = tuple[int, tuple[int, ...]]
 
 
@@ -102,12 +103,16 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return self._key_of[block_id] is not None
 
-    def lookup(self, token_ids: Sequence[int], max_blocks: int) -> PrefixHit:
-        """The longest run of cached leading full blocks, at most `max_blocks`. No side effect."""
+    def lookup(
+        self, token_ids: Sequence[int], max_blocks: int, root: int = ROOT_SERIAL
+    ) -> PrefixHit:
+        """The longest run of cached leading full blocks, at most `max_blocks`, of a sequence
+        whose first block chains from `root` (ROOT_SERIAL, or a LoRA adapter's own negative
+        root: block_manager.py). No side effect."""
         bs = self.block_size
         block_ids: list[int] = []
         serials: list[int] = []
-        parent = ROOT_SERIAL
+        parent = root
         for i in range(max_blocks):
             block_id = self._index.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
             if block_id is None:

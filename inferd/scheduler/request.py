@@ -49,6 +49,8 @@ class Request:
     # The grammar its output must follow (structured outputs), set once compiled; it survives
     # preemption with the outputs it accepted.
     grammar: TokenConstraint | None = None
+    # The LoRA adapter it runs under (its name); None: the base model.
+    lora_name: str | None = None
     # prompt + output, kept as one list so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 

@@ -55,15 +55,27 @@ class Scheduler:
     its prompt tokens as queried and its cached prefix as hit (while prefix caching is on), and
     `Request.num_cached_tokens` keeps that hit.
 
+    LoRA adapters: one step runs at most `max_loras` distinct adapters (the slots the LoRA
+    kernels read). In step 2 a waiting request whose adapter would be one too many is passed
+    over, keeping its place, and admission goes on with the requests behind it: one popular
+    set of adapters never blocks the others' requests, nor base-model ones. Its cached prefix is
+    looked up under its adapter (block_manager.py).
+
     Deadlines live here and only here: `expire(now)` finishes every request whose
     `Request.deadline` has passed, as FINISHED_EXPIRED_WAITING when it has no output token yet
     (a queue timeout) and FINISHED_TIMEOUT otherwise (a generation timeout).
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: distinct LoRA adapters a step may run (None: LoRA is off)."""
         self.config = config
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self._waiting: _WaitingQueue = (
@@ -160,18 +172,32 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: _StepPlan) -> None:
+        adapters = {r.lora_name for r in self._running if r.lora_name is not None}
+        passed: list[Request] = []  # adapter over max_loras this step: back in place after
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting.peek()
+            if not self._adapter_fits(request.lora_name, adapters):
+                passed.append(self._waiting.pop())
+                continue
             # A request preempted in this very step is not readmitted in it: the runner would see
             # it both preempted and scheduled.
             if step.was_preempted(request) or not self._admit(request, step):
-                return
+                break
             # Still the head: victims preempted for it had strictly lower priority.
             popped = self._waiting.pop()
             assert popped is request
+            if request.lora_name is not None:
+                adapters.add(request.lora_name)
+        for request in reversed(passed):
+            self._waiting.push_front(request)
+
+    def _adapter_fits(self, lora_name: str | None, adapters: set[str]) -> bool:
+        if lora_name is None or self.max_loras is None or lora_name in adapters:
+            return True
+        return len(adapters) < self.max_loras
 
     def _admit(self, request: Request, step: _StepPlan) -> bool:
-        hit = self.block_manager.lookup_prefix(request.all_token_ids)
+        hit = self.block_manager.lookup_prefix(request.all_token_ids, request.lora_name)
         num_new = self._num_new_tokens(request, hit.num_tokens, step.budget)
         if num_new == 0 or not self._allocate_waiting(request, hit, num_new, step):
             return False
@@ -194,7 +220,8 @@ class Scheduler:
     ) -> bool:
         # Preempting only frees blocks (into the evictable LRU), so `hit` stays valid meanwhile.
         num_tokens = hit.num_tokens + num_new
-        while not self.block_manager.allocate(request.request_id, num_tokens, hit):
+        bm = self.block_manager
+        while not bm.allocate(request.request_id, num_tokens, hit, request.lora_name):
             victim = self._victim_for_waiting(request)
             if victim is None:
                 return False
