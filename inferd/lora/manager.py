@@ -27,7 +27,7 @@ import torch
 from inferd.config import LoRAConfig
 from inferd.errors import InvalidRequestError
 from inferd.lora.adapter import LoRAAdapter, ShardTarget, load_adapter
-from inferd.lora.layer import LoRABatch, LoRALayer
+from inferd.lora.layer import LoRABatch, LoRALayer, Rows
 from inferd.lora.request import LoRARequest
 from inferd.models.linear import Linear
 
@@ -49,6 +49,7 @@ class LoRAManager:
         LoRA-capable layers by name."""
         self.config = config
         self.dtype = dtype
+        self.device = device
         self.batch = LoRABatch()
         linears = attach(self.batch)
         self.targets = _targets(linears)
@@ -129,7 +130,9 @@ class LoRAManager:
             done.set_result(adapter)
             return done
         future = self._loading.get(name)
-        if future is None:
+        if future is None or (future.done() and future.exception() is not None):
+            # A failed load not yet collected by take_loaded is tried again, not answered
+            # with its old failure: the folder may have been fixed since.
             request = self._known[name]
             future = self._pool.submit(
                 load_adapter, request, self.targets, self.config.max_lora_rank, self.dtype
@@ -183,8 +186,12 @@ class LoRAManager:
         assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
         for name in names:
             self._to_slot(name, names)
+        rows: dict[str, list[tuple[int, int]]] = {}
+        for name, lo, hi in runs:
+            if name is not None:
+                rows.setdefault(name, []).append((lo, hi))
         self.batch.segments = [
-            (self._slot_of[name], lo, hi) for name, lo, hi in runs if name is not None
+            (self._slot_of[n], _rows(spans, self.device)) for n, spans in rows.items()
         ]
 
     def _to_slot(self, name: str, needed: set[str]) -> None:
@@ -200,6 +207,13 @@ class LoRAManager:
             self._slot_names[slot] = name
             self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)
+
+
+def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
+    """One adapter's rows: a slice when they are one run, else their indices."""
+    if len(spans) == 1:
+        return slice(*spans[0])
+    return torch.cat([torch.arange(lo, hi) for lo, hi in spans]).to(device)
 
 
 def _targets(linears: list[tuple[str, Linear]]) -> dict[str, ShardTarget]:

@@ -1,0 +1,156 @@
+"""Many LoRA adapters in one batch: throughput against the base model alone, and a cold
+adapter's first token.
+
+    .venv/bin/python bench/lora.py                 # llama-32m float32, ranks 8 and 16, 2 rounds
+    .venv/bin/python bench/lora.py --quick         # 24 requests, rank 16, 1 round
+
+bench/peers.py's mixed workload (96 requests on llama-32m: prompts 16-256, outputs 16-128,
+greedy, `ignore_eos`), all requests at once on one engine (random weights, `load_format="dummy"`,
+prefix caching off so every run computes every prompt), offline. Cases, taking turns each round:
+
+- `base`: an engine without LoRA (the baseline every ratio divides by);
+- `lora-0`: the LoRA engine, every request on the base model (what turning LoRA on costs);
+- `lora-1`, `lora-8`, `lora-64`: requests spread over 1, 8 or 64 adapters, uniform or Zipf
+  (s = 1.1) popularity, `--max-loras 8` slots, so 64 adapters page through them. Every adapter
+  targets all seven layers (q/k/v/o, gate/up/down), random weights (inferd/lora/random_adapter.py),
+  all loaded in host memory before the runs (the load is measured separately, below).
+
+Reported: output tok/s of each case and its ratio to `base` in the same round (median over
+rounds; issue targets: 8 adapters >= 0.8, 64 adapters >= 0.7).
+
+Cold adapter: on an idle engine, one request (32-token prompt, max_tokens=1) naming an adapter
+never loaded: its time to first token beside the adapter's load time the engine recorded
+(`lora_load_s`) and one step of the same request on a warm adapter (target: first token <=
+load + one step).
+
+Prints tables and writes JSON (command, machine, every run) to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import DEFAULT_CACHE_DIR, BenchRequest, ensure_model_folder, save_result
+from peers import MIXED_REQUESTS, SHAPES, mixed_workload
+
+from inferd import LLM, SamplingParams
+from inferd.engine.llm_engine import LLMEngine, TokensPrompt
+from inferd.lora.random_adapter import write_random_adapter
+from inferd.lora.request import LoRARequest
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORAS = 8
+ZIPF_S = 1.1
+
+
+def adapters(folder: Path, root: Path, rank: int, n: int) -> list[LoRARequest]:
+    out = []
+    for i in range(n):
+        path = write_random_adapter(folder, root / f"r{rank}-{i}", rank, TARGETS, seed=i)
+        out.append(LoRARequest(f"r{rank}-{i}", i + 1, str(path)))
+    return out
+
+
+def assign(n_req: int, loras: list[LoRARequest], zipf: bool, seed: int) -> list[LoRARequest]:
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** ZIPF_S for i in range(len(loras))] if zipf else None
+    return rng.choices(loras, weights=weights, k=n_req)
+
+
+def run(engine: LLMEngine, reqs: list[BenchRequest], loras: list[LoRARequest | None]) -> float:
+    """Output tok/s of the workload, every request added at once."""
+    for i, (r, lora) in enumerate(zip(reqs, loras, strict=True)):
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+        prompt = TokensPrompt(prompt_token_ids=r.prompt_token_ids)
+        engine.add_request(f"q{i}", prompt, params, lora_request=lora)
+    t0 = time.perf_counter()
+    outs = [o for o in engine.run_to_completion() if o.finished]
+    wall = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+
+def cold_first_token(engine: LLMEngine, lora: LoRARequest, warm: LoRARequest) -> dict[str, Any]:
+    prompt = TokensPrompt(prompt_token_ids=list(range(10, 42)))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    result: dict[str, Any] = {}
+    for label, req in (("warm", warm), ("cold", lora)):
+        t0 = time.perf_counter()
+        engine.add_request(label, prompt, params, lora_request=req)
+        out = [o for o in engine.run_to_completion() if o.finished][0]
+        result[f"{label}_ttft_ms"] = (time.perf_counter() - t0) * 1e3
+        result[f"{label}_load_ms"] = out.metrics.lora_load_s * 1e3
+    result["meets_target"] = result["cold_ttft_ms"] <= result["cold_load_ms"] + result["warm_ttft_ms"]
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="llama-32m", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--ranks", default="8,16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    ranks = [16] if args.quick else [int(r) for r in args.ranks.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    shape = SHAPES[args.shape]
+    n_req = 24 if args.quick else MIXED_REQUESTS.get(args.shape, 32)
+    folder = ensure_model_folder(shape, DEFAULT_CACHE_DIR)
+    reqs = mixed_workload(shape, n_req, seed=0)
+    common = dict(
+        model=str(folder), dtype=args.dtype, load_format="dummy", enable_prefix_caching=False
+    )
+    base = LLM(**common).llm_engine  # type: ignore[arg-type]
+    lora_engine = LLM(  # type: ignore[arg-type]
+        **common, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=max(ranks), max_cpu_loras=130
+    ).llm_engine
+    root = Path(tempfile.mkdtemp(prefix="inferd-lora-bench-"))
+    cases: dict[str, tuple[LLMEngine, list[LoRARequest | None]]] = {
+        "base": (base, [None] * n_req),
+        "lora-0": (lora_engine, [None] * n_req),
+    }
+    for rank in ranks:
+        pool = adapters(folder, root, rank, 64)
+        for lora in pool:
+            lora_engine.add_lora(lora).result()
+        cases[f"r{rank}-lora-1"] = (lora_engine, [pool[0]] * n_req)
+        for n in (8, 64):
+            for zipf in (False, True):
+                name = f"r{rank}-lora-{n}-{'zipf' if zipf else 'uniform'}"
+                cases[name] = (lora_engine, list(assign(n_req, pool[:n], zipf, seed=n)))
+    run(base, reqs[:8], [None] * 8)  # warm-up
+    run(lora_engine, reqs[:8], list(cases[next(iter(cases)) if False else "r%d-lora-1" % ranks[0]][1][:8]))
+    rows: list[dict[str, Any]] = []
+    names = list(cases)
+    for rnd in range(rounds):
+        order = names if rnd % 2 == 0 else names[::-1]
+        tok_s = {}
+        for name in order:
+            engine, loras = cases[name]
+            tok_s[name] = run(engine, reqs, loras)
+            print(f"round {rnd} {name:24s} {tok_s[name]:8.1f} tok/s", flush=True)
+        rows += [{"round": rnd, "case": n, "tok_s": t, "ratio": t / tok_s["base"]} for n, t in tok_s.items()]
+    medians = {n: statistics.median(r["ratio"] for r in rows if r["case"] == n) for n in names}
+    print("\ncase                      ratio to base (median)")
+    for n, m in medians.items():
+        print(f"{n:24s}  {m:.2f}")
+    cold_pool = adapters(folder, root / "cold", max(ranks), 1)
+    cold = cold_first_token(lora_engine, LoRARequest("cold", 999, cold_pool[0].lora_path), cases[f"r{max(ranks)}-lora-1"][1][0])  # type: ignore[arg-type]
+    print(f"\ncold adapter: {cold}")
+    save_result(
+        args.out,
+        "lora",
+        f"{args.shape}-{args.dtype}",
+        {"shape": args.shape, "dtype": args.dtype, "requests": n_req, "max_loras": MAX_LORAS, "runs": rows, "median_ratio": medians, "cold_adapter": cold},
+    )
+
+
+if __name__ == "__main__":
+    main()
