@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -14,14 +16,18 @@ from test_gateway import FakeLLM
 
 from inferd.cli import build_parser, main, serve_config
 from inferd.config import Environment, LoRAConfig, LoRAModule, ServerConfig
+from inferd.engine.core_proc import EngineCore
 from inferd.engine.info import EngineInfo
 from inferd.engine.lora_calls import LoRACalls, raise_for
 from inferd.engine.messages import (
+    AddLoRA,
     AddRequest,
     CoreReady,
     EngineCoreEvent,
     EngineCoreRequest,
+    ListLoRAs,
     LoRAReply,
+    RemoveLoRA,
 )
 from inferd.errors import EngineDeadError, InvalidRequestError
 from inferd.gateway import create_app
@@ -119,6 +125,56 @@ def test_lora_calls_cache_follows_the_calls() -> None:
         assert removal.lora_name == "sql"
 
     asyncio.run(run())
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.sent: list[LoRAReply] = []
+
+    def send(self, payload: bytes) -> None:
+        self.sent.append(msgspec.msgpack.decode(payload, type=LoRAReply))
+
+
+class _Engine:
+    """The engine's LoRA contract: add_lora's future, remove_lora's bool, list_loras."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, Future[None]] = {}
+
+    def add_lora(self, lora: LoRARequest) -> Future[None]:
+        if lora.lora_path == "/raises":
+            raise InvalidRequestError("LoRA is not enabled (--enable-lora)")
+        self.loads[lora.lora_name] = Future()
+        return self.loads[lora.lora_name]
+
+    def remove_lora(self, name: str) -> bool:
+        return name == "sql"
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [SQL]
+
+
+def test_core_answers_lora_calls_without_waiting_on_loads() -> None:
+    engine, channel = _Engine(), _Channel()
+    core = EngineCore.__new__(EngineCore)  # no process, no socket: just the LoRA calls
+    core.engine, core.channel = cast(Any, engine), cast(Any, channel)
+    core.encoder, core.loading = msgspec.msgpack.Encoder(), {}
+    wire = msgspec.msgpack.encode(AddLoRA(1, SQL))
+    core.handle(msgspec.msgpack.decode(wire, type=EngineCoreRequest))
+    core.handle(AddLoRA(2, LoRARequest("bad", 2, "/bad")))
+    core.handle(AddLoRA(3, LoRARequest("off", 3, "/raises")))
+    core.handle(RemoveLoRA(4, "nope"))
+    core.handle(ListLoRAs(5))
+    assert [(r.call_id, r.error_type) for r in channel.sent] == [(4, "not_found"), (5, None)]
+    assert channel.sent[1].loras == [SQL]
+    core.answer_loaded()  # the failed add (3) is answered; the loading ones wait
+    assert channel.sent[-1].call_id == 3 and "not enabled" in channel.sent[-1].message
+    engine.loads["sql"].set_result(None)
+    engine.loads["bad"].set_exception(InvalidRequestError("/bad: rank 64 > --max-lora-rank 16"))
+    core.answer_loaded()
+    replies = {r.call_id: r for r in channel.sent}
+    assert replies[1].error_type is None and replies[2].error_type == "invalid_request"
+    assert "rank 64" in replies[2].message and not core.loading
 
 
 # -- the gateway -----------------------------------------------------------------------------------
