@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -24,6 +24,7 @@ from inferd.admission.prompt_check import check_prompt
 from inferd.config import EngineConfig, Environment, read_environment
 from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
+from inferd.engine.waits import Ready, Wait, Waits
 from inferd.errors import InvalidRequestError, ModelLoadError
 from inferd.executor.device import (
     configure_threads,
@@ -31,9 +32,11 @@ from inferd.executor.device import (
     resolve_device,
     resolve_dtype,
 )
-from inferd.executor.model_runner import ModelRunner, kv_cache_dtype
+from inferd.executor.kv_pool import kv_cache_dtype
+from inferd.executor.model_runner import ModelRunner
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
+from inferd.lora.request import LoRARequest
 from inferd.models import kernels
 from inferd.models.config import ArchConfig
 from inferd.models.linear import (
@@ -52,11 +55,12 @@ from inferd.telemetry.step_stats import StepStat, StepStats, timed
 from inferd.types import RequestOutput
 
 if TYPE_CHECKING:
-    from inferd.sampling.grammar import CompiledGrammar, GrammarCompiler
+    from inferd.lora.adapter import LoRAAdapter
+    from inferd.sampling.grammar import GrammarCompiler
 
 logger = logging.getLogger("inferd.engine")
-# How long a step with nothing to schedule waits for a grammar compile before it returns.
-_GRAMMAR_POLL_S = 0.005
+# How long a step with nothing to schedule waits for a grammar or adapter before it returns.
+_WAIT_POLL_S = 0.005
 
 
 class TokensPrompt(TypedDict):
@@ -64,19 +68,6 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TokensPrompt
-
-
-@dataclass
-class _GrammarWait:
-    """A request whose grammar is compiling: it joins the scheduler once the grammar is ready."""
-
-    request_id: str
-    prompt: str | None
-    children: list[Request]
-    output_kind: OutputKind
-    future: concurrent.futures.Future[CompiledGrammar]
-    submitted: float
-    deadline: float
 
 
 class LLMEngine:
@@ -140,16 +131,21 @@ class LLMEngine:
         )
         # Binds at start-up, so a taken address fails the load instead of the first step.
         self.kv_events = None if events_endpoint is None else KVEventPublisher(events_endpoint)
-        self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len)
+        lora = config.lora
+        self.lora = self.runner.use_lora(lora) if lora.enable_lora else None
+        max_loras = lora.max_loras if lora.enable_lora else None
+        self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, max_loras)
+        self._load_lora_modules()
         self.outputs = OutputProcessor(self.tokenizer.hf)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
         self.step_stats = StepStats()
         self._aborted: list[str] = []
         # Structured outputs: the compiler (made with the first constrained request, so xgrammar
-        # loads only when used), requests waiting for their grammar, and the requests refused
-        # after add_request returned (a grammar that did not compile in time, or at all).
+        # loads only when used). Requests waiting for their grammar or adapter, and those refused
+        # after add_request returned (a grammar that did not compile in time, or at all; an
+        # adapter that did not load).
         self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_waits: list[_GrammarWait] = []
+        self._waits = Waits(config.structured_outputs.grammar_compile_timeout_s, self._lora_loaded)
         self._refused: list[tuple[str, InvalidRequestError]] = []
         # Requests preempted (recompute) since start; the server exports it as a counter.
         self.num_preemptions_total = 0
@@ -208,13 +204,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         deadline: float | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request; past `deadline` (a time.monotonic() instant) the scheduler finishes
-        it with finish_reason "timeout" (see Scheduler.expire)."""
-        if request_id in self.outputs.states or self._waiting_for_grammar(request_id):
+        it with finish_reason "timeout" (see Scheduler.expire). `lora_request`: the adapter it
+        runs under, registered here if new; it waits (off the step loop) until loaded."""
+        if request_id in self.outputs.states or request_id in self._waits:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in flight", "request_id"
             )
+        lora_name = None if lora_request is None else self._lora(lora_request).lora_name
         text, ids = self.tokenize(prompt)
         max_tokens = self.validate(ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -228,31 +227,106 @@ class LLMEngine:
                 arrival_time=arrival,
                 priority=priority,
                 deadline=deadline,
+                lora_name=lora_name,
             )
             for i in range(params.n)
         ]
+        now = time.monotonic()
+        wait = Wait(request_id, text, children, output_kind, now)
         if params.structured_outputs is not None:
-            future = self.grammar_compiler().submit(params.structured_outputs)
-            now = time.monotonic()
-            timeout = self.config.structured_outputs.grammar_compile_timeout_s
-            wait = _GrammarWait(request_id, text, children, output_kind, future, now, now + timeout)
-            self._grammar_waits.append(wait)
-            if future.done():
-                self._admit_grammars()  # cached: the request is scheduled like any other
-            return
-        self._admit(request_id, text, children, output_kind)
+            wait.grammar = self.grammar_compiler().submit(params.structured_outputs)
+            wait.deadline = now + self.config.structured_outputs.grammar_compile_timeout_s
+        if self.lora is not None and lora_name is not None:
+            future = self.lora.load(lora_name)
+            wait.adapter = None if self.lora.is_loaded(lora_name) else future
+        self._waits.add(wait)
+        # Nothing to wait for (or a cached grammar): scheduled like any other, now.
+        self._admit_waits()
 
-    def _admit(
-        self,
-        request_id: str,
-        text: str | None,
-        children: list[Request],
-        output_kind: OutputKind,
-        grammar_compile_s: float = 0.0,
-    ) -> None:
-        self.outputs.add(request_id, text, children, output_kind, grammar_compile_s)
-        for child in children:
+    def _admit(self, ready: Ready) -> None:
+        wait = ready.wait
+        if ready.grammar is not None:
+            from inferd.sampling.grammar import RequestGrammar
+
+            start, end = self._reasoning_markers
+            for child in wait.children:
+                child.grammar = RequestGrammar(ready.grammar, child.prompt_token_ids, start, end)
+        self.outputs.add(
+            wait.request_id,
+            wait.prompt,
+            wait.children,
+            wait.output_kind,
+            ready.grammar_compile_s,
+            ready.lora_load_s,
+        )
+        for child in wait.children:
             self.scheduler.add_request(child)
+
+    def _admit_waits(self) -> None:
+        """Schedules the held requests whose grammar and adapter are ready; refuses those whose
+        grammar or adapter failed, or whose grammar is past its deadline."""
+        if self.lora is not None:
+            self.lora.take_loaded(self._lora_in_use())
+        ready, refused = self._waits.take(time.monotonic())
+        for r in ready:
+            self._admit(r)
+        self._refused.extend(refused)
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+
+    def _lora(self, request: LoRARequest) -> LoRARequest:
+        if self.lora is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {request.lora_name!r} asked for, but LoRA is off (--enable-lora)",
+                "model",
+            )
+        return self.lora.register(request)
+
+    def _load_lora_modules(self) -> None:
+        """The adapters of `--lora-modules`, loaded before serving; a bad one fails start-up."""
+        for i, module in enumerate(self.config.lora.lora_modules):
+            folder = str(Path(module.path).expanduser())
+            request = LoRARequest(module.name, i + 1, folder, module.base_model_name)
+            try:
+                self.add_lora(request).result()
+            except InvalidRequestError as e:
+                raise ModelLoadError(str(e)) from e
+        if self.lora is not None:
+            self.lora.take_loaded(())
+
+    def _lora_loaded(self, name: str) -> bool:
+        return self.lora is not None and self.lora.is_loaded(name)
+
+    def _lora_in_use(self) -> set[str]:
+        return self.scheduler.lora_names() | self._waits.lora_names()
+
+    def add_lora(self, request: LoRARequest) -> concurrent.futures.Future[None]:
+        """Registers an adapter and loads it in the background. The future raises the reason
+        it did not load (InvalidRequestError); it is then no longer registered."""
+        name = self._lora(request).lora_name
+        assert self.lora is not None
+        loaded: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def done(future: concurrent.futures.Future[LoRAAdapter]) -> None:
+            error = future.exception()
+            if error is None:
+                loaded.set_result(None)
+            else:
+                loaded.set_exception(error)
+
+        self.lora.load(name).add_done_callback(done)
+        return loaded
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregisters an adapter (False: unknown). Requests running under it finish first;
+        its memory is freed once they have."""
+        if self.lora is None or not self.lora.unregister(lora_name):
+            return False
+        self.lora.collect(self._lora_in_use())
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.known()
 
     # -- structured outputs --------------------------------------------------------------------
 
@@ -270,43 +344,6 @@ class LLMEngine:
         """(hits, misses) of the compiled-grammar cache."""
         c = self._grammar_compiler
         return (0, 0) if c is None else (c.hits, c.misses)
-
-    def _waiting_for_grammar(self, request_id: str) -> bool:
-        return any(w.request_id == request_id for w in self._grammar_waits)
-
-    def _admit_grammars(self) -> None:
-        """Schedules the requests whose grammar is ready; refuses those whose grammar failed or
-        is past its deadline."""
-        now = time.monotonic()
-        still: list[_GrammarWait] = []
-        for wait in self._grammar_waits:
-            if wait.future.done():
-                self._grammar_ready(wait, now)
-            elif now >= wait.deadline:
-                timeout = self.config.structured_outputs.grammar_compile_timeout_s
-                error = InvalidRequestError(
-                    f"the grammar did not compile within {timeout:g} s (a schema this complex "
-                    "is refused; simplify it, or raise --grammar-compile-timeout)",
-                    "structured_outputs",
-                )
-                self._refused.append((wait.request_id, error))
-            else:
-                still.append(wait)
-        self._grammar_waits = still
-
-    def _grammar_ready(self, wait: _GrammarWait, now: float) -> None:
-        from inferd.sampling.grammar import RequestGrammar
-
-        try:
-            compiled = wait.future.result()
-            start, end = self._reasoning_markers
-            for child in wait.children:
-                child.grammar = RequestGrammar(compiled, child.prompt_token_ids, start, end)
-            self._admit(
-                wait.request_id, wait.prompt, wait.children, wait.output_kind, now - wait.submitted
-            )
-        except InvalidRequestError as e:
-            self._refused.append((wait.request_id, e))
 
     @functools.cached_property
     def _reasoning_markers(self) -> tuple[list[int], list[int]]:
@@ -347,7 +384,7 @@ class LLMEngine:
         The final output (finish_reason 'abort') comes from the next step()."""
         assert status.finished, f"{status!r} is not a finished status"
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._grammar_waits = [w for w in self._grammar_waits if w.request_id not in ids]
+        self._waits.remove(ids)
         for rid in ids:
             child_ids = self.outputs.abort(rid, status)
             if child_ids:
@@ -358,28 +395,22 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return (
-            self.scheduler.has_unfinished_requests()
-            or bool(self._aborted)
-            or bool(self._grammar_waits)
-        )
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or bool(self._waits)
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         stat = StepStat()
-        if self._grammar_waits:
-            self._admit_grammars()
+        if self._waits or (self.lora is not None and self.lora.loading):
+            self._admit_waits()
         self._expire(time.monotonic())
         outputs = self.outputs.drain_aborted(self._aborted)
         self._aborted = []
         with timed(stat, "schedule"):
             sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self._grammar_waits and not outputs:
-                # Nothing to run until a grammar is ready: wait for one (the compile releases
-                # the GIL), rather than spin.
-                futures = [w.future for w in self._grammar_waits]
-                concurrent.futures.wait(futures, _GRAMMAR_POLL_S, "FIRST_COMPLETED")
+            if self._waits and not outputs:
+                # Nothing to run until a grammar or adapter is ready: wait for one.
+                self._waits.wait_any(_WAIT_POLL_S)
             return outputs
         self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
         self.num_preemptions_total += len(sched.preempted_ids)

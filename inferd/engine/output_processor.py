@@ -57,6 +57,8 @@ class RequestState:
     # Structured outputs: the wait for the grammar, and this request's share of mask work.
     grammar_compile_s: float = 0.0
     grammar_mask_s: float = 0.0
+    # The wait for its LoRA adapter to load (0: it was in host memory, or none).
+    lora_load_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -76,6 +78,7 @@ class OutputProcessor:
         children: list[Request],
         output_kind: OutputKind,
         grammar_compile_s: float = 0.0,
+        lora_load_s: float = 0.0,
     ) -> None:
         choices = []
         for i, child in enumerate(children):
@@ -99,6 +102,7 @@ class OutputProcessor:
             output_kind=output_kind,
             arrival_time=children[0].arrival_time,
             grammar_compile_s=grammar_compile_s,
+            lora_load_s=lora_load_s,
         )
         self.states[request_id] = state
         for choice in choices:
@@ -271,5 +275,6 @@ def _metrics(state: RequestState) -> RequestMetrics:
         detokenize_s=state.detokenize_s,
         grammar_compile_s=state.grammar_compile_s,
         grammar_mask_s=state.grammar_mask_s,
+        lora_load_s=state.lora_load_s,
         num_cached_tokens=max(c.request.num_cached_tokens or 0 for c in state.choices),
     )

@@ -9,9 +9,7 @@ fallback (decode length groups and per-chunk spans).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,9 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from inferd.config import CacheConfig
-from inferd.errors import ModelLoadError
+from inferd.config import CacheConfig, LoRAConfig
 from inferd.executor.cuda_graphs import DecodeGraphs
+from inferd.executor.kv_pool import kv_cache_dtype, num_kv_blocks, zeroed_pool
+from inferd.lora.manager import LoRAManager
 from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
 from inferd.models.config import ArchConfig
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("inferd.executor")
 
-_CPU_KV_CACHE_BYTES = 4 << 30
 # A decode group keeps adding (shorter) sequences while their block count is at least this share of
 # the group's longest, bounding the padded keys each group reads to 1 / ratio of the real ones.
 _DECODE_GROUP_RATIO = 0.85
@@ -75,7 +73,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = cache.block_size
         self.kv_dtype = kv_cache_dtype(cache, dtype)
-        self.num_blocks = _num_kv_blocks(arch, cache, self.kv_dtype, device)
+        self.num_blocks = num_kv_blocks(arch, cache, self.kv_dtype, device)
         # One block more than the block manager hands out: the scratch block that padded rows of a
         # CUDA-graph decode batch write to.
         kv_shape = (
@@ -86,7 +84,7 @@ class ModelRunner:
             kv_int8.row_width(arch.head_dim, self.kv_dtype),
         )
         self.kv_caches = [
-            _zeros(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
+            zeroed_pool(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = None if native is None else native.attention
         # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
@@ -110,6 +108,13 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Created with the first constrained batch: xgrammar loads only when a request needs it.
         self.grammar_masks: GrammarMasks | None = None
+        # LoRA adapters' slots and rows (use_lora), None while LoRA is off.
+        self.lora: LoRAManager | None = None
+
+    def use_lora(self, config: LoRAConfig) -> LoRAManager:
+        """Turns LoRA on: slots in every LoRA-capable layer; each step tells them its rows."""
+        self.lora = LoRAManager(config, self.model.use_lora, self.dtype, self.device)
+        return self.lora
 
     def enable_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:
         """Pure-decode steps run from static buffers: CUDA graphs when `capture`, else eagerly."""
@@ -131,6 +136,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, stat: StepStat) -> ModelRunnerOutput:
         graphs = self.decode_graphs
+        if self.lora is not None and any(c.request.lora_name for c in sched.chunks):
+            graphs = None  # the captured graphs have no LoRA term
         if graphs is not None and graphs.can_run(sched.chunks, sched.num_batched_tokens):
             return self._execute_graph(graphs, sched, stat)
         with timed(stat, "prepare_inputs"):
@@ -212,8 +219,16 @@ class ModelRunner:
             self.generators.pop(rid, None)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
-        decode = sorted((c for c in sched.chunks if c.num_tokens == 1), key=lambda c: -c.start)
+        # Decode rows, longest first, then prompt chunks; with LoRA each adapter's rows together
+        # (its decode rows, then its chunks), so a LoRA layer reads each adapter's rows as a view.
+        decode = sorted(
+            (c for c in sched.chunks if c.num_tokens == 1),
+            key=lambda c: (c.request.lora_name or "", -c.start),
+        )
         prefill = [c for c in sched.chunks if c.num_tokens > 1]
+        if self.lora is not None:
+            prefill.sort(key=lambda c: c.request.lora_name or "")
+            self.lora.set_step(_row_runs(decode + prefill))
         ids: list[int] = [c.request.all_token_ids[c.start] for c in decode]
         positions: list[int] = [c.start for c in decode]
         bs = self.block_size
@@ -254,14 +269,18 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
     def _decode_groups(self, decode: list[ScheduledChunk]) -> list[tuple[Tensor, Tensor]]:
-        """Cut decode rows (sorted longest first) into groups of similar block counts."""
+        """Cut decode rows (sorted longest first, per adapter) into groups of similar block
+        counts."""
         groups: list[tuple[Tensor, Tensor]] = []
         bs = self.block_size
         i = 0
         while i < len(decode):
             max_nb = decode[i].start // bs + 1
             j = i
-            while j < len(decode) and decode[j].start // bs + 1 >= _DECODE_GROUP_RATIO * max_nb:
+            # Rows come longest first, within each LoRA adapter's run (prepare_inputs).
+            while j < len(decode) and (
+                _DECODE_GROUP_RATIO * max_nb <= decode[j].start // bs + 1 <= max_nb
+            ):
                 j += 1
             table = np.zeros((j - i, max_nb), dtype=np.int64)
             ctx = np.empty(j - i, dtype=np.int64)
@@ -382,6 +401,21 @@ class ModelRunner:
         )
 
 
+def _row_runs(chunks: list[ScheduledChunk]) -> list[tuple[str | None, int, int]]:
+    """(adapter, first row, end row) of each run of rows under one adapter (None: the base
+    model), adjacent runs of one adapter merged."""
+    runs: list[tuple[str | None, int, int]] = []
+    row = 0
+    for c in chunks:
+        name = c.request.lora_name
+        if runs and runs[-1][0] == name:
+            runs[-1] = (name, runs[-1][1], row + c.num_tokens)
+        else:
+            runs.append((name, row, row + c.num_tokens))
+        row += c.num_tokens
+    return runs
+
+
 def _accept(grammar: TokenConstraint, token_id: int, row: int) -> None:
     if not grammar.accept(token_id):
         # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
@@ -432,68 +466,3 @@ def _charge_device_time(
     moved = min(max(device_s - stat.forward, 0.0), stat.sample)
     stat.forward += moved
     stat.sample -= moved
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zeroed KV pool. Zeros, not garbage: masked keys still meet V in the attention matmul, and
-    0 * NaN would poison a row.
-
-    On CPU it is an anonymous mapping: zero pages are mapped lazily, so a multi-GiB pool costs
-    nothing until blocks are first written, and it asks for transparent huge pages. With 4 KiB
-    pages every fourth token's K (and V) row of a small model was a page fault on first write: ~80k
-    faults on a 20k-token workload, 0.2-0.4 s of the KV write's time; a 2 MiB page faults once."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    size = int(np.prod(shape)) * dtype.itemsize
-    buf = mmap.mmap(-1, max(size, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # THP off in this kernel: plain pages
-            buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=size).view(dtype).view(shape)
-
-
-def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's element type: `cache.kv_cache_dtype`, or the model dtype for "auto"."""
-    if cache.kv_cache_dtype == "auto":
-        return dtype
-    if cache.kv_cache_dtype in ("fp8", "fp8_e5m2"):
-        return torch.float8_e5m2
-    kv_dtype: torch.dtype = getattr(torch, cache.kv_cache_dtype)
-    return kv_dtype
-
-
-def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers; dtype is the KV cache dtype."""
-    row = kv_int8.row_width(arch.head_dim, dtype)
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * row * block_size * dtype.itemsize
-
-
-def _num_kv_blocks(
-    arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
-) -> int:
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype)
-    if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-    elif device.type == "cpu":
-        budget = _CPU_KV_CACHE_BYTES
-    else:
-        free, total = torch.cuda.mem_get_info(device)
-        # Weights are resident already; leave (1 - utilization) of the card plus a margin for
-        # activations of the largest step. `used` counts every process and earlier engine on the
-        # card, as vLLM's --gpu-memory-utilization does.
-        used = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used - (512 << 20)
-        if budget < per_block:
-            raise ModelLoadError(
-                f"no GPU memory left for the KV cache: {used / 2**30:.1f} of {total / 2**30:.1f}"
-                f" GiB are in use (weights, other engines or processes) against the "
-                f"{cache.gpu_memory_utilization:.0%} that --gpu-memory-utilization allows; raise "
-                "it, or set --kv-cache-memory"
-            )
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ModelLoadError(
-            f"KV cache budget {budget} bytes holds no {cache.block_size}-token block "
-            f"({per_block} bytes each); raise --kv-cache-memory"
-        )
-    return int(num_blocks)

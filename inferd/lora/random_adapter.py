@@ -25,7 +25,11 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 def _shape(arch: ArchConfig, target: str) -> tuple[int, int]:
     """The target layer's (input, output) features."""
     d, hidden = arch.head_dim, arch.hidden_size
-    q, kv, inter = arch.num_attention_heads * d, arch.num_key_value_heads * d, arch.intermediate_size
+    q, kv, inter = (
+        arch.num_attention_heads * d,
+        arch.num_key_value_heads * d,
+        arch.intermediate_size,
+    )
     return {
         "q_proj": (hidden, q),
         "k_proj": (hidden, kv),

@@ -7,10 +7,8 @@ then turns every weight into the form the chosen kernel reads, once:
 
 - `dense`: `F.linear` on the dense weight. CUDA (cuBLAS needs nothing more), and the fallback.
 - `onednn`: the weight reordered once into oneDNN's blocked layout (CPU, float32 or bfloat16).
-  `F.linear` on CPU leaves the weight as it is and the GEMM re-packs panels of it on every call;
-  prepacked, the same GEMM measured 1.5-2.6x faster on decode-sized batches here (and for bf16 it
-  reaches AVX512_BF16's dot products), see docs/benchmarks.md. vLLM's CPU backend and inductor's
-  `freezing` pass prepack the same way.
+  `F.linear` re-packs panels of the weight on every call; prepacked, the same GEMM is 1.5-2.6x
+  faster on decode-sized batches (docs/benchmarks.md), as vLLM's CPU backend and inductor find.
 - `int8`: weights quantized to int8 with one symmetric scale per output channel, prepacked for
   fbgemm; activations are quantized to 8 bits per call from their own range (dynamic), and the
   dot products run on integer units (AVX512-VNNI where present). Like llama.cpp's Q8_0, which also
@@ -23,27 +21,20 @@ GEMV serves the few-row batches:
 - small-batch GEMV (`onednn` and `int8`, `DeviceConfig.small_batch_gemv`): batches of at most
   `GEMV_MAX_ROWS` rows (a single stream's decode step, two streams) run the native kernel of
   `kernels/gemv.cpp` on a plain row-major weight, which streams it from memory faster than
-  oneDNN's GEMM on the packed one (measured on the whole llama-32m weight set, 2 threads: one row
-  1.25x float32, 1.15x bfloat16; two rows 1.1x; four rows no gain, so not used there; see
-  docs/benchmarks.md). bfloat16 batches up to 16 rows could run there too where the CPU has
-  AVX512_BF16 (its dot products beat oneDNN's GEMM up to there; kernels/gemv.cpp has the numbers),
-  but the panel GEMM below, built on the same CPUs, beats both and takes them (and float32's too).
+  oneDNN's GEMM on the packed one (1.1-1.25x at one or two rows; docs/benchmarks.md). Where the
+  panel GEMM below is built, it takes these rows too.
   It needs the plain weight kept beside the packed one: one more copy of every linear weight (for
   `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x from their own range,
   as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto` keeps it when that copy
   is at most a quarter of the machine's memory.
 - panel GEMM (`onednn` float32 and bfloat16 weights with the small-batch GEMV; bfloat16 where
   the CPU has AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included,
-  run `kernels/panel_gemm.cpp` on a copy of the weight packed in panels of 64 output
-  columns, each thread streaming its own range of them: over the Qwen2-0.5B shape's decode
-  weights 1.1-1.3x the GEMV at 1-16 rows and 1.03-1.2x oneDNN's GEMM at 16-128 (bfloat16 ~400
-  GFLOP/s from 48 rows, float32 ~175 at 24-64); the engine 6-18 % faster on the mixes of both
-  shapes in both dtypes (docs/benchmarks.md; an AMD Zen 4). Where the CPU has AMX (Sapphire
-  Rapids and later Xeons) bfloat16 runs on its tiles (kernels/amx.h): on such a Xeon the AVX-512
-  loop was 0.2-0.85x oneDNN's GEMM (AMX itself), the tiles 1.07-1.23x it at 1-96 rows, the Qwen
-  shape's bfloat16 mix 1.5x faster. As it takes every row count the GEMV would, the plain weight
-  is then freed (unless shared): two copies in all, oneDNN's and the panels. The panel copy
-  counts toward `auto`'s quarter of memory.
+  run `kernels/panel_gemm.cpp` on a copy of the weight packed in panels of 64 output columns,
+  each thread streaming its own range of them; on AMX CPUs bfloat16 runs on its tiles
+  (kernels/amx.h). It beats the GEMV and oneDNN's GEMM at every row count it takes
+  (docs/benchmarks.md), so it takes them all, and the plain weight is then freed (unless
+  shared): two copies in all, oneDNN's and the panels. The panel copy counts toward `auto`'s
+  quarter of memory.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +58,20 @@ logger = logging.getLogger("inferd.models")
 
 LinearKind = Literal["dense", "onednn", "int8"]
 LinearFn = Callable[[Tensor], Tensor]
+
+
+class LowRankRows(Protocol):
+    """Whether the step being run has rows under a LoRA adapter (inferd/lora/layer.py)."""
+
+    @property
+    def active(self) -> bool: ...
+
+
+class LowRankTerm(LowRankRows, Protocol):
+    """What a linear layer adds to its output for the rows that run a LoRA adapter
+    (inferd/lora/layer.py): nothing while `active` is False."""
+
+    def add_to(self, x: Tensor, y: Tensor) -> None: ...
 
 
 class Linear(nn.Module):
@@ -105,8 +110,16 @@ class Linear(nn.Module):
         self.weight_scale: nn.Parameter | None = None
         # The int8 checkpoint stores this layer in float (its `ignore` list): it stays float.
         self.keep_float = False
+        # LoRA adapters' term over their own rows, added after the base GEMM (inferd/lora).
+        self.lora: LowRankTerm | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        y = self._base(x)
+        if self.lora is not None and self.lora.active:
+            self.lora.add_to(x, y)
+        return y
+
+    def _base(self, x: Tensor) -> Tensor:
         if self._panel is not None and 0 < x.shape[0] <= self._panel_rows:
             assert self._gemv is not None
             return self._gemv.panel(x, self._panel)

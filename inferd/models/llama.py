@@ -44,7 +44,7 @@ from inferd.models.layers import (
     RMSNorm,
     Step,
 )
-from inferd.models.linear import Linear
+from inferd.models.linear import Linear, LowRankRows
 from inferd.models.quantized import Int8Checkpoint
 from inferd.models.rope import RotaryEmbedding
 from inferd.models.weights import WeightTarget
@@ -85,6 +85,10 @@ class LlamaModel(nn.Module):
         # Decode steps of 1-16 rows (int8: 1-8; with panel copies: 1-128) in one native
         # call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
+        # The LoRA adapters' rows of the step (inferd/lora), when LoRA is on. A step with
+        # adapter rows runs layer by layer on every row: the native decode step and the last
+        # layer's sampling-rows-only path have no low-rank term.
+        self.lora: LowRankRows | None = None
 
     def forward(
         self,
@@ -97,7 +101,8 @@ class LlamaModel(nn.Module):
         t = h.shape[0]
         if out_rows is not None and out_rows.shape[0] == t:
             out_rows = None  # every row (ascending and distinct): nothing to select
-        paged, plan = meta.paged, self.decode
+        lora = self.lora is not None and self.lora.active
+        paged, plan = meta.paged, None if lora else self.decode
         if plan is not None and paged is not None and t <= plan.max_rows and paged.num_seqs == t:
             # Every row a decoding sequence (one query each): the whole step natively.
             return plan(h, positions, meta.slot_mapping, paged)
@@ -118,6 +123,7 @@ class LlamaModel(nn.Module):
         # alone. Llama-32m's prompt tokens skip 10 % of their multiply-adds, Qwen2-0.5B's 4 %
         # (docs/benchmarks.md).
         rows_only = step.fused is not None and out_rows is not None and meta.sampled is not None
+        rows_only = rows_only and not lora
         layers = list(self.layers)
         for layer in layers[:-1] if rows_only else layers:
             h, residual = layer(step, h, residual)
@@ -247,6 +253,17 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]
+
+    def use_lora(self, rows: LowRankRows) -> list[tuple[str, Linear]]:
+        """Steps whose `rows` are active run layer by layer; returns the layers a LoRA adapter
+        may target, by name: every decoder layer's linear layers (not the lm_head; MoE experts
+        are not Linear layers)."""
+        self.model.lora = rows
+        return [
+            (name, m)
+            for name, m in self.named_modules()
+            if isinstance(m, Linear) and name.startswith("model.layers.")
+        ]
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager); with

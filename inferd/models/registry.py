@@ -11,7 +11,7 @@ from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import SUPPORTED_ARCHITECTURES
 from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import FusedOps
-from inferd.models.linear import Linear
+from inferd.models.linear import Linear, LowRankRows
 from inferd.models.llama import LlamaForCausalLM
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "get_model_class"]
@@ -42,6 +42,11 @@ class CausalLM(Protocol):
         ...
 
     def attention_layers(self) -> list[PagedAttention]: ...
+
+    def use_lora(self, rows: LowRankRows) -> list[tuple[str, Linear]]:
+        """LoRA on: steps with adapter rows run layer by layer; the layers adapters may
+        target, by name."""
+        ...
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Fused elementwise kernels for batches the native attention kernel serves, and the

@@ -1,7 +1,8 @@
 """`inferd router`: an HTTP front speaking the replicas' own APIs, routing each request.
 
     POST /v1/completions, /v1/chat/completions, /v1/embeddings   validated, tokenized, routed by
-                                                                  the policy on the prompt
+                                                                  the policy on the prompt (under
+                                                                  the LoRA adapter `model` names)
     any other /v1/*, /v2/* (models, KServe v2 infer by name...)   forwarded as is, routed on load
     /health/live, /health/ready, /health, /v2/health/*            the router's own (ready: some
                                                                   replica is in rotation)
@@ -41,7 +42,13 @@ from inferd.router.health import HealthChecker
 from inferd.router.kv_events import KVEventFeed
 from inferd.router.metrics import RouterMetrics
 from inferd.router.proxy import Forward, Proxy
-from inferd.router.tokenize import TOKENIZED_PATHS, load_tokenizer, prompt_token_ids, validate
+from inferd.router.tokenize import (
+    TOKENIZED_PATHS,
+    load_tokenizer,
+    prompt_token_ids,
+    requested_model,
+    validate,
+)
 from inferd.router.tracing import RouteTracer
 
 logger = logging.getLogger("inferd.router")
@@ -81,11 +88,13 @@ class Router:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as e:
             raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
-        ids = prompt_token_ids(self.tokenizer, validate(request.url.path, doc))
-        routed = self._route(ids)
+        valid = validate(request.url.path, doc)
+        ids = prompt_token_ids(self.tokenizer, valid)
+        lora_name = self.cluster.adapters.lora_name(requested_model(valid))
+        routed = self._route(ids, lora_name)
         route_s = time.monotonic() - t0
         self.metrics.decision.observe(route_s)
-        fwd = self._traced(request, Forward.of(request, body, ids, route_s), t0)
+        fwd = self._traced(request, Forward.of(request, body, ids, route_s, lora_name), t0)
         return await self.proxy.forward(request, fwd, routed)
 
     async def passthrough(self, request: Request) -> Response:
@@ -101,9 +110,9 @@ class Router:
         traceparent = request.headers.get("traceparent")
         return fwd.traced(self.tracer.start(fwd.request_id, traceparent, start_s))
 
-    def _route(self, ids: list[int]) -> Routed | None:
+    def _route(self, ids: list[int], lora_name: str | None) -> Routed | None:
         """None when no replica is ready: `forward` answers the 503."""
-        return self.cluster.route(ids) if self.cluster.ready() else None
+        return self.cluster.route(ids, lora_name=lora_name) if self.cluster.ready() else None
 
     async def close(self) -> None:
         self.stopping = True

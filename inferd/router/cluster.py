@@ -7,9 +7,13 @@ fails or turns unready leaves the rotation at once and its prefix index is forgo
 back at that address may be a restarted process with an empty cache (unless the index follows
 its KV events, router/kv_events.py: those show a restart as a gap).
 
+A request under a LoRA adapter (`lora_name`, from its `model`: router/adapters.py) is hashed
+under it, as the replica's prefix cache keys it, and its dispatch records where the adapter ran
+(the policy's adapter affinity).
+
     cluster = Cluster(RouterConfig(replicas=("http://a", "http://b")))
     for url in cluster.names(): cluster.set_health(url, ready=True)
-    routed = cluster.route(token_ids)          # Routed(decision, hashes, prompt_tokens)
+    routed = cluster.route(token_ids, lora_name=cluster.adapters.lora_name(model))
     ticket = cluster.dispatch(routed.decision.replica, routed)
     ...; ticket.first_byte(); ...; ticket.finish()
 """
@@ -22,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from inferd.kv_cache.block_hash import block_hashes
+from inferd.router.adapters import AdapterCatalog, AdapterPlacement
 from inferd.router.config import RouterConfig
 from inferd.router.index import PrefixIndex
 from inferd.router.load import ReplicaLoad, ReplicaReport, Ticket
@@ -48,6 +53,8 @@ class Routed:
     decision: Decision
     hashes: tuple[int, ...]
     prompt_tokens: int
+    # The LoRA adapter the prompt runs under (its hashes are the adapter's); None: the base.
+    lora_name: str | None = None
 
 
 class Cluster:
@@ -63,6 +70,8 @@ class Cluster:
             config.block_size,
         )
         self.replicas: dict[str, Replica] = {}
+        self.adapters = AdapterCatalog()
+        self.placement = AdapterPlacement()
         self.set_members(config.replicas)
         for url in config.kv_event_endpoints():
             self.index.follow_events(url)
@@ -83,6 +92,7 @@ class Cluster:
         for url in [u for u in self.replicas if u not in wanted]:
             del self.replicas[url]
             self.index.forget(url)
+            self.adapters.forget(url)
 
     def set_health(self, url: str, ready: bool, reason: str = "unready") -> bool:
         """Active check result; True when this took the replica out of rotation."""
@@ -137,14 +147,21 @@ class Cluster:
     def load_tokens(self, replica: Replica) -> int:
         return replica.load.tokens(self.config.decode_weight)
 
-    def route(self, token_ids: Sequence[int], exclude: Iterable[str] = ()) -> Routed:
-        """The decision for a prompt among the ready replicas not in `exclude`."""
+    def route(
+        self,
+        token_ids: Sequence[int],
+        exclude: Iterable[str] = (),
+        lora_name: str | None = None,
+    ) -> Routed:
+        """The decision for a prompt run under adapter `lora_name` (None: the base model) among
+        the ready replicas not in `exclude`."""
         skip = set(exclude)
         ready = [r for r in self.ready() if r.url not in skip]
         if not ready:
             raise NoReplicaError("no replica is ready")
         cfg = self.config
-        hashes = tuple(block_hashes(token_ids, cfg.block_size, cfg.max_match_blocks))
+        hashes = tuple(block_hashes(token_ids, cfg.block_size, cfg.max_match_blocks, lora_name))
+        warm = self.placement.last(lora_name)
         candidates = [
             Candidate(
                 r.url,
@@ -153,11 +170,12 @@ class Cluster:
                 self.index.owned(r.url),
                 self.index.home(r.url, hashes) * cfg.block_size,
                 rendezvous(hashes[0], r.url) if hashes else 0,
+                r.url == warm,
             )
             for r in ready
         ]
         decision = self.policy.choose(candidates, len(token_ids))
-        return Routed(decision, hashes, len(token_ids))
+        return Routed(decision, hashes, len(token_ids), lora_name)
 
     def dispatch(self, url: str, routed: Routed) -> Ticket:
         """The request goes to `url` (the decision's choice, or a retry's): count its uncached
@@ -175,6 +193,8 @@ class Cluster:
         ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim, brings)
         replica.routed += 1
         self.index.insert(url, routed.hashes)
+        if routed.lora_name is not None:
+            self.placement.ran(routed.lora_name, url)
         return ticket
 
     def _claim(self, replica: Replica, routed: Routed, stamp: int) -> tuple[int, ...]:

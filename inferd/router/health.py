@@ -7,10 +7,12 @@ engine's own load gauges, prefix-cache counters and cache settings (`inferd_cach
 a replica's index is bounded by its number of KV blocks; a block size other than the router's is
 logged, since no block would ever match), then its block digest (`GET /v1/kv_cache/blocks`,
 gateway/kv_cache.py), which resets the replica's approximate prefix index to what its cache
-holds (router/index.py, `snapshot`). A replica that answers the digest with 401, 403 or 404 (API
-keys and no `--replica-api-key`, or an older inferd) is not asked again; its index stays the
-router's own estimate. Replicas followed by KV events are not asked: their index is exact.
-Large replicas' digests are asked for less often than every check (router/digest_pacer.py).
+holds (router/index.py, `snapshot`), and its model list (`GET /v1/models`), whose entries with a
+`parent` are the LoRA adapters it serves (router/adapters.py). A replica that answers the digest
+with 401, 403 or 404 (API keys and no `--replica-api-key`, or an older inferd) is not asked
+again; its index stays the router's own estimate. Replicas followed by KV events are not asked:
+their index is exact. Large replicas' digests are asked for less often than every check
+(router/digest_pacer.py).
 Passive checks (a connect error or 5xx while forwarding) live in the proxy and eject a replica at
 once, without waiting for the next interval.
 """
@@ -29,6 +31,7 @@ import orjson
 
 from inferd.kv_cache.block_hash import BLOCK_HASH_SEED
 from inferd.kv_cache.prefix_cache import BlockDigest
+from inferd.router.adapters import served_models
 from inferd.router.cluster import Cluster
 from inferd.router.digest_pacer import DigestPacer
 from inferd.router.load import ReplicaReport
@@ -120,7 +123,25 @@ class HealthChecker:
             report = report_from_metrics(page.text)
             self.cluster.report(url, report)
             self._check_block_size(url, report)
+        await self.read_models(url)
         await self.read_digest(url)
+
+    async def read_models(self, url: str) -> None:
+        """The replica's model list into the adapter catalog; a failed or malformed answer
+        keeps the last one."""
+        with contextlib.suppress(httpx.HTTPError):
+            answer = await self.client.get(
+                f"{url}/v1/models",
+                headers=self._auth(),
+                timeout=self.cluster.config.health_timeout_s,
+            )
+            served = served_models(answer.content) if answer.status_code == 200 else None
+            if served is not None:
+                self.cluster.adapters.update(url, served)
+
+    def _auth(self) -> dict[str, str] | None:
+        key = self.cluster.config.replica_api_key
+        return {"Authorization": f"Bearer {key}"} if key else None
 
     async def read_digest(self, url: str) -> None:
         """The replica's block digest into its prefix index (see the module docstring)."""
@@ -135,15 +156,13 @@ class HealthChecker:
         if not self.digests.due(url, now):
             return
         since = cluster.digest_since(url)
-        key = cluster.config.replica_api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else None
         # Live: used within two digests (router/index.py: the share of the groups).
         params = {"limit": cluster.index.capacity(url), "recent_s": self.digests.recent_s(url)}
         try:
             answer = await self.client.get(
                 f"{url}/v1/kv_cache/blocks",
                 params=params,
-                headers=headers,
+                headers=self._auth(),
                 timeout=cluster.config.health_timeout_s,
             )
         except httpx.HTTPError:

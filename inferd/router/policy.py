@@ -28,6 +28,14 @@ Prompts that share nothing need no agreement: once each of the last `unique_wind
 found no replica holding or having held any of it (no cached tokens, no home), a new prompt goes
 exactly where least-load would send it (the least loaded, ties in turn) until one is found again
 (`sharing_seen`).
+LoRA adapters: a prompt under an adapter is hashed under it (router/adapters.py), so it counts
+only blocks cached under that adapter. Adapter affinity (LoRAX's and Dynamo's placement): a
+replica the request's adapter was last sent to (`adapter_warm`) wins ties of cost, and takes a
+prompt nobody holds ahead of the rendezvous winner and of least-load whenever it is within
+`cold_margin` tokens of the least loaded (the former home still comes first: a home under the
+adapter's hashes is where the adapter ran), so an adapter's requests and prefixes concentrate
+where its weights are warm without ever passing the load bounds above. A base-model request has
+no warm replica: nothing changes for it.
 Worked example (cached 0/64/96 of a 128-token prompt, loads 10/200/40): costs 138/264/72 -> the
 third replica.
 """
@@ -61,6 +69,8 @@ class Candidate:
     home_tokens: int = 0
     # Rendezvous weight of this replica for the prompt (`rendezvous`); 0 for all: no preference.
     affinity: int = 0
+    # The request's LoRA adapter was last sent here (always False for the base model).
+    adapter_warm: bool = False
 
 
 def rendezvous(key: int, replica: str) -> int:
@@ -141,6 +151,7 @@ class CacheAware:
             range(len(candidates)),
             key=lambda i: (
                 prompt_tokens - candidates[i].cached_tokens + candidates[i].load,
+                not candidates[i].adapter_warm,
                 candidates[i].load,
                 tie[i],
             ),
@@ -174,16 +185,20 @@ class CacheAware:
     def _cold(
         self, order: Sequence[Candidate], low: int, prompt_tokens: int, sharing: bool = True
     ) -> Candidate:
-        """A prompt nobody holds: its former home if load allows, else (`sharing`: prompts may
-        start groups) the rendezvous winner among the lightly loaded replicas with room, or
-        (no sharing seen) the least loaded. `order` is the cost order, whose rotating ties
-        decide when no affinity does (a prompt shorter than one block has none)."""
+        """A prompt nobody holds: its former home if load allows, else the replica its adapter
+        ran on last if lightly loaded, else (`sharing`: prompts may start groups) the rendezvous
+        winner among the lightly loaded replicas with room, or (no sharing seen) the least
+        loaded. `order` is the cost order, whose rotating ties decide when no affinity does (a
+        prompt shorter than one block has none)."""
         homes = [c for c in order if c.home_tokens and c.load <= low + prompt_tokens]
         if homes:
             return max(homes, key=lambda c: c.home_tokens)  # stable: the first of equals
+        near = [c for c in order if c.load <= low + self.cold_margin]
+        warm = [c for c in near if c.adapter_warm]
+        if warm:
+            return warm[0]
         if not sharing:
             return order[0]
-        near = [c for c in order if c.load <= low + self.cold_margin]
         # Less than one more prompt's worth of blocks than the fewest: no replica takes a second
         # new group while another has room for its first.
         slack = max(prompt_tokens // self.block_size - 1, 0)

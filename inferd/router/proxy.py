@@ -73,14 +73,23 @@ class Forward:
     route_s: float
     # The router's OTel span of this request (router/tracing.py); NO_SPAN with tracing off.
     span: RouteSpan = NO_SPAN
+    # The LoRA adapter its prompt runs under (a retry hashes it the same); None: the base model.
+    lora_name: str | None = None
 
     @classmethod
-    def of(cls, request: Request, body: bytes, token_ids: list[int], route_s: float) -> Forward:
+    def of(
+        cls,
+        request: Request,
+        body: bytes,
+        token_ids: list[int],
+        route_s: float,
+        lora_name: str | None = None,
+    ) -> Forward:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if "x-request-id" not in request.headers:
             headers.append(("x-request-id", uuid.uuid4().hex))  # retries carry the same id
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return cls(request.method, path, headers, body, token_ids, route_s)
+        return cls(request.method, path, headers, body, token_ids, route_s, lora_name=lora_name)
 
     @property
     def request_id(self) -> str:
@@ -117,7 +126,7 @@ class Proxy:
         retries = self.cluster.config.max_retries
         for attempt in range(retries + 1):
             try:
-                routed = routed or self.cluster.route(fwd.token_ids, exclude=tried)
+                routed = routed or self.cluster.route(fwd.token_ids, tried, fwd.lora_name)
             except NoReplicaError:
                 break
             url = routed.decision.replica

@@ -64,3 +64,9 @@ def prompt_token_ids(tok: Tokenizer, request: BaseModel) -> list[int]:
         first = request.input[0] if isinstance(request.input, list) else request.input
         return tok.encode(first) if isinstance(first, str) else []
     return []
+
+
+def requested_model(request: BaseModel) -> str | None:
+    """The request's `model` field: the served model or LoRA adapter it names (None: unnamed)."""
+    model = getattr(request, "model", None)
+    return model if isinstance(model, str) else None

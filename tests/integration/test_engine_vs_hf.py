@@ -28,7 +28,8 @@ from varlen_reference import reference_varlen  # noqa: E402
 from inferd import LLMEngine, RequestOutput, SamplingParams, cli  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
-from inferd.executor.model_runner import ModelRunner, kv_bytes_per_block  # noqa: E402
+from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
+from inferd.executor.model_runner import ModelRunner  # noqa: E402
 from inferd.models import attention  # noqa: E402
 from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
 from inferd.models.config import ArchConfig  # noqa: E402

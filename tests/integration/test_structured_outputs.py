@@ -14,7 +14,7 @@ import torch
 from inferd import LLM, SamplingParams
 from inferd.config import read_environment
 from inferd.errors import InvalidRequestError
-from inferd.executor.model_runner import kv_bytes_per_block
+from inferd.executor.kv_pool import kv_bytes_per_block
 from inferd.models.config import ArchConfig
 from inferd.models.loader import resolve_model_path
 from inferd.sampling.grammar import RequestGrammar

@@ -204,18 +204,24 @@ def test_child_of_an_evicted_block_is_unreachable() -> None:
             st.integers(0, 3),  # request
             st.integers(1, 20),  # tokens
             st.integers(0, 2),  # prompt family: shared prefixes
+            st.sampled_from([None, "x", "y"]),  # LoRA adapter (None: the base model)
         ),
         max_size=40,
     ),
     prefix=st.booleans(),
 )
 def test_random_operations_keep_the_pool_consistent(
-    num_blocks: int, ops: list[tuple[str, int, int, int]], prefix: bool
+    num_blocks: int, ops: list[tuple[str, int, int, int, str | None]], prefix: bool
 ) -> None:
-    bm = BlockManager(num_blocks=num_blocks, block_size=2, enable_prefix_caching=prefix)
+    bs = 2
+    bm = BlockManager(num_blocks=num_blocks, block_size=bs, enable_prefix_caching=prefix)
     tokens: dict[str, list[int]] = {}
     done: dict[str, int] = {}
-    for op, r, n, family in ops:
+    lora_of: dict[str, str | None] = {}
+    # What each computed block's K/V encode: (adapter, every token up to its end). A hit must
+    # hand out only blocks whose K/V are the requester's own, adapter included.
+    kv: dict[int, tuple[str | None, tuple[int, ...]]] = {}
+    for op, r, n, family, lora in ops:
         rid = f"r{r}"
         if op == "free":
             bm.free(rid)
@@ -223,13 +229,19 @@ def test_random_operations_keep_the_pool_consistent(
             done.pop(rid, None)
         elif op == "alloc" and rid not in tokens:
             seq = [family * 100 + i for i in range(n)]
-            hit = bm.lookup_prefix(seq)
+            hit = bm.lookup_prefix(seq, lora)
             assert hit.num_tokens < n
-            if bm.allocate(rid, n, hit):
-                tokens[rid], done[rid] = seq, hit.num_tokens
+            for i, block in enumerate(hit.block_ids):
+                assert kv[block] == (lora, tuple(seq[: (i + 1) * bs]))
+            if bm.allocate(rid, n, hit, lora):
+                tokens[rid], done[rid], lora_of[rid] = seq, hit.num_tokens, lora
         elif op == "compute" and rid in tokens:
-            done[rid] = len(tokens[rid])
-            bm.cache_full_blocks(rid, tokens[rid], done[rid])
+            seq = tokens[rid]
+            done[rid] = len(seq)
+            table = bm.block_table(rid)
+            for i in range(len(seq) // bs):
+                kv[table[i]] = (lora_of[rid], tuple(seq[: (i + 1) * bs]))
+            bm.cache_full_blocks(rid, seq, done[rid])
         bm.check_invariants()
     for rid in list(tokens):
         bm.free(rid)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from inferd.cli import build_parser, engine_config
 from inferd.config import CacheConfig, EngineConfig, read_environment
-from inferd.executor.model_runner import kv_cache_dtype
+from inferd.executor.kv_pool import kv_cache_dtype
 from inferd.models import kernels, kv_int8
 from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 

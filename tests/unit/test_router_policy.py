@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -75,6 +76,47 @@ def test_a_prompt_nobody_holds_goes_back_to_its_former_home_when_load_allows() -
 def affine(key: int, loads: dict[str, int], held: int = 0) -> list[Candidate]:
     """Cold candidates as the cluster builds them: each with its rendezvous weight for `key`."""
     return [Candidate(n, load, 0, held, affinity=rendezvous(key, n)) for n, load in loads.items()]
+
+
+def test_a_new_prompt_under_an_adapter_goes_where_the_adapter_ran_last_if_lightly_loaded() -> None:
+    loads = {"a": 0, "b": 100, "c": 200, "d": 5000}
+    for key in range(20):
+        cands = [replace(c, adapter_warm=c.name == "c") for c in affine(key, loads)]
+        d = CacheAware().choose(cands, 1000)
+        assert d.replica == "c" and d.outcome == "cold"
+        # Past the cold margin (256) the adapter's last replica is no choice: the hash decides.
+        far = [replace(c, adapter_warm=c.name == "d") for c in affine(key, loads)]
+        assert (
+            CacheAware().choose(far, 1000).replica
+            == CacheAware().choose(affine(key, loads), 1000).replica
+        )
+
+
+def test_the_adapters_last_replica_wins_ties_of_cost_and_nothing_more() -> None:
+    tie = [Candidate("a", 10, 64), Candidate("b", 10, 64, adapter_warm=True)]
+    policy = CacheAware()
+    assert [policy.choose(tie, 128).replica for _ in range(3)] == ["b"] * 3
+    cheaper = [Candidate("a", 0, 64), Candidate("b", 10, 64, adapter_warm=True)]
+    assert CacheAware().choose(cheaper, 128).replica == "a"
+
+
+def test_a_former_home_comes_before_the_adapters_last_replica() -> None:
+    cands = [Candidate("a", 50, 0, home_tokens=64), Candidate("b", 0, 0, adapter_warm=True)]
+    assert CacheAware().choose(cands, 128).replica == "a"
+
+
+def test_with_no_sharing_seen_the_adapters_last_replica_still_takes_its_new_prompts() -> None:
+    policy = CacheAware(unique_window=2)
+    cold = [Candidate("a", 0), Candidate("b", 0)]
+    policy.choose(cold, 100)
+    policy.choose(cold, 100)
+    assert not policy.sharing_seen()
+    warm = [Candidate("a", 0), Candidate("b", 200, adapter_warm=True)]
+    assert policy.choose(warm, 100).replica == "b"
+    assert (
+        policy.choose([Candidate("a", 0), Candidate("b", 300, adapter_warm=True)], 100).replica
+        == "a"
+    )
 
 
 def test_rendezvous_weights_are_stable_and_a_removed_replica_moves_only_its_own_keys() -> None:
@@ -170,9 +212,17 @@ def test_make_policy_names_every_policy() -> None:
         make_policy("random")  # type: ignore[arg-type]
 
 
+# Some replicas are where the request's LoRA adapter ran last: the bounds hold all the same.
 candidates = st.lists(
-    st.tuples(st.integers(0, 100_000), st.integers(0, 4096)), min_size=1, max_size=8
-).map(lambda xs: [Candidate(f"r{i}", load, cached) for i, (load, cached) in enumerate(xs)])
+    st.tuples(st.integers(0, 100_000), st.integers(0, 4096), st.booleans()),
+    min_size=1,
+    max_size=8,
+).map(
+    lambda xs: [
+        Candidate(f"r{i}", load, cached, adapter_warm=warm)
+        for i, (load, cached, warm) in enumerate(xs)
+    ]
+)
 
 
 @settings(deadline=None)  # a loaded 2-core box must not fail a pure test

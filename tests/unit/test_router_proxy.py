@@ -351,3 +351,37 @@ def test_a_replica_whose_digests_take_long_is_asked_less_often(tok: Tokenizer) -
     for _ in range(3):
         asyncio.run(health.check_all())
     assert len(asked) == 4 and float(asked[-1]) == 4.0  # the first applies, then none is due
+
+
+def test_a_request_naming_an_adapter_routes_on_the_adapters_blocks(tok: Tokenizer) -> None:
+    # The replicas list "sql" as an adapter (`parent`): its prompt is hashed under it, as their
+    # prefix caches key it, and its next new prompt follows it to the same replica.
+    sent: list[tuple[str, bytes]] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/health/ready":
+            return httpx.Response(200, json={"status": "ready"})
+        if req.url.path == "/v1/models":
+            cards = [{"id": "inferd-tiny"}, {"id": "sql", "parent": "inferd-tiny", "root": "/a"}]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        if req.url.path == "/v1/completions":
+            sent.append((req.url.host, req.content))
+            return ok(req.url.host)
+        return httpx.Response(200, text="")
+
+    cfg = RouterConfig(replicas=(A, B), replica_digest=False)
+    app = create_router_app(cfg, tok, httpx.MockTransport(handler))
+    router = app.state.router
+    asyncio.run(router.health.check_all())
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    body = {"model": "sql", "prompt": prompt, "max_tokens": 2}
+    r = call(app, "/v1/completions", body)
+    assert r.status_code == 200 and orjson.loads(sent[0][1]) == body  # forwarded as sent
+    replica = r.headers["x-inferd-replica"]
+    ids = tok.encode(prompt)
+    index = router.cluster.index
+    assert index.match(replica, block_hashes(ids, 16, lora_name="sql")) == len(ids) // 16 > 0
+    assert index.match(replica, block_hashes(ids, 16)) == 0
+    for i in range(4):  # new prompts under the adapter: where it ran last
+        other = {"model": "sql", "prompt": f"{i} another prompt " * 10, "max_tokens": 2}
+        assert call(app, "/v1/completions", other).headers["x-inferd-replica"] == replica

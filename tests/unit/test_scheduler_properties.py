@@ -3,7 +3,10 @@
 A faked model plays the runner: it writes, for every scheduled position, the exact token prefix
 that position's K/V would encode into the slot the block table names, then checks that every
 position a chunk attends to holds its own prefix. So a wrong block table, a prefix hit on the
-wrong block, or a block reused while still referenced shows up as a wrong "K/V" read.
+wrong block, or a block reused while still referenced shows up as a wrong "K/V" read. Requests
+run under random LoRA adapters (or the base model), whose K/V differ for the same tokens: the slot
+holds the adapter too, so a prefix hit across adapters is a wrong read as well, and no step runs
+more than `max_loras` distinct adapters.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Spec:
     arrival_step: int
     abort_step: int | None
     abort_after_run: bool  # abort between schedule() and update_from_output()
+    lora: str | None = None  # the adapter it runs under; None: the base model
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Workload:
     # Faked seconds per scheduled prompt token, driving the step-time budget; None: fixed budget.
     seconds_per_token: float | None
     specs: tuple[Spec, ...]
+    # Distinct adapters a step may run; None: LoRA off.
+    max_loras: int | None = None
 
 
 def expected(spec: Spec, seed: int) -> tuple[list[int], RequestStatus, int | None]:
@@ -90,6 +96,7 @@ def specs(draw: st.DrawFn, families: list[list[int]]) -> Spec:
         arrival_step=draw(st.integers(0, 12)),
         abort_step=abort_step,
         abort_after_run=draw(st.booleans()),
+        lora=draw(st.sampled_from([None, "x", "y", "z"])),
     )
 
 
@@ -114,6 +121,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         prefix=draw(st.booleans()),
         seconds_per_token=draw(st.none() | st.floats(1e-4, 0.1)),
         specs=reqs,
+        max_loras=draw(st.none() | st.integers(1, 2)),
     )
 
 
@@ -122,7 +130,8 @@ class FakeRunner:
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm
-        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+        # (block, offset) -> the adapter and token prefix the K/V written there encode.
+        self.slots: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
         self.seeds: dict[str, int] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -133,12 +142,13 @@ class FakeRunner:
             for p in range(c.start, c.start + c.num_tokens):
                 block = c.block_ids[p // bs]
                 assert self.bm.ref_count(block) == 1, "writing into a shared block"
-                self.slots[(block, p % bs)] = tuple(tokens[: p + 1])
+                self.slots[(block, p % bs)] = (c.request.lora_name, tuple(tokens[: p + 1]))
         for c in out.chunks:
             tokens = c.request.all_token_ids
             for p in range(c.start + c.num_tokens):
                 got = self.slots.get((c.block_ids[p // bs], p % bs))
-                assert got == tuple(tokens[: p + 1]), f"wrong K/V at {p} for {c.request}"
+                want = (c.request.lora_name, tuple(tokens[: p + 1]))
+                assert got == want, f"wrong K/V at {p} for {c.request}"
         sampling = [c.request for c in out.chunks if c.samples]
         return ModelRunnerOutput(
             req_ids=[r.request_id for r in sampling],
@@ -163,6 +173,7 @@ def make_request(i: int, spec: Spec) -> Request:
         eos_token_ids=frozenset({EOS}),
         arrival_time=spec.arrival_step + i * 1e-3,
         priority=spec.priority,
+        lora_name=spec.lora,
     )
 
 
@@ -173,6 +184,8 @@ def check_step(w: Workload, s: Scheduler, out: SchedulerOutput) -> None:
     assert not set(ids) & set(out.preempted_ids)
     assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks) <= w.budget
     assert len(out.chunks) <= w.max_seqs and s.num_running <= w.max_seqs
+    adapters = {c.request.lora_name for c in out.chunks} - {None}
+    assert w.max_loras is None or len(adapters) <= w.max_loras
     for c in out.chunks:
         assert c.num_tokens >= 1 and c.start == c.request.num_computed_tokens
         assert c.start + c.num_tokens <= c.request.num_tokens
@@ -190,7 +203,7 @@ def run(w: Workload) -> tuple[list[Request], BlockManager]:
         policy=w.policy,  # type: ignore[arg-type]
     )
     bm = BlockManager(w.num_blocks, w.block_size, w.prefix)
-    s = Scheduler(config, bm, max_model_len=10_000)
+    s = Scheduler(config, bm, max_model_len=10_000, max_loras=w.max_loras)
     if w.seconds_per_token is not None and w.chunked:
         # Budgets that change from step to step, down to 1 token.
         s.step_budget = StepBudget(w.budget, target_s=0.05, min_tokens=1)

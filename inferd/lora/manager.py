@@ -1,0 +1,216 @@
+"""The adapters an engine knows, holds in host memory and has in slots for the step being run.
+
+Three tiers, as S-LoRA's unified pool and vLLM's `--max-loras` / `--max-cpu-loras`:
+- known: registered by name (`--lora-modules`, the load endpoint, or the offline API's
+  LoRARequest); nothing is read from disk yet.
+- loaded: packed factors in host memory (adapter.py), read by one background thread, so a load
+  never stalls the step loop; at most `cpu_capacity` of them, the least recently used evicted,
+  but never one an unfinished request runs under (those are pinned; the cap is exceeded rather
+  than a request left without its adapter).
+- in a slot: copied into slot s of every LoRA layer (layer.py) when a step first needs it, the
+  least recently used slot not needed by this step reused. The scheduler admits at most
+  `max_loras` distinct adapters per step, so a step always finds its slots.
+
+An unregistered adapter stops being known at once (new requests for it are refused); its host
+copy and slot go once no unfinished request runs under it (`collect`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+import torch
+
+from inferd.config import LoRAConfig
+from inferd.errors import InvalidRequestError
+from inferd.lora.adapter import LoRAAdapter, ShardTarget, load_adapter
+from inferd.lora.layer import LoRABatch, LoRALayer
+from inferd.lora.request import LoRARequest
+from inferd.models.linear import Linear
+
+logger = logging.getLogger("inferd.lora")
+
+# (adapter name or None for the base model, first row, end row) of the flat batch.
+RowRun = tuple[str | None, int, int]
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        config: LoRAConfig,
+        attach: Callable[[LoRABatch], list[tuple[str, Linear]]],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """`attach`: the model's `use_lora`, which takes the step's rows and returns its
+        LoRA-capable layers by name."""
+        self.config = config
+        self.dtype = dtype
+        self.batch = LoRABatch()
+        linears = attach(self.batch)
+        self.targets = _targets(linears)
+        self.layers: dict[str, LoRALayer] = {}
+        for name, linear in linears:
+            width = len(linear.shards) * config.max_lora_rank
+            layer = LoRALayer(
+                self.batch,
+                linear.in_features,
+                linear.out_features,
+                width,
+                config.max_loras,
+                dtype,
+                device,
+            )
+            linear.lora = layer
+            self.layers[name] = layer
+        self._known: dict[str, LoRARequest] = {}
+        self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._loading: dict[str, concurrent.futures.Future[LoRAAdapter]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "inferd-lora-load")
+        # Slot s holds the adapter `_slot_names[s]`; `_slot_lru` orders slots, least recent first.
+        self._slot_of: dict[str, int] = {}
+        self._slot_names: list[str | None] = [None] * config.max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict(
+            (s, None) for s in range(config.max_loras)
+        )
+        logger.info(
+            "LoRA: %d layers, %d slots of rank %d (%.1f MiB)",
+            len(self.layers),
+            config.max_loras,
+            config.max_lora_rank,
+            sum(la.nbytes for la in self.layers.values()) / 2**20,
+        )
+
+    # -- known ---------------------------------------------------------------------------------
+
+    def register(self, request: LoRARequest) -> LoRARequest:
+        """Makes `request` known (the one already known under its name if it is the same
+        folder). Raises InvalidRequestError for a name taken by another folder."""
+        known = self._known.get(request.lora_name)
+        if known is not None:
+            if known.lora_path != request.lora_path:
+                raise InvalidRequestError(
+                    f"LoRA adapter {request.lora_name!r} is already loaded from "
+                    f"{known.lora_path}; unload it first",
+                    "lora_name",
+                )
+            return known
+        held = self._loaded.get(request.lora_name)
+        if held is not None and held.request.lora_path != request.lora_path:
+            raise InvalidRequestError(
+                f"LoRA adapter {request.lora_name!r} is still in use by running requests; "
+                "retry once they finish",
+                "lora_name",
+            )
+        self._known[request.lora_name] = request
+        return request
+
+    def unregister(self, name: str) -> bool:
+        return self._known.pop(name, None) is not None
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._known.get(name)
+
+    def known(self) -> list[LoRARequest]:
+        return list(self._known.values())
+
+    # -- loaded --------------------------------------------------------------------------------
+
+    def load(self, name: str) -> concurrent.futures.Future[LoRAAdapter]:
+        """The known adapter `name` in host memory: a done future when it is, else its load (one
+        per adapter at a time). A failed load unregisters it; the future raises the reason."""
+        adapter = self._loaded.get(name)
+        if adapter is not None:
+            self._loaded.move_to_end(name)
+            done: concurrent.futures.Future[LoRAAdapter] = concurrent.futures.Future()
+            done.set_result(adapter)
+            return done
+        future = self._loading.get(name)
+        if future is None:
+            request = self._known[name]
+            future = self._pool.submit(
+                load_adapter, request, self.targets, self.config.max_lora_rank, self.dtype
+            )
+            self._loading[name] = future
+        return future
+
+    def take_loaded(self, in_use: Iterable[str]) -> None:
+        """Moves finished loads into host memory (failed ones are unregistered), then evicts
+        what is over capacity. Call from the engine loop: the one thread that changes state."""
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            if future.exception() is None:
+                self._loaded[name] = future.result()
+            elif self._known.get(name) is not None:
+                self._known.pop(name)
+        self.collect(in_use)
+
+    def collect(self, in_use: Iterable[str]) -> None:
+        """Drops host copies (and slots) of unregistered adapters and, over capacity, of the
+        least recently used, never one in `in_use` (an unfinished request's adapter)."""
+        pinned = set(in_use)
+        for name in [n for n in self._loaded if n not in self._known and n not in pinned]:
+            self._drop(name)
+        excess = len(self._loaded) - self.config.cpu_capacity
+        for name in [n for n in self._loaded if n not in pinned][: max(excess, 0)]:
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        del self._loaded[name]
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self._slot_names[slot] = None
+            self._slot_lru.move_to_end(slot, last=False)
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._loaded
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loading)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def set_step(self, runs: list[RowRun]) -> None:
+        """The step's rows by adapter: puts each adapter present in a slot and sets the batch's
+        segments (base-model runs have none)."""
+        names = {name for name, _, _ in runs if name is not None}
+        assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
+        for name in names:
+            self._to_slot(name, names)
+        self.batch.segments = [
+            (self._slot_of[name], lo, hi) for name, lo, hi in runs if name is not None
+        ]
+
+    def _to_slot(self, name: str, needed: set[str]) -> None:
+        slot = self._slot_of.get(name)
+        if slot is None:
+            slot = next(s for s in self._slot_lru if self._slot_names[s] not in needed)
+            old = self._slot_names[slot]
+            if old is not None:
+                del self._slot_of[old]
+            adapter = self._loaded[name]
+            for layer_name, layer in self.layers.items():
+                layer.load(slot, adapter.layers.get(layer_name))
+            self._slot_names[slot] = name
+            self._slot_of[name] = slot
+        self._slot_lru.move_to_end(slot)
+
+
+def _targets(linears: list[tuple[str, Linear]]) -> dict[str, ShardTarget]:
+    """Each checkpoint layer an adapter may target (`model.layers.0.self_attn.q_proj`) -> where
+    it lives in the model's fused layers."""
+    out: dict[str, ShardTarget] = {}
+    for name, linear in linears:
+        parent = name.rpartition(".")[0]
+        start = 0
+        for i, (shard, rows) in enumerate(linear.shards):
+            key = f"{parent}.{shard}" if parent else shard
+            out[key] = ShardTarget(name, i, start, rows, linear.in_features, linear.out_features)
+            start += rows
+    return out
