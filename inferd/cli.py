@@ -38,6 +38,7 @@ from inferd.config import (
     read_environment,
 )
 from inferd.errors import InferdError
+from inferd.lora.flags import LORA_ARGS, add_lora_args
 from inferd.postprocess.reasoning import REASONING_PARSERS
 from inferd.postprocess.tool_parsers import TOOL_PARSERS
 from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
@@ -135,6 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=StructuredOutputsConfig.model_fields["grammar_compile_timeout_s"].default,
         help="seconds a request may wait for its structured-output grammar to compile (then 400)",
     )
+    add_lora_args(p)
 
 
 _ENGINE_ARGS = (
@@ -165,6 +167,7 @@ _ENGINE_ARGS = (
     "policy",
     "reasoning_parser",
     "grammar_compile_timeout_s",
+    *LORA_ARGS,
 )
 
 

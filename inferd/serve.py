@@ -55,7 +55,7 @@ class _Server(uvicorn.Server):
 async def run_server(config: ServeConfig) -> int:
     """Serves an LLM (`config.engine`), a model repository, or both; returns the exit code."""
     server = config.server
-    app = create_app(None, server)
+    app = create_app(None, server, lora_updates=config.env.allow_runtime_lora_updating)
     state = gateway_state(app)
     state.serves_llm = config.engine is not None
     state.serves_repository = config.repository is not None

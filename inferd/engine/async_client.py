@@ -14,8 +14,9 @@ It composes three parts, each with one job:
 Beside the callers' generators:
   - the core client's callback (`_on_event`, on the event loop as each message arrives)
     dispatches EngineOutputs to the streams (aborting a request whose reader fell too far
-    behind, see StreamTable.dispatch), and hands each KVBlocks to the oldest `kv_blocks` call
-    waiting (the core answers requests in the order sent);
+    behind, see StreamTable.dispatch), hands each KVBlocks to the oldest `kv_blocks` call
+    waiting (the core answers requests in the order sent), and each LoRAReply to the LoRA call
+    with its id (engine/lora_calls.py, which also keeps the adapters' names for the gateway);
   - the pump task fails queued requests whose deadline passed and releases queued requests to the
     core as the front door allows;
   - the watcher task notices the core process exiting: `dead` turns True and every accepted request
@@ -40,16 +41,21 @@ from inferd.config import AdmissionConfig, EngineConfig, Environment, read_envir
 from inferd.engine.core_client import EngineCoreClient
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineInfo, EngineStats
+from inferd.engine.lora_calls import LoRACalls, raise_for
 from inferd.engine.messages import (
     AbortRequests,
     AddRequest,
+    CoreEvent,
     CoreStats,
+    EngineCoreRequest,
     EngineOutputs,
     KVBlocks,
     KVBlocksRequest,
+    LoRAReply,
 )
 from inferd.engine.streams import QUEUE_TIMEOUT_MESSAGE, RequestStream, StreamTable
 from inferd.errors import DrainingError, EngineDeadError, QueueTimeoutError
+from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.types import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -74,6 +80,7 @@ class AsyncLLM:
         self._pump_wake = asyncio.Event()
         # `kv_blocks` calls waiting for the core's answer, oldest first.
         self._kv_blocks_waiters: deque[asyncio.Future[KVBlocks]] = deque()
+        self._loras = LoRACalls()
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
         self._draining = False
@@ -112,6 +119,7 @@ class AsyncLLM:
             await self.shutdown()
             raise
         self.info = ready.info
+        self._loras.reset(ready.loras)
         self._tasks = [
             asyncio.create_task(self._pump(), name="inferd-pump"),
             asyncio.create_task(self._watch(), name="inferd-watcher"),
@@ -209,6 +217,50 @@ class AsyncLLM:
         self._kv_blocks_waiters.append(waiter)
         return await asyncio.wait_for(waiter, timeout_s)
 
+    # -- LoRA adapters ---------------------------------------------------------------------------
+
+    def lora(self, name: str) -> LoRARequest | None:
+        """The registered adapter named `name` (the front's cache: no round trip)."""
+        return self._loras.get(name)
+
+    def loras(self) -> list[LoRARequest]:
+        """The registered adapters as the front knows them (the cache)."""
+        return self._loras.all()
+
+    def next_lora_id(self) -> int:
+        """A fresh `lora_int_id` for an adapter loaded at run time."""
+        return self._loras.next_id()
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Registers and loads an adapter; returns once it has loaded. Raises
+        InvalidRequestError with the reason when the engine refuses it (then it is not
+        registered), EngineDeadError when the core is gone."""
+        message, reply = self._loras.add(lora_request)
+        raise_for(await self._lora_call(message, reply))
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Unregisters an adapter at once (requests using it finish first); False if unknown."""
+        message, reply = self._loras.remove(lora_name)
+        done = await self._lora_call(message, reply)
+        raise_for(done)
+        return done.error_type != "not_found"
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The engine's registered adapters (and the front's cache set from them)."""
+        message, reply = self._loras.list()
+        done = await self._lora_call(message, reply)
+        raise_for(done)
+        self._loras.reset(done.loras)
+        return done.loras
+
+    async def _lora_call(
+        self, message: EngineCoreRequest, reply: asyncio.Future[LoRAReply]
+    ) -> LoRAReply:
+        if self._dead or not self._started or not self._core.send(message):
+            self._loras.forget(reply)
+            raise EngineDeadError(self._death_reason if self._dead else "the engine is loading")
+        return await reply
+
     def stats(self) -> EngineStats:
         s = self._core_stats
         return EngineStats(
@@ -242,6 +294,7 @@ class AsyncLLM:
             priority=request.priority,
             arrival_time=now,
             deadline=self._door.deadline_for(now, request.timeout_s),
+            lora_request=request.lora_request,
         )
         try:
             self._door.enqueue(
@@ -277,9 +330,11 @@ class AsyncLLM:
 
     # -- the core's messages, the pump and the watcher -------------------------------------------
 
-    def _on_event(self, event: EngineOutputs | KVBlocks) -> None:
+    def _on_event(self, event: CoreEvent) -> None:
         if isinstance(event, KVBlocks):
             self._on_kv_blocks(event)
+        elif isinstance(event, LoRAReply):
+            self._loras.on_reply(event)
         else:
             self._on_outputs(event)
 
@@ -344,6 +399,7 @@ class AsyncLLM:
             waiter = self._kv_blocks_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
+        self._loras.fail_all(error)
 
 
 def _aborted_output(message: AddRequest) -> RequestOutput:

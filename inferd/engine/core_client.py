@@ -4,7 +4,8 @@
     ready = await core.start(config, env, timeout_s=600,   # CoreReady (info + tokenizer path)
                              on_event=..., on_broken=...)
     core.send(AddRequest(...))         # never blocks; False: no core
-    # on_event(event) runs on the event loop for every EngineOutputs and KVBlocks, in order;
+    # on_event(event) runs on the event loop for every EngineOutputs, KVBlocks and LoRAReply,
+    # in order;
     # on_broken(reason) once if the message stream breaks (a frame that does not decode, a
     # callback that raises, or the core closing its end).
     exit_code = await core.wait_exit()  # returns when the process has exited
@@ -36,12 +37,14 @@ from inferd.config import EngineConfig, Environment
 from inferd.engine.core_channel import FrameProtocol
 from inferd.engine.core_proc import run_engine_core
 from inferd.engine.messages import (
+    CoreEvent,
     CoreFailed,
     CoreReady,
     EngineCoreEvent,
     EngineCoreRequest,
     EngineOutputs,
     KVBlocks,
+    LoRAReply,
     ShutdownCore,
 )
 from inferd.errors import EngineDeadError, ModelLoadError
@@ -75,11 +78,12 @@ class EngineCoreClient:
         config: EngineConfig,
         env: Environment,
         timeout_s: float,
-        on_event: Callable[[EngineOutputs | KVBlocks], None],
+        on_event: Callable[[CoreEvent], None],
         on_broken: Callable[[str], None],
     ) -> CoreReady:
-        """Spawns the core and waits for its CoreReady; from then on every EngineOutputs and
-        KVBlocks goes to `on_event`, and `on_broken` hears once if the stream breaks.
+        """Spawns the core and waits for its CoreReady; from then on every EngineOutputs,
+        KVBlocks and LoRAReply goes to `on_event`, and `on_broken` hears once if the stream
+        breaks.
 
         Raises ModelLoadError if the core reports a load failure, EngineDeadError if it exits
         or stays silent past `timeout_s`."""
@@ -102,7 +106,7 @@ class EngineCoreClient:
             event = self._decoder.decode(payload)
             if not first.done():
                 first.set_result(event)
-            elif isinstance(event, EngineOutputs | KVBlocks):
+            elif isinstance(event, EngineOutputs | KVBlocks | LoRAReply):
                 on_event(event)
 
         def on_lost(exc: Exception | None) -> None:

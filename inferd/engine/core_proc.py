@@ -2,7 +2,8 @@
 
     while running:
         receive every message that arrived (wait only when no request is unfinished; a
-            KVBlocksRequest is answered at once, between two steps)
+            KVBlocksRequest, RemoveLoRA or ListLoRAs is answered at once, between two steps)
+        answer each AddLoRA whose adapter finished loading (the engine loads in the background)
         if work: outputs = engine.step(); send one EngineOutputs (DELTA outputs + stats)
 
 Deadlines travel in AddRequest and are the engine's scheduler's from then on: each step first
@@ -21,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import Future
 
 import msgspec
 
@@ -29,6 +31,7 @@ from inferd.engine.core_channel import CoreSocket
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.messages import (
     AbortRequests,
+    AddLoRA,
     AddRequest,
     CoreFailed,
     CoreReady,
@@ -38,17 +41,24 @@ from inferd.engine.messages import (
     EngineOutputs,
     KVBlocks,
     KVBlocksRequest,
+    ListLoRAs,
+    LoRAReply,
     RejectedRequest,
+    RemoveLoRA,
     ShutdownCore,
 )
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
 from inferd.heap import freeze_startup_heap
+from inferd.lora.request import LoRARequest
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
 
 _IDLE_POLL_MS = 1000
+# While an adapter loads and nothing else runs, the loop wakes this often to answer its AddLoRA
+# (the load's future has no descriptor to wait on; 10 ms is noise next to a load from disk).
+_LORA_POLL_MS = 10
 _SEND_LINGER_S = 2.0
 
 
@@ -61,7 +71,11 @@ def run_engine_core(config: EngineConfig, env: Environment, channel_path: str) -
     encoder = msgspec.msgpack.Encoder()
     try:
         engine = LLMEngine(config, env)
-        ready = CoreReady(info=engine.info, tokenizer_path=str(engine.tokenizer_path))
+        ready = CoreReady(
+            info=engine.info,
+            tokenizer_path=str(engine.tokenizer_path),
+            loras=engine.list_loras(),
+        )
     except Exception as e:  # any load failure is reported to the front, then we exit
         logger.exception("engine core failed to start")
         channel.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
@@ -89,19 +103,24 @@ class EngineCore:
         self.rejected: list[RejectedRequest] = []
         self.num_added_total = 0
         self.num_steps_total = 0
+        # AddLoRA calls whose adapter is loading: call id -> (the engine's future, the adapter).
+        self.loading: dict[int, tuple[Future[None], LoRARequest]] = {}
 
     def run(self) -> None:
         while self.running:
             idle = not self.engine.has_unfinished_requests()
             self.receive(block=idle)
+            self.answer_loaded()
             if self.engine.has_unfinished_requests():
                 self.step()
             elif self.rejected:
                 self.send([])
 
     def receive(self, block: bool) -> None:
-        """Handles every message that arrived; waits up to a second first when `block`."""
-        for payload in self.channel.receive(_IDLE_POLL_MS if block else 0):
+        """Handles every message that arrived; waits first when `block` (up to a second, or
+        up to 10 ms while an adapter loads)."""
+        wait_ms = (_LORA_POLL_MS if self.loading else _IDLE_POLL_MS) if block else 0
+        for payload in self.channel.receive(wait_ms):
             self.handle(self.decoder.decode(payload))
         if self.channel.closed or (block and os.getppid() != self.parent_pid):
             logger.warning("the server process is gone; the engine core exits")
@@ -115,8 +134,41 @@ class EngineCore:
         elif isinstance(message, KVBlocksRequest):
             digest = self.kv_blocks(message.limit, message.recent_s)
             self.channel.send(self.encoder.encode(digest))
+        elif isinstance(message, AddLoRA | RemoveLoRA | ListLoRAs):
+            self.handle_lora(message)
         elif isinstance(message, ShutdownCore):
             self.running = False
+
+    def handle_lora(self, message: AddLoRA | RemoveLoRA | ListLoRAs) -> None:
+        if isinstance(message, AddLoRA):
+            self.loading[message.call_id] = (self.start_load(message), message.lora_request)
+        elif isinstance(message, RemoveLoRA):
+            found = self.engine.remove_lora(message.lora_name)
+            error = None if found else "not_found"
+            message_text = "" if found else f"no LoRA adapter named {message.lora_name!r}"
+            self.reply(LoRAReply(message.call_id, error_type=error, message=message_text))
+        else:
+            self.reply(LoRAReply(message.call_id, loras=self.engine.list_loras()))
+
+    def start_load(self, message: AddLoRA) -> Future[None]:
+        try:
+            return self.engine.add_lora(message.lora_request)
+        except Exception as e:  # refused before loading: answered like a failed load
+            failed: Future[None] = Future()
+            failed.set_exception(e)
+            return failed
+
+    def answer_loaded(self) -> None:
+        """A LoRAReply for each AddLoRA whose adapter has loaded or failed (never waits)."""
+        for call_id, (future, lora) in list(self.loading.items()):
+            if future.done():
+                del self.loading[call_id]
+                if future.exception() is not None:
+                    forget_failed(self.engine, lora)
+                self.reply(_load_reply(call_id, future))
+
+    def reply(self, reply: LoRAReply) -> None:
+        self.channel.send(self.encoder.encode(reply))
 
     def kv_blocks(self, limit: int, recent_s: float) -> KVBlocks:
         blocks = self.engine.scheduler.block_manager
@@ -141,6 +193,7 @@ class EngineCore:
                 arrival_time=message.arrival_time,
                 deadline=message.deadline,
                 output_kind=OutputKind.DELTA,
+                lora_request=message.lora_request,
             )
         except InvalidRequestError as e:
             self.rejected.append(_rejection(message.request_id, "invalid_request", e, e.param))
@@ -195,3 +248,20 @@ def _rejection(
     return RejectedRequest(
         request_id=request_id, error_type=error_type, message=str(error), param=param
     )
+
+
+def forget_failed(engine: LLMEngine, lora: LoRARequest) -> None:
+    """Unregisters an adapter whose load failed, now: the engine drops it at its next step, and
+    an idle engine takes none, so until then a retry under the same name would be refused."""
+    if lora in engine.list_loras():
+        engine.remove_lora(lora.lora_name)
+
+
+def _load_reply(call_id: int, future: Future[None]) -> LoRAReply:
+    error = future.exception()
+    if error is None:
+        return LoRAReply(call_id)
+    if isinstance(error, InvalidRequestError):
+        return LoRAReply(call_id, error_type="invalid_request", message=str(error))
+    logger.error("loading a LoRA adapter failed", exc_info=error)
+    return LoRAReply(call_id, error_type="internal", message=f"{type(error).__name__}: {error}")

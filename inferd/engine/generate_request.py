@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inferd.lora.request import LoRARequest
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.timeline import RequestTimeline
 
@@ -28,3 +29,5 @@ class GenerateRequest:
     timeout_s: float | None = None
     # Engine milestones are merged into it as outputs arrive.
     timeline: RequestTimeline | None = None
+    # The LoRA adapter it runs under (the gateway resolves the `model` field); None: the base.
+    lora_request: LoRARequest | None = None

@@ -4,10 +4,15 @@
 >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
 >>> len(out[0].outputs[0].token_ids) <= 8
 True
+
+LoRA adapters as vLLM's: `LLM(model, enable_lora=True)`, then
+`llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))` (one for
+every prompt, or a list with one per prompt, None for the base model).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -15,13 +20,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from inferd.config import DEFAULT_MODEL, EngineConfig
+from inferd.engine.core_proc import forget_failed
 from inferd.engine.llm_engine import LLMEngine, PromptType
 from inferd.engine.output_processor import OutputKind
+from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.types import RequestOutput
 
 Message = dict[str, Any]
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
+# How often `add_lora` looks at its load while the engine has no request to step.
+_LOAD_POLL_S = 0.05
 
 
 class LLM:
@@ -39,6 +49,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -46,14 +57,43 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prios) != len(prompt_list):
             raise ValueError("priority needs one value per prompt")
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
         ids = []
-        for prompt, p, prio in zip(prompt_list, params, prios, strict=True):
+        for prompt, p, prio, lora in zip(prompt_list, params, prios, loras, strict=True):
             rid = str(next(self._ids))
             self.llm_engine.add_request(
-                rid, prompt, p, priority=prio, output_kind=OutputKind.FINAL_ONLY
+                rid,
+                prompt,
+                p,
+                priority=prio,
+                output_kind=OutputKind.FINAL_ONLY,
+                lora_request=lora,
             )
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Registers and loads an adapter, returning once it has loaded (True, as vLLM's);
+        raises InvalidRequestError with the reason when it cannot be."""
+        engine = self.llm_engine
+        future = engine.add_lora(lora_request)
+        while not future.done():
+            # Requests in flight keep running while it loads (the load never blocks a step).
+            if engine.has_unfinished_requests():
+                engine.step()
+            else:
+                concurrent.futures.wait([future], timeout=_LOAD_POLL_S)
+        if future.exception() is not None:
+            forget_failed(engine, lora_request)
+        future.result()
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregisters an adapter; False if there is none of that name."""
+        return self.llm_engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.llm_engine.list_loras()
 
     def chat(
         self,
@@ -62,6 +102,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Renders each conversation with the model's chat template, then generates."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -70,16 +111,24 @@ class LLM:
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
             prompts.append({"prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields a RequestOutput with the new text and token ids of each step (delta outputs)."""
         rid = str(next(self._ids))
         engine = self.llm_engine
         engine.add_request(
-            rid, prompt, sampling_params or SamplingParams(), output_kind=OutputKind.DELTA
+            rid,
+            prompt,
+            sampling_params or SamplingParams(),
+            output_kind=OutputKind.DELTA,
+            lora_request=lora_request,
         )
         try:
             finished = False
@@ -129,3 +178,11 @@ def _per_prompt(
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
+
+
+def _loras_per_prompt(lora_request: LoRAArg, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} prompts")
+    return list(lora_request)

@@ -1,10 +1,12 @@
 """Typed messages between the front (AsyncLLM) and the engine core process, msgpack-encoded.
 
 front --EngineCoreRequest--> core   (one per frame: AddRequest | AbortRequests | KVBlocksRequest
-                                     | ShutdownCore)
+                                     | AddLoRA | RemoveLoRA | ListLoRAs | ShutdownCore)
 core  --EngineCoreEvent-->  front   (CoreReady once loaded, or CoreFailed; then EngineOutputs
                                      after every step, and for requests the core rejected; KVBlocks
-                                     for each KVBlocksRequest, between two steps)
+                                     for each KVBlocksRequest, between two steps; a LoRAReply for
+                                     each LoRA call: at once for a remove or list, once the adapter
+                                     has loaded (or failed to) for an add, so in any order)
 
 Times are time.monotonic() seconds; CLOCK_MONOTONIC is system-wide, so the two processes agree.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from inferd.engine.info import EngineInfo
+from inferd.lora.request import LoRARequest
 from inferd.sampling.params import SamplingParams
 from inferd.types import RequestOutput
 
@@ -28,6 +31,8 @@ class AddRequest(msgspec.Struct, tag="add", frozen=True):
     # Past this monotonic time the engine's scheduler finishes the request (finish_reason
     # "timeout"; status FINISHED_EXPIRED_WAITING before its first token).
     deadline: float | None = None
+    # The adapter the request runs under; None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", frozen=True):
@@ -42,11 +47,32 @@ class KVBlocksRequest(msgspec.Struct, tag="kv_blocks", frozen=True):
     recent_s: float = 0.0
 
 
+class AddLoRA(msgspec.Struct, tag="add_lora", frozen=True):
+    """Registers an adapter and loads it; answered by a LoRAReply with the same `call_id` once it
+    has loaded (or failed to: then it is not registered)."""
+
+    call_id: int
+    lora_request: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora", frozen=True):
+    """Unregisters an adapter at once (requests already using it finish first)."""
+
+    call_id: int
+    lora_name: str
+
+
+class ListLoRAs(msgspec.Struct, tag="list_loras", frozen=True):
+    call_id: int
+
+
 class ShutdownCore(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-EngineCoreRequest = AddRequest | AbortRequests | KVBlocksRequest | ShutdownCore
+EngineCoreRequest = (
+    AddRequest | AbortRequests | KVBlocksRequest | AddLoRA | RemoveLoRA | ListLoRAs | ShutdownCore
+)
 
 
 class CoreReady(msgspec.Struct, tag="ready", frozen=True):
@@ -54,6 +80,8 @@ class CoreReady(msgspec.Struct, tag="ready", frozen=True):
 
     info: EngineInfo
     tokenizer_path: str
+    # The adapters registered at start-up (--lora-modules), so the front resolves names at once.
+    loras: list[LoRARequest] = []
 
 
 class CoreFailed(msgspec.Struct, tag="failed", frozen=True):
@@ -119,4 +147,18 @@ class KVBlocks(msgspec.Struct, tag="kv_blocks", frozen=True):
     num_recent: int = 0
 
 
-EngineCoreEvent = CoreReady | CoreFailed | EngineOutputs | KVBlocks
+class LoRAReply(msgspec.Struct, tag="lora_reply", frozen=True):
+    """The answer to the AddLoRA, RemoveLoRA or ListLoRAs with this `call_id`."""
+
+    call_id: int
+    # None: done. "invalid_request": the adapter was refused (the message says why, a 400);
+    # "not_found": no adapter of that name (a 404); "internal": a bug.
+    error_type: str | None = None
+    message: str = ""
+    # ListLoRAs: every registered adapter.
+    loras: list[LoRARequest] = []
+
+
+# What the core sends once it is ready: everything but CoreReady and CoreFailed.
+CoreEvent = EngineOutputs | KVBlocks | LoRAReply
+EngineCoreEvent = CoreReady | CoreFailed | EngineOutputs | KVBlocks | LoRAReply

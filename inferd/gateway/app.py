@@ -6,7 +6,8 @@
 
 Routes: openai/routes.py (/v1/models, completions, chat), openai/embeddings.py (/v1/embeddings,
 served by the model repository), openai/websocket.py (/v1/*/ws), kserve/http.py (the Open
-Inference Protocol: /v2, /v2/models/..., /v2/repository/...), health.py (/health/*,
+Inference Protocol: /v2, /v2/models/..., /v2/repository/...), openai/adapters.py (LoRA
+adapters' names, /v1/load_lora_adapter and /v1/unload_lora_adapter), health.py (/health/*,
 /v2/health/*, /metrics), kv_cache.py (/v1/kv_cache/blocks, the block digest a router reads).
 Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). Responses
 that release a request's resources after sending: responses.py. OpenAPI at /openapi.json.
@@ -23,7 +24,7 @@ from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
-from inferd.gateway.openai import embeddings, websocket
+from inferd.gateway.openai import adapters, embeddings, websocket
 from inferd.gateway.openai import routes as openai
 from inferd.gateway.state import EngineClient, GatewayState, gateway_state
 from inferd.telemetry.metrics import ServerMetrics
@@ -36,8 +37,11 @@ def create_app(
     server: ServerConfig,
     *,
     tracer: RequestTracer | None = None,
+    lora_updates: bool = False,
 ) -> FastAPI:
-    """`tracer`: None builds one from `server.otlp_traces_endpoint` (None when that is unset)."""
+    """`tracer`: None builds one from `server.otlp_traces_endpoint` (None when that is unset).
+    `lora_updates`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (the environment's
+    allow_runtime_lora_updating)."""
     app = FastAPI(
         title="inferd",
         summary="OpenAI-compatible LLM inference server",
@@ -59,6 +63,8 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(kserve_http.router)
     app.include_router(kv_cache.router)
+    if lora_updates:
+        app.include_router(adapters.router)
     if server.dashboard:
         dashboard.install(app, state)
     install_error_handlers(app, on_reject=state.metrics.reject)

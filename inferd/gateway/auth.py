@@ -15,7 +15,7 @@ named `flag1`, `flag2`, ... in that order) and from `--api-key-file`, one key pe
 A file key's scope is `inference` unless it says `admin`; `name` labels its metrics (default
 `key<N>`, the line number: never the key itself); rpm/tpm/concurrency override the server-wide
 --rate-limit-* defaults for that key. `admin` may do everything `inference` may, plus change
-server state: load and unload repository models (HTTP and gRPC).
+server state: load and unload repository models (HTTP and gRPC) and LoRA adapters.
 
 Every key is compared against the given token with `hmac.compare_digest`, all of them every
 time, so the time taken says nothing about which key (or how much of one) matched.

@@ -38,7 +38,9 @@ _OPEN_PATHS = (
     "/dashboard",
 )
 # Routes that change server state: they need a key with the admin scope.
-_ADMIN_RE = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
+_ADMIN_RE = re.compile(
+    r"^(/v2/repository/models/[^/]+/(load|unload)|/v1/(load|unload)_lora_adapter)$"
+)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

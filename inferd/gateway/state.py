@@ -21,6 +21,7 @@ from inferd.engine.info import EngineStats
 from inferd.engine.messages import KVBlocks
 from inferd.errors import DrainingError
 from inferd.gateway.errors import unavailable
+from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics
@@ -61,6 +62,17 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks: ...
+
+    # LoRA adapters (gateway/openai/adapters.py): `lora` and `loras` read the client's cache.
+    def lora(self, name: str) -> LoRARequest | None: ...
+
+    def loras(self) -> list[LoRARequest]: ...
+
+    def next_lora_id(self) -> int: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None: ...
+
+    async def remove_lora(self, lora_name: str) -> bool: ...
 
 
 @dataclass

@@ -3,6 +3,9 @@
 Every name starts with `inferd_` and carries its unit (`_seconds`, `_tokens`, `_ratio`, counters
 end in `_total`). docs/metrics.md lists each one with what it measures.
 
+The request-level metrics (TTFT, TPOT, ITL, e2e, token counters, finished requests) carry a
+`lora` label: the LoRA adapter the request named, "" for the base model (`LoRALabels` bounds it).
+
 Hot-path cost: a request touches the histograms once, when it ends (`observe_request`), and the
 engine gauges are read only when /metrics is scraped (`EngineCollector`), so serving pays nothing
 per token for them.
@@ -80,6 +83,32 @@ REJECT_REASONS = (
     "forbidden",
     "rate_limited",
 )
+
+
+# Adapters get a `lora` label value of their own in the order first seen, up to this many; later
+# ones share "other". A server may register thousands of adapters, and every value multiplies the
+# series of each labelled histogram (~20 buckets), so the label stays bounded (17 values).
+MAX_LORA_LABELS = 16
+LORA_OTHER = "other"
+
+
+class LoRALabels:
+    """The `lora` label value of a request's adapter: its name while fewer than `limit` names
+    were seen before it, else "other"; "" for the base model."""
+
+    def __init__(self, limit: int = MAX_LORA_LABELS) -> None:
+        self.limit = limit
+        self._named: set[str] = set()
+
+    def __call__(self, lora_name: str | None) -> str:
+        if not lora_name:
+            return ""
+        if lora_name in self._named:
+            return lora_name
+        if len(self._named) < self.limit:
+            self._named.add(lora_name)
+            return lora_name
+        return LORA_OTHER
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -239,40 +268,46 @@ class ServerMetrics:
             s: Histogram(stage_metric_name(s), STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
             for s in LLM_STAGES
         }
+        self.lora_label = LoRALabels()
+        lora = ["lora"]
         self.ttft = Histogram(
             "inferd_time_to_first_token_seconds",
             "Request arrival (HTTP) to its first generated token",
+            lora,
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
         self.tpot = Histogram(
             "inferd_time_per_output_token_seconds",
             "Decode time divided by output tokens after the first, per request",
+            lora,
             registry=r,
             buckets=_TOKEN_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
             "inferd_inter_token_latency_seconds",
             "Time between successive output tokens as the server received them",
+            lora,
             registry=r,
             buckets=_TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = Histogram(
             "inferd_e2e_request_latency_seconds",
             "Request arrival (HTTP) to its last byte sent",
+            lora,
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
         self.prompt_tokens = Counter(
-            "inferd_prompt_tokens", "Prompt tokens of finished requests", registry=r
+            "inferd_prompt_tokens", "Prompt tokens of finished requests", lora, registry=r
         )
         self.generation_tokens = Counter(
-            "inferd_generation_tokens", "Generated tokens of finished requests", registry=r
+            "inferd_generation_tokens", "Generated tokens of finished requests", lora, registry=r
         )
         self.finished = Counter(
             "inferd_requests_finished",
             "Finished requests (per choice) by finish reason",
-            ["reason"],
+            ["reason", "lora"],
             registry=r,
         )
         self.rejected = Counter(
@@ -282,8 +317,13 @@ class ServerMetrics:
             registry=r,
         )
         self._add_key_metrics(r)
+        # The base model's series exist from the start (a scrape shows zeros, not nothing).
+        for metric in (self.ttft, self.tpot, self.itl, self.e2e):
+            metric.labels("")
+        self.prompt_tokens.labels("")
+        self.generation_tokens.labels("")
         for reason in FINISH_REASONS:
-            self.finished.labels(reason)
+            self.finished.labels(reason, "")
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         if read_engine is not None:
@@ -344,19 +384,21 @@ class ServerMetrics:
         finish_reasons = list(finish_reasons)
         for stage, seconds in timeline.all_stages().seconds.items():
             self.stages[stage].observe(seconds)
+        lora = self.lora_label(timeline.lora_name)
         if timeline.ttft is not None:
-            self.ttft.observe(timeline.ttft)
+            self.ttft.labels(lora).observe(timeline.ttft)
         if timeline.e2e is not None:
-            self.e2e.observe(timeline.e2e)
+            self.e2e.labels(lora).observe(timeline.e2e)
         tpot = timeline.time_per_output_token
         if tpot is not None:
-            self.tpot.observe(tpot)
+            self.tpot.labels(lora).observe(tpot)
+        itl = self.itl.labels(lora)
         for gap in timeline.token_gaps:
-            self.itl.observe(gap)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(timeline.num_output_tokens)
+            itl.observe(gap)
+        self.prompt_tokens.labels(lora).inc(prompt_tokens)
+        self.generation_tokens.labels(lora).inc(timeline.num_output_tokens)
         for reason in finish_reasons:
-            self.finished.labels(reason if reason in FINISH_REASONS else "error").inc()
+            self.finished.labels(reason if reason in FINISH_REASONS else "error", lora).inc()
         if self.request_log is not None:
             self.request_log.add_llm(timeline, prompt_tokens, finish_reasons)
 

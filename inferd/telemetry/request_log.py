@@ -82,6 +82,8 @@ class RequestRecord:
     batch_size: int | None = None
     # Classic models: the other requests of the batch it ran in (their log ids).
     batch_mates: tuple[str, ...] = ()
+    # LLM lane: the LoRA adapter it ran under; None: the base model.
+    lora: str | None = None
     # The LLM timeline the record came from: the tracer names its trace after the record is made.
     source: RequestTimeline | None = field(default=None, repr=False)
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
@@ -97,6 +99,7 @@ class RequestRecord:
             "request_id": self.request_id,
             "lane": self.lane,
             "model": self.model,
+            "lora": self.lora,
             "status": self.status,
             "failed": self.failed,
             "error": self.error,
@@ -386,6 +389,7 @@ def llm_record(
         num_preemptions=timeline.num_preemptions,
         token_gaps=timeline.token_gaps,
         last_token_at=timeline.last_token_at,
+        lora=timeline.lora_name,
         source=timeline,
     )
 

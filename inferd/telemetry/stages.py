@@ -7,8 +7,8 @@ the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is*
 (`Stage.QUEUE == "queue"`) and serializes as one.
 
     router:        route (in `inferd router`, before the replica's own stages)
-    LLM lane:      receive -> validate -> tokenize -> queue -> prefill -> decode -> grammar
-                   -> detokenize -> stream
+    LLM lane:      receive -> validate -> tokenize -> lora_load -> queue -> prefill -> decode
+                   -> grammar -> detokenize -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
                    -> compute_output -> postprocess -> stream
 
@@ -38,6 +38,7 @@ class Stage(StrEnum):
     VALIDATE = "validate"
     TOKENIZE = "tokenize"
     PREPROCESS = "preprocess"
+    LORA_LOAD = "lora_load"
     QUEUE = "queue"
     BATCH = "batch"
     PREFILL = "prefill"
@@ -56,6 +57,9 @@ LLM_STAGES: tuple[Stage, ...] = (
     Stage.RECEIVE,
     Stage.VALIDATE,
     Stage.TOKENIZE,
+    # A wait before scheduling, as the grammar's compile is, but the request's alone: only a
+    # request naming a LoRA adapter not yet in host memory has it.
+    Stage.LORA_LOAD,
     Stage.QUEUE,
     Stage.PREFILL,
     Stage.DECODE,
@@ -90,6 +94,7 @@ STAGE_HELP: dict[Stage, str] = {
     Stage.VALIDATE: "Semantic checks (model, parameters, shapes, context window)",
     Stage.TOKENIZE: "Chat template and tokenizer",
     Stage.PREPROCESS: "Preprocessing steps (tokenize, image decode/resize, audio features)",
+    Stage.LORA_LOAD: "Waiting for the request's LoRA adapter to load from disk (a cold adapter)",
     Stage.QUEUE: "Waiting in the admission queue until scheduled (or a free model instance)",
     Stage.GRAMMAR: "Structured outputs: waiting for the grammar to compile, and masking logits",
     Stage.BATCH: "Batch formation: the wait inside the batching window (max_queue_delay)",

@@ -6,7 +6,7 @@
         ids = tokenizer.encode(prompt)
     tl.mark_enqueued()                         # handed to the admission queue
     ...
-    tl.update_from_engine(output.metrics)      # queue / prefill / decode / detokenize
+    tl.update_from_engine(output.metrics)      # lora_load / queue / prefill / decode / detokenize
     tl.finish()
     tl.as_dict()  # {"receive": 0.0004, "tokenize": 0.0001, ..., "ttft": 0.021, "e2e": 0.35}
 
@@ -52,6 +52,10 @@ class RequestTimeline:
     grammar_by_request: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Engine request id -> times the scheduler preempted it (the latest value reported).
     preemptions_by_request: dict[str, int] = field(default_factory=dict)
+    # Engine request id -> seconds it waited for its LoRA adapter to load.
+    lora_load_by_request: dict[str, float] = field(default_factory=dict)
+    # The LoRA adapter the request named (its metrics' `lora` label); None: the base model.
+    lora_name: str | None = None
     # The OTel trace of this request, once the tracer exported it (None with tracing off).
     trace_id: str | None = None
     # The W3C `traceparent` the request arrived with (a router's span): the request's own span
@@ -99,6 +103,7 @@ class RequestTimeline:
             metrics.grammar_mask_s,
         )
         self.preemptions_by_request[engine_request_id] = metrics.num_preemptions
+        self.lora_load_by_request[engine_request_id] = metrics.lora_load_s
 
     def finish(self, now: float | None = None) -> None:
         self.finished = time.monotonic() if now is None else now
@@ -109,10 +114,16 @@ class RequestTimeline:
         """queue / prefill / decode from the engine's instants, detokenize from its sums."""
         out = StageTimings()
         compile_s = max((c for c, _ in self.grammar_by_request.values()), default=0.0)
+        lora_s = max(self.lora_load_by_request.values(), default=0.0)
         if self.enqueued is not None and self.first_scheduled is not None:
-            # The grammar's compile wait is its own stage, not queueing.
-            queue_s = self.first_scheduled - self.enqueued - compile_s
+            # The grammar's compile and the adapter's load are stages of their own, not
+            # queueing; the engine waits on both at once, so the longer one is what they cost.
+            queue_s = self.first_scheduled - self.enqueued - max(compile_s, lora_s)
             out.set(Stage.QUEUE, queue_s, self.enqueued)
+        if lora_s:
+            # It ends when the request could first be scheduled.
+            start = None if self.first_scheduled is None else self.first_scheduled - lora_s
+            out.set(Stage.LORA_LOAD, lora_s, start)
         if any(c or m for c, m in self.grammar_by_request.values()):
             mask_s = sum(m for _, m in self.grammar_by_request.values())
             # It starts with the compile wait, just before the first scheduling.

@@ -234,7 +234,7 @@ def test_disconnect_frees_blocks(server: Server) -> None:
         asyncio.run(asyncio.sleep(0.1))
     assert m["inferd_num_requests_running"] == 0
     assert m["inferd_kv_cache_usage_ratio"] == 0
-    assert m['inferd_requests_finished_total{reason="abort"}'] >= 1
+    assert m['inferd_requests_finished_total{lora="",reason="abort"}'] >= 1
 
 
 def test_metrics_names_and_promtool(server: Server) -> None:

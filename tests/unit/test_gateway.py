@@ -18,10 +18,11 @@ from inferd.config import ServerConfig
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
 from inferd.engine.messages import KVBlocks
-from inferd.errors import QueueFullError, QueueTimeoutError
+from inferd.errors import InvalidRequestError, QueueFullError, QueueTimeoutError
 from inferd.gateway import create_app
 from inferd.kv_cache.block_hash import block_hashes
 from inferd.kv_cache.block_manager import BlockManager
+from inferd.lora.request import LoRARequest
 from inferd.telemetry.timeline import RequestTimeline
 from inferd.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
@@ -59,6 +60,7 @@ class FakeLLM:
     dead: bool = False
     fail_with: Exception | None = None
     seen: list[dict[str, Any]] = field(default_factory=list)
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
 
     def stats(self) -> EngineStats:
         return EngineStats()
@@ -71,10 +73,32 @@ class FakeLLM:
         digest = blocks.held_hashes(limit, recent_s)
         return KVBlocks(4, 8, digest.hashes, blocks.num_cached_blocks, True, digest.num_recent)
 
+    def lora(self, name: str) -> LoRARequest | None:
+        return self.adapters.get(name)
+
+    def loras(self) -> list[LoRARequest]:
+        return list(self.adapters.values())
+
+    def next_lora_id(self) -> int:
+        return len(self.adapters) + 1
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        if "missing" in lora_request.lora_path:
+            raise InvalidRequestError(f"{lora_request.lora_path}: no adapter_config.json")
+        self.adapters[lora_request.lora_name] = lora_request
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        return self.adapters.pop(lora_name, None) is not None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         params = request.params
         self.seen.append(
-            {"priority": request.priority, "timeout_s": request.timeout_s, "params": params}
+            {
+                "priority": request.priority,
+                "timeout_s": request.timeout_s,
+                "params": params,
+                "lora_request": request.lora_request,
+            }
         )
         if self.fail_with is not None:
             raise self.fail_with
@@ -132,7 +156,7 @@ def test_telemetry_off_records_nothing() -> None:
     assert all("timings" not in e for e in _events(r.text))
     text = c.get("/metrics").text
     assert "inferd_request_prefill_seconds_count 0.0" in text
-    assert "inferd_generation_tokens_total 0.0" in text
+    assert 'inferd_generation_tokens_total{lora=""} 0.0' in text
 
 
 def test_batch_prompts_and_n_index_choices() -> None:
@@ -254,8 +278,8 @@ def test_metrics_exposition() -> None:
     c.post("/v1/completions", json={"prompt": "hi", "max_tokens": -2})
     text = c.get("/metrics").text
     assert 'inferd_requests_rejected_total{reason="invalid"} 1.0' in text
-    assert "inferd_generation_tokens_total 2.0" in text
-    assert 'inferd_requests_finished_total{reason="length"} 1.0' in text
+    assert 'inferd_generation_tokens_total{lora=""} 2.0' in text
+    assert 'inferd_requests_finished_total{lora="",reason="length"} 1.0' in text
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed")

@@ -23,6 +23,7 @@ from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
 from inferd.engine.messages import KVBlocks
 from inferd.gateway import create_app
+from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.router.app import create_router_app
 from inferd.router.config import RouterConfig
@@ -68,6 +69,21 @@ class FakeLLM:
 
     async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks:
         return KVBlocks(16, 64, [], 0, True)
+
+    def lora(self, name: str) -> LoRARequest | None:
+        return None
+
+    def loras(self) -> list[LoRARequest]:
+        return []
+
+    def next_lora_id(self) -> int:
+        return 1
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        raise NotImplementedError
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        return False
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         out = CompletionOutput(0, "x", [120], "length", None, None)

@@ -65,6 +65,10 @@ class ModelCard(OpenModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str | None = Field(default=None, description="The model's (or adapter's) folder")
+    parent: str | None = Field(
+        default=None, description="A LoRA adapter's base model (the served model's name)"
+    )
 
 
 class ModelCards(OpenModel):

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE)."""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE).
+LoRA adapters' names and their load/unload routes: adapters.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from inferd.gateway.contract import openai_errors, sse_or_json
+from inferd.gateway.openai.adapters import adapter_cards
 from inferd.gateway.openai.contract import ChatCompletionResponse, CompletionResponse, ModelCards
 from inferd.gateway.openai.formatting import Json, Kind
 from inferd.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -50,7 +52,8 @@ _GENERATE_ERRORS = openai_errors(400, 404, 413, 429, 503, 500)
 
 @router.get("/v1/models", response_model=ModelCards, responses=openai_errors(503))
 async def list_models(request: Request) -> Response:
-    """The LLM (when the server runs one) and the repository's embedding models."""
+    """The LLM (when the server runs one), its LoRA adapters, and the repository's embedding
+    models."""
     state = gateway(request)
     data = []
     if state.serves_llm:
@@ -65,6 +68,7 @@ async def list_models(request: Request) -> Response:
                 "max_model_len": llm.info.max_model_len,
             }
         )
+        data.extend(adapter_cards(state))
     if state.repository is not None:
         for name in state.repository.embedding_models():
             data.append(

@@ -24,7 +24,8 @@ import orjson
 from inferd.admission.prompt_check import check_prompt
 from inferd.engine.generate_request import GenerateRequest
 from inferd.errors import ContextWindowError, InferdError, InvalidRequestError
-from inferd.gateway.errors import APIError, bad_request, model_not_found, to_api_error
+from inferd.gateway.errors import APIError, bad_request, to_api_error
+from inferd.gateway.openai.adapters import resolve_adapter
 from inferd.gateway.openai.formatting import (
     ChoiceState,
     Decode,
@@ -48,6 +49,7 @@ from inferd.gateway.openai.tools import (
     skip_special_tokens,
 )
 from inferd.gateway.state import EngineClient, GatewayState
+from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.telemetry.stages import Stage
@@ -88,6 +90,8 @@ class Job:
     finalized: bool = False
     # Non-streaming: when the encoded body was handed to the server to send.
     send_started: float | None = None
+    # The adapter its `model` named; None: the served model.
+    lora_request: LoRARequest | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -130,7 +134,7 @@ async def prepare(
     now = time.monotonic()
     timeline.add(Stage.RECEIVE, now - arrival, arrival)
     with timeline.measure(Stage.VALIDATE):
-        _check_model(state, body)
+        lora = resolve_adapter(state, body.model)
         settings = tool_settings(state)
         params, num_logprobs = _params(body, settings)
         rules = None
@@ -149,8 +153,11 @@ async def prepare(
             _check_prompt(p.ids, params, llm)
     created = int(time.time())
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    envelope = Envelope(prefix + request_id, created, state.model_name, kind)
+    model = state.model_name if lora is None else lora.lora_name
+    envelope = Envelope(prefix + request_id, created, model, kind)
     job = Job(request_id, kind, body, prompts, params, timeline, envelope, num_logprobs, rules)
+    job.lora_request = lora
+    timeline.lora_name = None if lora is None else lora.lora_name
     if isinstance(body, CompletionRequest) and body.echo:
         job.echo = [p.text if p.text is not None else llm.tokenizer.decode(p.ids) for p in prompts]
     return job
@@ -160,11 +167,6 @@ def new_timeline(state: GatewayState, request_id: str, arrival: float) -> Reques
     if state.server.telemetry:
         return RequestTimeline(request_id, arrival=arrival)
     return DisabledTimeline(request_id, arrival=arrival)
-
-
-def _check_model(state: GatewayState, body: Body) -> None:
-    if body.model is not None and body.model != state.model_name:
-        raise model_not_found(body.model)
 
 
 def tool_settings(state: GatewayState) -> ToolSettings:
@@ -266,6 +268,7 @@ async def start(state: GatewayState, job: Job) -> OutputStream:
                     priority=body.priority,
                     timeout_s=timeout,
                     timeline=job.timeline,
+                    lora_request=job.lora_request,
                 )
             )
         )

@@ -4,7 +4,7 @@
 
 const COLORS = {
   receive: "#8da0cb", validate: "#a6d854", tokenize: "#e5c494", preprocess: "#e5c494",
-  queue: "#fc8d62", grammar: "#b2df8a", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
+  lora_load: "#fdb462", queue: "#fc8d62", grammar: "#b2df8a", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
   compute_input: "#b3b3b3", infer: "#1f78b4", compute_output: "#cab2d6",
   detokenize: "#e78ac3", postprocess: "#e78ac3", stream: "#b15928", other: "#dddddd",
 };
@@ -167,7 +167,7 @@ async function refreshRequests() {
   for (const r of rows) {
     if (!models.has(r.model)) { models.add(r.model); $("#f-model").append(el("option", {}, r.model)); }
     const tr = el("tr", { class: "req" + (r.failed ? " failed" : ""), "data-id": r.request_id, "data-e2e": r.e2e });
-    const cells = [r.arrival.slice(11, 23), r.request_id, r.lane, r.model, r.status, ms(r.e2e), ms(r.ttft),
+    const cells = [r.arrival.slice(11, 23), r.request_id, r.lane, r.model, r.lora || "", r.status, ms(r.e2e), ms(r.ttft),
       r.output_tokens || "", r.error || ""];
     for (const v of cells) tr.append(el("td", {}, String(v)));
     tr.addEventListener("click", () => openRequest(r.request_id));
@@ -185,7 +185,7 @@ async function openRequest(id) {
   box.dataset.lane = doc.lane;
   box.dataset.tokens = doc.output_tokens;
   $("#wf-id").textContent = doc.request_id;
-  const meta = [`${doc.lane} · ${doc.model}`, `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
+  const meta = [`${doc.lane} · ${doc.model}` + (doc.lora ? ` · adapter ${doc.lora}` : ""), `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
   const own = {};
   for (const p of doc.path) if (p.stage !== "other") own[p.stage] = (own[p.stage] || 0) + p.seconds;
   const top = Object.entries(own).sort((a, b) => b[1] - a[1])[0];
