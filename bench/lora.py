@@ -11,9 +11,10 @@ prefix caching off so every run computes every prompt), offline. Cases, taking t
 - `base`: an engine without LoRA (the baseline every ratio divides by);
 - `lora-0`: the LoRA engine, every request on the base model (what turning LoRA on costs);
 - `lora-1`, `lora-8`, `lora-64`: requests spread over 1, 8 or 64 adapters, uniform or Zipf
-  (s = 1.1) popularity, `--max-loras 8` slots, so 64 adapters page through them. Every adapter
-  targets all seven layers (q/k/v/o, gate/up/down), random weights (inferd/lora/random_adapter.py),
-  all loaded in host memory before the runs (the load is measured separately, below).
+  (s = 1.1) popularity, `--max-loras 8` slots, so 64 adapters page through them. Adapters target
+  all seven layers (q/k/v/o, gate/up/down; `--targets qv`: q and v, PEFT's default), random
+  weights (inferd/lora/random_adapter.py), all loaded in host memory before the runs (the load
+  is measured separately, below).
 
 Reported: output tok/s of each case and its ratio to `base` in the same round (median over
 rounds; issue targets: 8 adapters >= 0.8, 64 adapters >= 0.7).
@@ -44,15 +45,21 @@ from inferd.engine.llm_engine import LLMEngine, TokensPrompt
 from inferd.lora.random_adapter import write_random_adapter
 from inferd.lora.request import LoRARequest
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# "all": every layer a LoRA fine-tune may target; "qv": PEFT's default for Llama models.
+TARGETS = {
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "qv": ("q_proj", "v_proj"),
+}
 MAX_LORAS = 8
 ZIPF_S = 1.1
 
 
-def adapters(folder: Path, root: Path, rank: int, n: int) -> list[LoRARequest]:
+def adapters(
+    folder: Path, root: Path, rank: int, n: int, targets: tuple[str, ...] = TARGETS["all"]
+) -> list[LoRARequest]:
     out = []
     for i in range(n):
-        path = write_random_adapter(folder, root / f"r{rank}-{i}", rank, TARGETS, seed=i)
+        path = write_random_adapter(folder, root / f"r{rank}-{i}", rank, targets, seed=i)
         out.append(LoRARequest(f"r{rank}-{i}", i + 1, str(path)))
     return out
 
@@ -82,10 +89,11 @@ def cold_first_token(engine: LLMEngine, lora: LoRARequest, warm: LoRARequest) ->
     for label, req in (("warm", warm), ("cold", lora)):
         t0 = time.perf_counter()
         engine.add_request(label, prompt, params, lora_request=req)
-        out = [o for o in engine.run_to_completion() if o.finished][0]
+        out = next(o for o in engine.run_to_completion() if o.finished)
         result[f"{label}_ttft_ms"] = (time.perf_counter() - t0) * 1e3
         result[f"{label}_load_ms"] = out.metrics.lora_load_s * 1e3
-    result["meets_target"] = result["cold_ttft_ms"] <= result["cold_load_ms"] + result["warm_ttft_ms"]
+    bound = result["cold_load_ms"] + result["warm_ttft_ms"]
+    result["meets_target"] = result["cold_ttft_ms"] <= bound
     return result
 
 
@@ -95,6 +103,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ranks", default="8,16")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--targets", default="all", choices=sorted(TARGETS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -104,20 +113,25 @@ def main() -> None:
     n_req = 24 if args.quick else MIXED_REQUESTS.get(args.shape, 32)
     folder = ensure_model_folder(shape, DEFAULT_CACHE_DIR)
     reqs = mixed_workload(shape, n_req, seed=0)
-    common = dict(
+    common: dict[str, Any] = dict(
         model=str(folder), dtype=args.dtype, load_format="dummy", enable_prefix_caching=False
     )
-    base = LLM(**common).llm_engine  # type: ignore[arg-type]
-    lora_engine = LLM(  # type: ignore[arg-type]
-        **common, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=max(ranks), max_cpu_loras=130
+    base = LLM(**common).llm_engine
+    lora_engine = LLM(
+        **common,
+        enable_lora=True,
+        max_loras=MAX_LORAS,
+        max_lora_rank=max(ranks),
+        max_cpu_loras=130,
     ).llm_engine
+    targets = TARGETS[args.targets]
     root = Path(tempfile.mkdtemp(prefix="inferd-lora-bench-"))
     cases: dict[str, tuple[LLMEngine, list[LoRARequest | None]]] = {
         "base": (base, [None] * n_req),
         "lora-0": (lora_engine, [None] * n_req),
     }
     for rank in ranks:
-        pool = adapters(folder, root, rank, 64)
+        pool = adapters(folder, root, rank, 64, targets)
         for lora in pool:
             lora_engine.add_lora(lora).result()
         cases[f"r{rank}-lora-1"] = (lora_engine, [pool[0]] * n_req)
@@ -126,7 +140,7 @@ def main() -> None:
                 name = f"r{rank}-lora-{n}-{'zipf' if zipf else 'uniform'}"
                 cases[name] = (lora_engine, list(assign(n_req, pool[:n], zipf, seed=n)))
     run(base, reqs[:8], [None] * 8)  # warm-up
-    run(lora_engine, reqs[:8], list(cases[next(iter(cases)) if False else "r%d-lora-1" % ranks[0]][1][:8]))
+    run(lora_engine, reqs[:8], cases[f"r{ranks[0]}-lora-8-uniform"][1][:8])
     rows: list[dict[str, Any]] = []
     names = list(cases)
     for rnd in range(rounds):
@@ -136,20 +150,23 @@ def main() -> None:
             engine, loras = cases[name]
             tok_s[name] = run(engine, reqs, loras)
             print(f"round {rnd} {name:24s} {tok_s[name]:8.1f} tok/s", flush=True)
-        rows += [{"round": rnd, "case": n, "tok_s": t, "ratio": t / tok_s["base"]} for n, t in tok_s.items()]
+        rows += [
+            {"round": rnd, "case": n, "tok_s": t, "ratio": t / tok_s["base"]}
+            for n, t in tok_s.items()
+        ]
     medians = {n: statistics.median(r["ratio"] for r in rows if r["case"] == n) for n in names}
     print("\ncase                      ratio to base (median)")
-    for n, m in medians.items():
-        print(f"{n:24s}  {m:.2f}")
-    cold_pool = adapters(folder, root / "cold", max(ranks), 1)
-    cold = cold_first_token(lora_engine, LoRARequest("cold", 999, cold_pool[0].lora_path), cases[f"r{max(ranks)}-lora-1"][1][0])  # type: ignore[arg-type]
+    for case, median in medians.items():
+        print(f"{case:24s}  {median:.2f}")
+    top = max(ranks)
+    folder_cold = adapters(folder, root / "cold", top, 1)[0].lora_path
+    warm = cases[f"r{top}-lora-1"][1][0]
+    assert warm is not None
+    cold = cold_first_token(lora_engine, LoRARequest("cold", 999, folder_cold), warm)
     print(f"\ncold adapter: {cold}")
-    save_result(
-        args.out,
-        "lora",
-        f"{args.shape}-{args.dtype}",
-        {"shape": args.shape, "dtype": args.dtype, "requests": n_req, "max_loras": MAX_LORAS, "runs": rows, "median_ratio": medians, "cold_adapter": cold},
-    )
+    fields = {"shape": args.shape, "dtype": args.dtype, "targets": targets, "requests": n_req}
+    fields |= {"max_loras": MAX_LORAS, "runs": rows, "median_ratio": medians, "cold": cold}
+    save_result(args.out, "lora", f"{args.shape}-{args.dtype}-{args.targets}", fields)
 
 
 if __name__ == "__main__":

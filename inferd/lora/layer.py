@@ -31,7 +31,6 @@ from torch import Tensor
 
 from inferd.lora.adapter import LinearFactors
 
-
 # The rows of the flat batch one adapter runs: a run of them, or their indices [n] int64.
 Rows = slice | Tensor
 

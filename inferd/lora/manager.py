@@ -182,14 +182,14 @@ class LoRAManager:
     def set_step(self, runs: list[RowRun]) -> None:
         """The step's rows by adapter: puts each adapter present in a slot and sets the batch's
         segments (base-model runs have none)."""
-        names = {name for name, _, _ in runs if name is not None}
-        assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
-        for name in names:
-            self._to_slot(name, names)
         rows: dict[str, list[tuple[int, int]]] = {}
         for name, lo, hi in runs:
             if name is not None:
                 rows.setdefault(name, []).append((lo, hi))
+        names = set(rows)
+        assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
+        for adapter in names:
+            self._to_slot(adapter, names)
         self.batch.segments = [
             (self._slot_of[n], _rows(spans, self.device)) for n, spans in rows.items()
         ]
