@@ -5,12 +5,14 @@ keys are `base_model.model.<module>.lora_A.weight` [r, in] and `<module>.lora_B.
 each module one checkpoint layer of the base model (`model.layers.3.self_attn.q_proj`). inferd
 fuses q/k/v and gate/up into one linear layer each, so an adapter is packed per *inferd* layer:
 
-    a:  [w, in]    the A of every shard of the layer the adapter targets, stacked (w = sum of
-                   their ranks)
-    bt: [w, out]   B transposed, block-structured: shard i's rows sit in its rank range and its
-                   own output columns, zeros elsewhere
+    at:    [in, w]   the A of every shard of the layer the adapter targets, stacked and
+                     transposed (w = sum of their ranks)
+    bt:    [w, out]  B transposed, block-structured: shard i's rows sit in its rank range and
+                     its own output columns, zeros elsewhere
+    spans: [w, 2]    each rank row's shard's columns [lo, hi) (int32): the native kernel skips
+                     the zero blocks
 
-so a layer's term is one pair of GEMMs for any subset of its shards: y += (x a^T) bt. The
+so a layer's term is one pair of GEMMs for any subset of its shards: y += (x at) bt. The
 scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
 alpha_pattern honoured), is folded into bt.
 
@@ -56,12 +58,16 @@ class ShardTarget:
 class LinearFactors:
     """One inferd linear layer's part of an adapter, packed (module docstring)."""
 
-    a: Tensor  # [w, in]
+    at: Tensor  # [in, w]
     bt: Tensor  # [w, out], scaling folded in
+    spans: Tensor  # [w, 2] int32
 
     @property
     def width(self) -> int:
-        return int(self.a.shape[0])
+        return int(self.at.shape[1])
+
+    def to(self, device: torch.device) -> LinearFactors:
+        return LinearFactors(self.at.to(device), self.bt.to(device), self.spans.to(device))
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(f.a.nbytes + f.bt.nbytes for f in self.layers.values())
+        return sum(f.at.nbytes + f.bt.nbytes for f in self.layers.values())
 
 
 def load_adapter(
@@ -201,16 +207,18 @@ def _pack(
         shards.sort(key=lambda s: s[0].shard)
         width = sum(int(factors[m][0].shape[0]) for _, m in shards)
         first = shards[0][0]
-        a = torch.zeros(width, first.in_features, dtype=torch.float32)
+        at = torch.zeros(first.in_features, width, dtype=torch.float32)
         bt = torch.zeros(width, first.out_features, dtype=torch.float32)
+        spans = torch.zeros(width, 2, dtype=torch.int32)
         col = 0
         for target, module in shards:
             fa, fb = factors[module]
             r = int(fa.shape[0])
             scale = _scaling(config, module, r)
-            a[col : col + r] = fa.float()
-            rows = slice(target.row_start, target.row_start + target.rows)
-            bt[col : col + r, rows] = fb.float().t() * scale
+            at[:, col : col + r] = fa.float().t()
+            lo, hi = target.row_start, target.row_start + target.rows
+            bt[col : col + r, lo:hi] = fb.float().t() * scale
+            spans[col : col + r] = torch.tensor([lo, hi], dtype=torch.int32)
             col += r
-        out[linear] = LinearFactors(a.to(dtype), bt.to(dtype))
+        out[linear] = LinearFactors(at.to(dtype).contiguous(), bt.to(dtype), spans)
     return out
