@@ -11,7 +11,7 @@ prefix caching off so every run computes every prompt), offline. Cases, taking t
 - `base`: an engine without LoRA (the baseline every ratio divides by);
 - `lora-0`: the LoRA engine, every request on the base model (what turning LoRA on costs);
 - `lora-1`, `lora-8`, `lora-64`: requests spread over 1, 8 or 64 adapters, uniform or Zipf
-  (s = 1.1) popularity, `--max-loras 8` slots, so 64 adapters page through them. Adapters target
+  (s = 1.1) popularity, `--max-loras 8` adapters a step, so 64 adapters page through them. Adapters target
   all seven layers (q/k/v/o, gate/up/down; `--targets qv`: q and v, PEFT's default), random
   weights (inferd/lora/random_adapter.py), all loaded in host memory before the runs (the load
   is measured separately, below).
@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--ranks", default="8,16")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--targets", default="all", choices=sorted(TARGETS))
+    p.add_argument("--max-loras", type=int, default=MAX_LORAS)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -120,7 +121,7 @@ def main() -> None:
     lora_engine = LLM(
         **common,
         enable_lora=True,
-        max_loras=MAX_LORAS,
+        max_loras=args.max_loras,
         max_lora_rank=max(ranks),
         max_cpu_loras=130,
     ).llm_engine
@@ -165,8 +166,9 @@ def main() -> None:
     cold = cold_first_token(lora_engine, LoRARequest("cold", 999, folder_cold), warm)
     print(f"\ncold adapter: {cold}")
     fields = {"shape": args.shape, "dtype": args.dtype, "targets": targets, "requests": n_req}
-    fields |= {"max_loras": MAX_LORAS, "runs": rows, "median_ratio": medians, "cold": cold}
-    save_result(args.out, "lora", f"{args.shape}-{args.dtype}-{args.targets}", fields)
+    fields |= {"max_loras": args.max_loras, "runs": rows, "median_ratio": medians, "cold": cold}
+    tag = f"{args.shape}-{args.dtype}-{args.targets}-maxloras{args.max_loras}"
+    save_result(args.out, "lora", tag, fields)
 
 
 if __name__ == "__main__":
