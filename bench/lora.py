@@ -11,10 +11,10 @@ prefix caching off so every run computes every prompt), offline. Cases, taking t
 - `base`: an engine without LoRA (the baseline every ratio divides by);
 - `lora-0`: the LoRA engine, every request on the base model (what turning LoRA on costs);
 - `lora-1`, `lora-8`, `lora-64`: requests spread over 1, 8 or 64 adapters, uniform or Zipf
-  (s = 1.1) popularity, `--max-loras 8` adapters a step, so 64 adapters page through them. Adapters target
-  all seven layers (q/k/v/o, gate/up/down; `--targets qv`: q and v, PEFT's default), random
-  weights (inferd/lora/random_adapter.py), all loaded in host memory before the runs (the load
-  is measured separately, below).
+  (s = 1.1) popularity, at most `--max-loras` (8) adapters a step, so 64 adapters take turns.
+  Adapters target all seven layers (q/k/v/o, gate/up/down; `--targets qv`: q and v, PEFT's
+  default), random weights (inferd/lora/random_adapter.py), all loaded in host memory before the
+  runs (the load is measured separately, below).
 
 Reported: output tok/s of each case and its ratio to `base` in the same round (median over
 rounds; issue targets: 8 adapters >= 0.8, 64 adapters >= 0.7).
