@@ -16,8 +16,10 @@ prefix caching off so every run computes every prompt), offline. Cases, taking t
   default), random weights (inferd/lora/random_adapter.py), all loaded in host memory before the
   runs (the load is measured separately, below).
 
-Reported: output tok/s of each case and its ratio to `base` in the same round (median over
-rounds; issue targets: 8 adapters >= 0.8, 64 adapters >= 0.7).
+Each case runs right beside a `base` run (alternating which goes first). Reported: output tok/s
+of each case, its ratio to that base run's, and the same ratio by the process's CPU seconds per
+output token (steadier on a shared machine), medians over rounds (issue targets: 8 adapters
+>= 0.8, 64 adapters >= 0.7).
 
 Cold adapter: on an idle engine, one request (32-token prompt, max_tokens=1) naming an adapter
 never loaded: its time to first token beside the adapter's load time the engine recorded
@@ -70,16 +72,20 @@ def assign(n_req: int, loras: list[LoRARequest], zipf: bool, seed: int) -> list[
     return rng.choices(loras, weights=weights, k=n_req)
 
 
-def run(engine: LLMEngine, reqs: list[BenchRequest], loras: list[LoRARequest | None]) -> float:
-    """Output tok/s of the workload, every request added at once."""
+def run(
+    engine: LLMEngine, reqs: list[BenchRequest], loras: list[LoRARequest | None]
+) -> tuple[float, float]:
+    """Output tok/s of the workload, every request added at once, and the process's CPU seconds
+    per output token (less swayed than wall time by other work on the machine)."""
     for i, (r, lora) in enumerate(zip(reqs, loras, strict=True)):
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
         prompt = TokensPrompt(prompt_token_ids=r.prompt_token_ids)
         engine.add_request(f"q{i}", prompt, params, lora_request=lora)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     outs = [o for o in engine.run_to_completion() if o.finished]
-    wall = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return n / wall, cpu / n
 
 
 def cold_first_token(engine: LLMEngine, lora: LoRARequest, warm: LoRARequest) -> dict[str, Any]:
@@ -143,22 +149,28 @@ def main() -> None:
     run(base, reqs[:8], [None] * 8)  # warm-up
     run(lora_engine, reqs[:8], cases[f"r{ranks[0]}-lora-8-uniform"][1][:8])
     rows: list[dict[str, Any]] = []
-    names = list(cases)
+    names = [n for n in cases if n != "base"]
     for rnd in range(rounds):
-        order = names if rnd % 2 == 0 else names[::-1]
-        tok_s = {}
-        for name in order:
-            engine, loras = cases[name]
-            tok_s[name] = run(engine, reqs, loras)
-            print(f"round {rnd} {name:24s} {tok_s[name]:8.1f} tok/s", flush=True)
-        rows += [
-            {"round": rnd, "case": n, "tok_s": t, "ratio": t / tok_s["base"]}
-            for n, t in tok_s.items()
-        ]
-    medians = {n: statistics.median(r["ratio"] for r in rows if r["case"] == n) for n in names}
-    print("\ncase                      ratio to base (median)")
-    for case, median in medians.items():
-        print(f"{case:24s}  {median:.2f}")
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            # Each case beside its own base run, in alternating order: a slow spell of a shared
+            # machine then hits both.
+            pair = ("base", name) if rnd % 2 == 0 else (name, "base")
+            got = {case: run(cases[case][0], reqs, cases[case][1]) for case in pair}
+            (b, b_cpu), (t, t_cpu) = got["base"], got[name]
+            row = {"round": rnd, "case": name, "tok_s": t, "base_tok_s": b}
+            row |= {"ratio": t / b, "cpu_ratio": b_cpu / t_cpu}
+            rows.append(row)
+            print(f"round {rnd} {name:24s} {t:8.1f} tok/s (base {b:7.1f}): {t / b:.2f}", flush=True)
+    medians = {
+        n: {
+            k: statistics.median(r[k] for r in rows if r["case"] == n)
+            for k in ("ratio", "cpu_ratio")
+        }
+        for n in names
+    }
+    print("\ncase                      ratio to base, median: wall  CPU time")
+    for case, m in medians.items():
+        print(f"{case:24s}  {m['ratio']:.2f}  {m['cpu_ratio']:.2f}")
     top = max(ranks)
     folder_cold = adapters(folder, root / "cold", top, 1)[0].lora_path
     warm = cases[f"r{top}-lora-1"][1][0]
