@@ -86,7 +86,6 @@ class ModelRunner:
         self.kv_caches = [
             zeroed_pool(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
-        self._native = native
         self.attn_kernel = None if native is None else native.attention
         # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
         # a sliding window, which it lacks: those run SDPA with windowed masks).
@@ -114,8 +113,7 @@ class ModelRunner:
 
     def use_lora(self, config: LoRAConfig) -> LoRAManager:
         """Turns LoRA on: slots in every LoRA-capable layer; each step tells them its rows."""
-        kernel = None if self._native is None else self._native.sgmv
-        self.lora = LoRAManager(config, self.model.use_lora, self.dtype, self.device, kernel)
+        self.lora = LoRAManager(config, self.model.use_lora, self.dtype, self.device)
         return self.lora
 
     def enable_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:

@@ -9,8 +9,6 @@ fuses q/k/v and gate/up into one linear layer each, so an adapter is packed per 
                      transposed (w = sum of their ranks)
     bt:    [w, out]  B transposed, block-structured: shard i's rows sit in its rank range and
                      its own output columns, zeros elsewhere
-    spans: [w, 2]    each rank row's shard's columns [lo, hi) (int32): the native kernel skips
-                     the zero blocks
 
 so a layer's term is one pair of GEMMs for any subset of its shards: y += (x at) bt. The
 scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
@@ -60,14 +58,13 @@ class LinearFactors:
 
     at: Tensor  # [in, w]
     bt: Tensor  # [w, out], scaling folded in
-    spans: Tensor  # [w, 2] int32
 
     @property
     def width(self) -> int:
         return int(self.at.shape[1])
 
     def to(self, device: torch.device) -> LinearFactors:
-        return LinearFactors(self.at.to(device), self.bt.to(device), self.spans.to(device))
+        return LinearFactors(self.at.to(device), self.bt.to(device))
 
 
 @dataclass(frozen=True)
@@ -209,7 +206,6 @@ def _pack(
         first = shards[0][0]
         at = torch.zeros(first.in_features, width, dtype=torch.float32)
         bt = torch.zeros(width, first.out_features, dtype=torch.float32)
-        spans = torch.zeros(width, 2, dtype=torch.int32)
         col = 0
         for target, module in shards:
             fa, fb = factors[module]
@@ -218,7 +214,6 @@ def _pack(
             at[:, col : col + r] = fa.float().t()
             lo, hi = target.row_start, target.row_start + target.rows
             bt[col : col + r, lo:hi] = fb.float().t() * scale
-            spans[col : col + r] = torch.tensor([lo, hi], dtype=torch.int32)
             col += r
-        out[linear] = LinearFactors(at.to(dtype).contiguous(), bt.to(dtype), spans)
+        out[linear] = LinearFactors(at.to(dtype).contiguous(), bt.to(dtype))
     return out

@@ -22,7 +22,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 
 from inferd.config import LoRAConfig
@@ -30,13 +29,10 @@ from inferd.errors import InvalidRequestError
 from inferd.lora.adapter import LoRAAdapter, ShardTarget, load_adapter
 from inferd.lora.layer import LoRABatch, LoRALayer, Rows
 from inferd.lora.request import LoRARequest
-from inferd.models.kernels.lora import SgmvKernel, SgmvStep
 from inferd.models.linear import Linear
 
 logger = logging.getLogger("inferd.lora")
 
-# An adapter with at most this many rows in a step runs on the native kernel (where it runs).
-NATIVE_MAX_ROWS = 32
 # (adapter name or None for the base model, first row, end row) of the flat batch.
 RowRun = tuple[str | None, int, int]
 
@@ -48,10 +44,9 @@ class LoRAManager:
         attach: Callable[[LoRABatch], list[tuple[str, Linear]]],
         dtype: torch.dtype,
         device: torch.device,
-        kernel: SgmvKernel | None = None,
     ) -> None:
         """`attach`: the model's `use_lora`, which takes the step's rows and returns its
-        LoRA-capable layers by name. `kernel`: the native LoRA kernel (None: PyTorch)."""
+        LoRA-capable layers by name."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -60,13 +55,7 @@ class LoRAManager:
         self.targets = _targets(linears)
         self.layers: dict[str, LoRALayer] = {}
         for name, linear in linears:
-            linear.lora = self.layers[name] = LoRALayer(
-                self.batch, config.max_loras, device, kernel
-            )
-        # The widest packed factors a layer can get: the native kernel's scratch row.
-        self._max_width = max(len(m.shards) for _, m in linears) * config.max_lora_rank
-        self._scratch = torch.empty(0, self._max_width)
-        self._native = kernel is not None and device.type == "cpu"
+            linear.lora = self.layers[name] = LoRALayer(self.batch, config.max_loras, device)
         self._known: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._loading: dict[str, concurrent.futures.Future[LoRAAdapter]] = {}
@@ -78,12 +67,11 @@ class LoRAManager:
             (s, None) for s in range(config.max_loras)
         )
         logger.info(
-            "LoRA: %d layers, %d adapters a step, rank <= %d, %d in host memory; %s",
+            "LoRA: %d layers, %d adapters a step, rank <= %d, %d in host memory",
             len(self.layers),
             config.max_loras,
             config.max_lora_rank,
             config.cpu_capacity,
-            "native kernel" if self._native else "PyTorch",
         )
 
     # -- known ---------------------------------------------------------------------------------
@@ -191,32 +179,9 @@ class LoRAManager:
         assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
         for adapter in names:
             self._to_slot(adapter, names)
-        # The native kernel takes the adapters with few rows (decode), where it measured 2.5-3.6x
-        # the PyTorch path's two GEMMs each; one-thread PyTorch GEMMs take the prompt chunks,
-        # where they measured faster (bench/NOTES.md, LoRA).
-        few = {n: spans for n, spans in rows.items() if _count(spans) <= NATIVE_MAX_ROWS}
-        if not self._native:
-            few = {}
         self.batch.segments = [
-            (self._slot_of[n], _rows(spans, self.device))
-            for n, spans in rows.items()
-            if n not in few
+            (self._slot_of[n], _rows(spans, self.device)) for n, spans in rows.items()
         ]
-        self.batch.native = self._sgmv_step(few) if few else None
-
-    def _sgmv_step(self, rows: dict[str, list[tuple[int, int]]]) -> SgmvStep:
-        """The native kernel's view of the step's segments (one per adapter)."""
-        index = [np.concatenate([np.arange(lo, hi) for lo, hi in spans]) for spans in rows.values()]
-        counts = [len(i) for i in index]
-        total = sum(counts)
-        if self._scratch.shape[0] < total:
-            self._scratch = torch.empty(max(total, 2 * self._scratch.shape[0]), self._max_width)
-        return SgmvStep(
-            seg_slot=np.array([self._slot_of[n] for n in rows], dtype=np.int32),
-            seg_off=np.cumsum([0, *counts], dtype=np.int64),
-            rows=np.concatenate(index).astype(np.int64),
-            scratch=self._scratch,
-        )
 
     def _to_slot(self, name: str, needed: set[str]) -> None:
         slot = self._slot_of.get(name)
@@ -231,10 +196,6 @@ class LoRAManager:
             self._slot_names[slot] = name
             self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)
-
-
-def _count(spans: list[tuple[int, int]]) -> int:
-    return sum(hi - lo for lo, hi in spans)
 
 
 def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:

@@ -79,7 +79,6 @@ def test_packs_shards_with_scaling_and_spans(tmp_path: Path) -> None:
     adapter = m.load("a").result()
     f = adapter.layers["model.layers.0.self_attn.qkv_proj"]
     assert f.at.shape == (8, 4) and f.bt.shape == (4, 16)
-    assert f.spans.tolist() == [[0, 8], [0, 8], [12, 16], [12, 16]]
     # k's columns get nothing; q's B lands in rows 0-1, scaled by alpha / r = 2.
     assert torch.count_nonzero(f.bt[:, 8:12]) == 0 and torch.count_nonzero(f.bt[:2, 8:]) == 0
     assert "model.layers.0.self_attn.o_proj" not in adapter.layers
@@ -128,10 +127,7 @@ def test_slots_are_reused_least_recently_used_first(tmp_path: Path) -> None:
         m.register(_request(name, _write(tmp_path / name, {"q_proj": (8, 8)}), i + 1))
         _load(m, name)
     m.set_step([("a", 0, 2), (None, 2, 3), ("b", 3, 4)])
-    slots = {s for s, _ in m.batch.segments}
-    if m.batch.native is not None:
-        slots |= set(m.batch.native.seg_slot.tolist())
-    assert slots == {0, 1} and m.batch.active
+    assert {s for s, _ in m.batch.segments} == {0, 1} and m.batch.active
     m.set_step([("b", 0, 1)])
     m.set_step([("c", 0, 1), ("b", 1, 2)])  # c takes a's slot, the least recently used
     assert m._slot_of == {"b": 1, "c": 0}

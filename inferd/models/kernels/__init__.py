@@ -7,8 +7,7 @@ elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache writ
 `panel.h`, on AMX tiles in `amx.h` where the CPU has them), `greedy.cpp` (the int8 greedy screen
 of the lm_head over the same loop and the candidates' exact logits, `greedy.py`) and
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
-and `lora.cpp` (LoRA adapters' terms over their rows, many adapters a call; `lora.py`) are
-compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
+are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
 
@@ -53,7 +52,6 @@ from inferd.models.kernels.decode import DecodeLayers
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, FusedOps
 from inferd.models.kernels.gemv import Gemv
 from inferd.models.kernels.greedy import GreedyScreen
-from inferd.models.kernels.lora import SgmvKernel
 
 logger = logging.getLogger("inferd.executor")
 
@@ -67,7 +65,6 @@ SOURCES = tuple(
         "panel_gemm.cpp",
         "greedy.cpp",
         "decode_step.cpp",
-        "lora.cpp",
     )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
@@ -107,8 +104,7 @@ class PagedBatch:
 @dataclass(frozen=True)
 class NativeKernels:
     """The loaded library: its attention kernel, fused elementwise ops, small-batch GEMV, the
-    decode step that chains them through every layer, the greedy lm_head screen and the LoRA
-    adapters' term."""
+    decode step that chains them through every layer and the greedy lm_head screen."""
 
     path: Path
     attention: PagedAttentionKernel
@@ -116,7 +112,6 @@ class NativeKernels:
     gemv: Gemv
     decode: DecodeLayers
     screen: GreedyScreen
-    sgmv: SgmvKernel
 
 
 class PagedAttentionKernel:
@@ -294,7 +289,6 @@ def load(cache_dir: Path) -> NativeKernels:
             Gemv(lib),
             DecodeLayers(lib),
             GreedyScreen(lib),
-            SgmvKernel(lib),
         )
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
