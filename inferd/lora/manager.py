@@ -175,10 +175,10 @@ class LoRAManager:
         for name, lo, hi in runs:
             if name is not None:
                 rows.setdefault(name, []).append((lo, hi))
-        names = set(rows)
-        assert len(names) <= len(self._slot_names), "the scheduler admits max_loras per step"
-        for adapter in names:
-            self._to_slot(adapter, names)
+        needed = set(rows)
+        assert len(needed) <= len(self._slot_names), "the scheduler admits max_loras per step"
+        for adapter in rows:  # in row order: the same slots every run
+            self._to_slot(adapter, needed)
         self.batch.segments = [
             (self._slot_of[n], _rows(spans, self.device)) for n, spans in rows.items()
         ]
