@@ -8,8 +8,8 @@ One `LLM` (random weights, prefix caching off so every round computes every prom
 workload in four variants, in turn:
 
     native    the engine's default: the fused elementwise kernels, the small-batch GEMV, and
-              decode steps of 1-16 rows (int8: 1-8; bfloat16 on AVX512_BF16: 1-64, past 16
-              on the panel GEMM) through every layer in one native call (decode_step.cpp)
+              decode steps of up to 128 rows with panel copies (without: 1-16; int8: 1-8)
+              through every layer in one native call (decode_step.cpp)
     layers    the same kernels called layer by layer from Python
     no_gemv   the fused kernels; every linear layer on oneDNN's prepacked GEMM (with
               `--quantization int8`: on fbgemm's int8 GEMM)
@@ -138,7 +138,7 @@ def main() -> None:
         "--streams",
         type=lambda s: [int(n) for n in s.split(",") if n],
         default=[4, 8, 16],
-        help="also N streams at once (comma-separated N; the decode step takes 1-16 rows)",
+        help="also N streams at once (comma-separated N; the decode step takes up to 128 rows)",
     )
     args = p.parse_args()
     out = {dtype: measure(args, dtype) for dtype in args.dtypes.split(",")}

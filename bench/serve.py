@@ -331,7 +331,7 @@ async def gateway_overhead(url: str, args: argparse.Namespace) -> dict[str, Any]
 
 def engine_kwargs_from(server_args: list[str]) -> dict[str, Any]:
     """The engine flags among `server_args`, parsed by `inferd serve`'s own parser."""
-    from inferd.cli import add_engine_args, engine_kwargs
+    from inferd.engine_args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser(add_help=False)
     add_engine_args(parser)

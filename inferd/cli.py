@@ -11,181 +11,30 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar, get_args
+from typing import TypeVar
 
 from pydantic import ValidationError
 
 from inferd.config import (
     DEFAULT_MODEL,
     AdmissionConfig,
-    AttentionBackend,
-    CacheConfig,
-    Device,
-    DType,
     EngineConfig,
     Environment,
-    GreedyScreen,
-    KVCacheDType,
-    LinearBackend,
-    LoadFormat,
-    Quantization,
     RepositoryConfig,
-    SchedulerConfig,
     ServeConfig,
     ServerConfig,
-    SmallBatchGemv,
-    StructuredOutputsConfig,
     read_environment,
 )
+from inferd.engine_args import add_engine_args, engine_kwargs, parse_bytes
 from inferd.errors import InferdError
-from inferd.lora.flags import LORA_ARGS, add_lora_args
-from inferd.postprocess.reasoning import REASONING_PARSERS
 from inferd.postprocess.tool_parsers import TOOL_PARSERS
 from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
 
 DEMO_PROMPTS = ("The quick brown fox", "Once upon a time", "def fibonacci(n):")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, vLLM's names where the concept is the same."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF folder, hub id, or inferd-tiny")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--revision", default=None)
-    p.add_argument("--dtype", default="auto", choices=get_args(DType))
-    p.add_argument("--load-format", default="auto", choices=get_args(LoadFormat))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default="auto", choices=get_args(Device))
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--block-size", type=int, default=CacheConfig.model_fields["block_size"].default)
-    p.add_argument("--kv-cache-memory", type=_bytes, default=None, help="bytes, or e.g. 2GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=get_args(KVCacheDType),
-        help="KV cache element type; auto: the model dtype",
-    )
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=get_args(AttentionBackend),
-        help="auto: the native CPU kernel when it builds, else PyTorch",
-    )
-    p.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        help="publish KV cache events (blocks stored/removed) on this ZeroMQ address, "
-        "e.g. tcp://*:5557; off by default",
-    )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=get_args(Quantization),
-        help="int8: per-channel int8 weights, dynamically quantized activations (CPU, VNNI)",
-    )
-    p.add_argument(
-        "--linear-backend",
-        default="auto",
-        choices=get_args(LinearBackend),
-        help="auto: weights prepacked for oneDNN on CPU; dense: F.linear (reference path)",
-    )
-    p.add_argument(
-        "--small-batch-gemv",
-        default="auto",
-        choices=get_args(SmallBatchGemv),
-        help="batches of up to 128 rows, and decode steps (one native call), on native kernels "
-        "over a second copy of the weights (packed in panels, else plain for the GEMV); auto: "
-        "when the copies fit in a quarter of RAM",
-    )
-    p.add_argument(
-        "--greedy-screen",
-        default="auto",
-        choices=get_args(GreedyScreen),
-        help="greedy tokens from an int8 screen of the lm_head and the exact logits of the "
-        "columns that can win (the same tokens); auto: where the lm_head runs the panel GEMM",
-    )
-    sched = SchedulerConfig.model_fields
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=sched["max_num_batched_tokens"].default
-    )
-    p.add_argument(
-        "--step-time-target-ms",
-        type=float,
-        default=sched["step_time_target_ms"].default,
-        help="with chunked prefill, halve the step's token budget (down to 512) while such a "
-        "step is predicted to take longer than this; 0: always --max-num-batched-tokens",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=sched["max_num_seqs"].default)
-    p.add_argument(
-        "--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"]
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="the model's reasoning format: thinking text goes to `reasoning`, and structured "
-        "outputs apply after it",
-    )
-    p.add_argument(
-        "--grammar-compile-timeout",
-        dest="grammar_compile_timeout_s",
-        type=float,
-        default=StructuredOutputsConfig.model_fields["grammar_compile_timeout_s"].default,
-        help="seconds a request may wait for its structured-output grammar to compile (then 400)",
-    )
-    add_lora_args(p)
-
-
-_ENGINE_ARGS = (
-    "model",
-    "tokenizer",
-    "revision",
-    "dtype",
-    "load_format",
-    "seed",
-    "max_model_len",
-    "device",
-    "num_threads",
-    "enforce_eager",
-    "block_size",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "enable_prefix_caching",
-    "kv_cache_dtype",
-    "attention_backend",
-    "kv_events_endpoint",
-    "quantization",
-    "linear_backend",
-    "small_batch_gemv",
-    "greedy_screen",
-    "max_num_batched_tokens",
-    "step_time_target_ms",
-    "max_num_seqs",
-    "policy",
-    "reasoning_parser",
-    "grammar_compile_timeout_s",
-    *LORA_ARGS,
-)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {k: getattr(args, k) for k in _ENGINE_ARGS}
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**engine_kwargs(args))
-
-
-def _bytes(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(low)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -334,13 +183,13 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-body-bytes",
-        type=_bytes,
+        type=parse_bytes,
         default=None,
         help=f"request body bound, HTTP and gRPC (default {srv['max_body_bytes'].default})",
     )
     g.add_argument(
         "--grpc-max-message-bytes",
-        type=_bytes,
+        type=parse_bytes,
         default=None,
         help="gRPC message bound (default: --max-body-bytes when given, else 64 MiB)",
     )
@@ -421,7 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferd", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate offline and stream the text to stdout")
+    gen = sub.add_parser(
+        "generate",
+        help="generate offline and stream the text to stdout",
+        usage="inferd generate [PROMPT ...] [options]",
+    )
     gen.add_argument("prompts", nargs="*", help="prompts (a few demo prompts when none)")
     add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -432,7 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="serve LLMs (OpenAI API) and classic models (KServe v2)")
+    srv = sub.add_parser(
+        "serve",
+        help="serve LLMs (OpenAI API) and classic models (KServe v2)",
+        usage="inferd serve [MODEL] [options]",
+    )
     add_server_args(srv)
     add_security_args(srv)
     add_engine_args(srv)

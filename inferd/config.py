@@ -38,82 +38,125 @@ class _Frozen(BaseModel):
 class ModelConfig(_Frozen):
     """What to load. `model` is a local Hugging Face folder, a hub id, or `inferd-tiny`."""
 
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: DType = "auto"
-    load_format: LoadFormat = "auto"
-    seed: int = 0
-    max_model_len: int | None = Field(default=None, gt=0)
-    # Weight quantization applied at load (vLLM's --quantization). int8: per-output-channel int8
-    # weights, activations quantized per call (CPU with VNNI); see inferd/models/linear.py.
-    quantization: Quantization | None = None
+    model: str = Field(default=DEFAULT_MODEL, description="HF folder, hub id, or inferd-tiny")
+    tokenizer: str | None = Field(
+        default=None, description="tokenizer folder or hub id (default: the model's)"
+    )
+    revision: str | None = Field(default=None, description="hub revision: a branch, tag or commit")
+    dtype: DType = Field(
+        default="auto",
+        description="auto: the checkpoint's, where the device runs it well",
+    )
+    load_format: LoadFormat = Field(
+        default="auto",
+        description="auto, safetensors: the checkpoint; dummy: random weights of its shape",
+    )
+    seed: int = Field(default=0, description="torch's seed: unseeded sampling and dummy weights")
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="tokens per request, prompt + output (default: the model's context)",
+    )
+    # Applied at load, as vLLM's --quantization; see inferd/models/linear.py.
+    quantization: Quantization | None = Field(
+        default=None,
+        description="int8: per-channel int8 weights, dynamic int8 activations (CPU, VNNI)",
+    )
 
 
 class CacheConfig(_Frozen):
     """Paged KV cache. One pool of `block_size`-token blocks per device."""
 
-    block_size: int = Field(default=16, gt=0, le=1024)
-    # Bytes for the KV pool. None: 4 GiB on CPU (vLLM's CPU default); on CUDA the pool takes
-    # `gpu_memory_utilization` of total memory minus what the weights and activations use.
-    kv_cache_memory: int | None = Field(default=None, gt=0)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    enable_prefix_caching: bool = True
-    # Element type of the KV pool; "auto": the model dtype. bfloat16 halves the bytes attention
-    # reads per step (and doubles the blocks a budget holds) at bf16's rounding of K and V.
-    kv_cache_dtype: KVCacheDType = "auto"
-    # How attention reads the paged cache: "cpu_kernel" (fails at start if it cannot build),
-    # "torch" (gather + SDPA, the CUDA path), "auto" (the kernel on CPU when available).
-    attention_backend: AttentionBackend = "auto"
-    # Where the engine publishes KV events (blocks stored/removed by stable hash, for a router's
-    # exact prefix index; kv_cache/events.py), a ZeroMQ address it binds such as tcp://*:5557.
+    block_size: int = Field(default=16, gt=0, le=1024, description="tokens per KV cache block")
+    # None: 4 GiB on CPU (vLLM's CPU default); on CUDA the pool takes `gpu_memory_utilization` of
+    # total memory minus what the weights and activations use.
+    kv_cache_memory: int | None = Field(
+        default=None, gt=0, description="KV cache bytes, or e.g. 2GiB (default: 4GiB on CPU)"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="CUDA: the share of GPU memory inferd may use"
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="reuse the KV blocks of prompt prefixes already computed"
+    )
+    # bfloat16 halves the bytes attention reads per step (and doubles the blocks a budget holds)
+    # at bf16's rounding of K and V.
+    kv_cache_dtype: KVCacheDType = Field(
+        default="auto", description="KV cache element type; auto: the model dtype"
+    )
+    # "cpu_kernel" fails at start if it cannot build; "torch" is gather + SDPA (the CUDA path).
+    attention_backend: AttentionBackend = Field(
+        default="auto", description="auto: the native CPU kernel when it builds, else PyTorch"
+    )
+    # Blocks stored/removed by stable hash, for a router's exact prefix index (kv_cache/events.py).
     # None: off, and nothing is collected.
-    kv_events_endpoint: str | None = None
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        description="publish KV cache events on this ZeroMQ address, e.g. tcp://*:5557",
+    )
 
 
 class SchedulerConfig(_Frozen):
     """Continuous batching limits for one engine step."""
 
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
-    max_num_seqs: int = Field(default=256, gt=0)
-    # Prefills longer than the remaining step budget are split across steps.
-    enable_chunked_prefill: bool = True
-    # With chunked prefill, the step's token budget is halved from max_num_batched_tokens (down
-    # to 512) while such a step is predicted, from the engine's own step timings, to take longer
-    # than this (scheduler/step_budget.py); 0: always max_num_batched_tokens, as vLLM.
-    step_time_target_ms: float = Field(default=500.0, ge=0)
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description="tokens one step may run")
+    max_num_seqs: int = Field(default=256, gt=0, description="requests one step may run")
+    # Prefills longer than the remaining step budget are split across steps (no flag: always on).
+    enable_chunked_prefill: bool = Field(
+        default=True, description="split long prefills across steps"
+    )
+    # The halving is predicted from the engine's own step timings (scheduler/step_budget.py);
+    # 0 keeps vLLM's behaviour.
+    step_time_target_ms: float = Field(
+        default=500.0,
+        ge=0,
+        description="halve the step's budget (to 512) past this time; 0: off",
+    )
+    policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        description="fcfs: by arrival; priority: by priority, then arrival (may preempt)",
+    )
 
 
 class DeviceConfig(_Frozen):
-    device: Device = "auto"
-    # CPU threads for torch; None keeps torch's default (one per physical core).
-    num_threads: int | None = Field(default=None, gt=0)
-    # CUDA graphs for decode batches; ignored on CPU.
-    enforce_eager: bool = False
-    # GEMM for linear layers: auto = weights prepacked for oneDNN on CPU, F.linear elsewhere;
-    # dense = F.linear everywhere (the reference path).
-    linear_backend: LinearBackend = "auto"
-    # Few-row batches and decode steps (up to 128 rows, one native call per step) on native
-    # kernels over a second copy of the weights beside oneDNN's: packed in panels (float32;
-    # bfloat16 on AVX512_BF16), else plain for the GEMV; auto = when the native kernels run and
-    # the copies take at most a quarter of RAM.
-    small_batch_gemv: SmallBatchGemv = "auto"
-    # Greedy batches' tokens from an int8 screen of the lm_head and the exact logits of the
-    # columns that can win (kernels/greedy.py), the same tokens as the whole lm_head; auto = where
-    # the lm_head runs the panel GEMM.
-    greedy_screen: GreedyScreen = "auto"
+    """Where the model runs and which kernels run its layers."""
+
+    device: Device = Field(default="auto", description="auto: cuda when available, else cpu")
+    # None keeps torch's default (one per physical core).
+    num_threads: int | None = Field(default=None, gt=0, description="CPU threads for torch")
+    # Ignored on CPU.
+    enforce_eager: bool = Field(default=False, description="no CUDA graphs for decode batches")
+    linear_backend: LinearBackend = Field(
+        default="auto",
+        description="auto: oneDNN with prepacked weights on CPU; dense: F.linear (reference)",
+    )
+    # Panels in float32, bfloat16 on AVX512_BF16, else the plain weight for the GEMV; auto: when the
+    # native kernels run and the copies take at most a quarter of RAM.
+    small_batch_gemv: SmallBatchGemv = Field(
+        default="auto",
+        description="<= 128 rows on native kernels over a weight copy; auto: if it fits RAM/4",
+    )
+    # The same tokens as the whole lm_head (kernels/greedy.py).
+    greedy_screen: GreedyScreen = Field(
+        default="auto",
+        description="greedy tokens from an int8 screen of the lm_head; auto: with panel GEMM",
+    )
 
 
 class StructuredOutputsConfig(_Frozen):
     """Grammar-constrained outputs (sampling/grammar.py) and the model's reasoning format."""
 
-    # Seconds a request may wait for its grammar to compile; past it the request is refused
-    # (400) and the others never waited on it.
-    grammar_compile_timeout_s: float = Field(default=30.0, gt=0)
-    # The model's reasoning format (postprocess/reasoning.py: deepseek_r1, qwen3): the thinking
-    # text goes to `reasoning`, and a grammar applies only after it ends. None: no reasoning.
-    reasoning_parser: str | None = None
+    # Past it the request is refused (400) and the others never waited on it.
+    grammar_compile_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a request's grammar may compile (then 400)",
+    )
+    # postprocess/reasoning.py: deepseek_r1, qwen3. None: no reasoning.
+    reasoning_parser: str | None = Field(
+        default=None,
+        description="the model's reasoning format: thinking to `reasoning`, grammars after it",
+    )
 
 
 class LoRAModule(_Frozen):
@@ -128,15 +171,27 @@ class LoRAModule(_Frozen):
 class LoRAConfig(_Frozen):
     """Many LoRA adapters over one base model, batched together (inferd/lora)."""
 
-    enable_lora: bool = False
-    lora_modules: tuple[LoRAModule, ...] = ()
-    # Distinct adapters one engine step may run (the slots the step's LoRA kernels read).
-    max_loras: int = Field(default=8, gt=0)
-    # The largest adapter rank accepted; the slots are sized for it.
-    max_lora_rank: int = Field(default=16, gt=0, le=512)
-    # Adapters kept loaded in host memory, least recently used evicted; None: max_loras or the
-    # number of --lora-modules, whichever is larger.
-    max_cpu_loras: int | None = Field(default=None, gt=0)
+    enable_lora: bool = Field(
+        default=False, description="serve LoRA adapters over the base model, many in one batch"
+    )
+    lora_modules: tuple[LoRAModule, ...] = Field(
+        default=(),
+        description="start-up adapters: name=path, or JSON {name, path, base_model_name}",
+    )
+    # The slots the step's LoRA kernels read.
+    max_loras: int = Field(default=8, gt=0, description="distinct adapters one engine step may run")
+    # The slots are sized for it.
+    max_lora_rank: int = Field(
+        default=16,
+        gt=0,
+        le=512,
+        description="the largest adapter rank accepted (larger: 400)",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        gt=0,
+        description="adapters in host memory, LRU evicted (default: max_loras or #lora_modules)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:

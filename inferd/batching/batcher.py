@@ -192,11 +192,6 @@ class DynamicBatcher(Generic[T, B, R]):
             and not self._pace.batch_can_grow(len(self._backends))
         )
 
-    @property
-    def num_busy(self) -> int:
-        """Workers running a batch now."""
-        return 0 if self._closed else len(self._backends) - len(self._free)
-
     def submit(
         self,
         item: T,

@@ -5,8 +5,9 @@
     --lora-modules '{"name": "sql", "path": "/adapters/sql", "base_model_name": "Qwen/Qwen3-0.6B"}'
 
 `--lora-modules` takes one or more entries (and may be repeated); each is `name=path` or a JSON
-object with `name`, `path` and optionally `base_model_name`. Defaults come from LoRAConfig, so
-the flags and the config tree cannot disagree.
+object with `name`, `path` and optionally `base_model_name`: `parse_lora_module` reads one. The
+flags themselves are LoRAConfig's fields, declared with the other engine flags
+(inferd/engine_args.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import json
 
 from pydantic import ValidationError
 
-from inferd.config import LoRAConfig, LoRAModule
-
-# The argparse dests, named like LoRAConfig's fields (cli.engine_kwargs passes them on as is).
-LORA_ARGS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
+from inferd.config import LoRAModule
 
 
 def parse_lora_module(text: str) -> LoRAModule:
@@ -51,43 +49,3 @@ def _from_json(text: str) -> LoRAModule:
     except ValidationError as e:
         problems = "; ".join(f"{err['loc'][0]}: {err['msg']}" for err in e.errors())
         raise argparse.ArgumentTypeError(f"{text!r}: {problems}") from None
-
-
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """The LoRA group of the engine flags."""
-    fields = LoRAConfig.model_fields
-    g = p.add_argument_group("LoRA adapters (vLLM's flags)")
-    g.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters over the base model, many in one batch",
-    )
-    g.add_argument(
-        "--lora-modules",
-        type=parse_lora_module,
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="NAME=PATH",
-        help="adapters served from start-up: name=path (PEFT folders), or JSON "
-        '{"name": ..., "path": ..., "base_model_name": ...}; the request\'s `model` picks one',
-    )
-    g.add_argument(
-        "--max-loras",
-        type=int,
-        default=fields["max_loras"].default,
-        help="distinct adapters one engine step may run",
-    )
-    g.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=fields["max_lora_rank"].default,
-        help="the largest adapter rank accepted (a larger one is refused with 400)",
-    )
-    g.add_argument(
-        "--max-cpu-loras",
-        type=int,
-        default=fields["max_cpu_loras"].default,
-        help="adapters kept loaded in host memory, least recently used evicted "
-        "(default: --max-loras, or the number of --lora-modules when larger)",
-    )

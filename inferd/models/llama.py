@@ -82,8 +82,8 @@ class LlamaModel(nn.Module):
             or self.local_rotary_emb is not None
         )
         self.fused: FusedOps | None = None
-        # Decode steps of 1-16 rows (int8: 1-8; with panel copies: 1-128) in one native
-        # call (set with the fused ops; see decode_plan).
+        # Decode steps of up to 128 rows with panel copies (without: 1-16; int8: 1-8) in one
+        # native call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
         # The LoRA adapters' rows of the step (inferd/lora), when LoRA is on. A step with
         # adapter rows runs layer by layer on every row: the native decode step and the last
@@ -267,9 +267,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager); with
-        `decode`, decode steps of 1-16 rows (int8: 1-8; with panel copies: 1-128) run through
-        every layer in one native call when every linear layer runs the GEMV. Call after the KV
-        caches are bound."""
+        `decode`, decode steps of up to 128 rows with panel copies (without: 1-16; int8: 1-8)
+        run through every layer in one native call when every linear layer runs the GEMV. Call
+        after the KV caches are bound."""
         self.model.fused = ops
         self.model.decode = None
         if ops is not None and decode is not None:

@@ -351,11 +351,3 @@ def _named_templates(value: Any, path: Path) -> dict[str, str]:
     raise ModelLoadError(
         f"{path}: chat_template must be a string or a list of {{name, template}} objects"
     )
-
-
-def _is_named_template(item: Any) -> bool:
-    return (
-        isinstance(item, dict)
-        and isinstance(item.get("name"), str)
-        and isinstance(item.get("template"), str)
-    )

@@ -75,10 +75,6 @@ class SamplingMetadata:
     constrained: bool = False
 
     @property
-    def any_random(self) -> bool:
-        return not self.all_greedy
-
-    @property
     def plain_greedy(self) -> bool:
         """Every row greedy, no logprobs, penalties or min_tokens: the token is the argmax of
         the raw logits."""
@@ -89,26 +85,6 @@ class SamplingMetadata:
             and self.min_tokens_index is None
             and not self.constrained
         )
-
-    @property
-    def need_top_k(self) -> bool:
-        return self.top_k is not None
-
-    @property
-    def need_top_p(self) -> bool:
-        return self.top_p is not None
-
-    @property
-    def need_min_p(self) -> bool:
-        return self.min_p is not None
-
-    @property
-    def need_penalties(self) -> bool:
-        return self.penalties is not None
-
-    @property
-    def need_min_tokens(self) -> bool:
-        return self.min_tokens_index is not None
 
     @classmethod
     def build(

@@ -616,7 +616,9 @@ async def drive(h: Harness, arrivals: list[tuple[float, str]], compute: float) -
             h.submit(arrivals[i][1])
             i += 1
         await settle()
-        if running is None and h.batcher.num_busy:
+        # Requests neither queued nor finished are on the (single) worker.
+        pending = sum(not f.done() for f in h.futures.values())
+        if running is None and pending > h.batcher.num_queued:
             while len(h.ran) <= finished:  # the worker records the batch it took
                 await asyncio.sleep(0.001)
             running = h.ran[-1]

@@ -3,6 +3,7 @@ renamed and derived flags land on their fields, the environment's key joins the 
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from inferd.config import (
     ServeConfig,
     ServerConfig,
 )
+from inferd.engine_args import SECTIONS
 from inferd.errors import InferdError
 
 ENV = Environment(cache_dir=Path("/nonexistent/cache"), hf_offline=True)
@@ -87,3 +89,30 @@ def test_a_value_the_config_refuses_is_a_one_line_error(capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert "scheduler.step_time_target_ms: Input should be greater than or equal to 0" in err
     assert "Traceback" not in err
+
+
+def test_engine_flags_are_the_config_fields_grouped_by_section() -> None:
+    """Each engine field is one flag, in its section's group, with the field's description."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    groups = {g.title: g for g in serve._action_groups}
+    for section in SECTIONS:
+        flags = {a.dest: a for a in groups[section.__name__]._group_actions}
+        for name, field in section.model_fields.items():
+            if name == "enable_chunked_prefill":  # no flag: prefills are always chunked
+                continue
+            assert field.description and field.description in flags[name].help
+
+
+def test_engine_flags_keep_their_names_and_forms() -> None:
+    engine = config(
+        *("--scheduling-policy", "priority", "--grammar-compile-timeout", "5"),
+        *("--kv-cache-memory", "2GiB", "--no-enable-prefix-caching", "--enforce-eager"),
+        *("--enable-lora", "--lora-modules", "a=/a", '{"name": "b", "path": "/b"}'),
+    ).engine
+    assert engine is not None
+    assert engine.scheduler.policy == "priority"
+    assert engine.structured_outputs.grammar_compile_timeout_s == 5.0
+    assert engine.cache.kv_cache_memory == 2 * 2**30
+    assert not engine.cache.enable_prefix_caching and engine.device.enforce_eager
+    assert [m.name for m in engine.lora.lora_modules] == ["a", "b"]

@@ -229,7 +229,7 @@ def test_penalties_match_hf_and_openai_references() -> None:
 
 def test_no_penalty_metadata_without_penalties() -> None:
     meta = _meta([_row(SamplingParams(), [1, 2], [3])], 10)
-    assert not meta.need_penalties
+    assert meta.penalties is None
 
 
 def test_penalties_change_greedy_choice() -> None:
@@ -258,7 +258,7 @@ def test_greedy_is_argmax() -> None:
     logits = _logits(7, 100, seed=7)
     rows = [_row(SamplingParams(temperature=0.0, seed=i)) for i in range(7)]
     meta = _meta(rows, 100)
-    assert meta.all_greedy and not meta.any_random and meta.temperature is None
+    assert meta.all_greedy and meta.temperature is None
     out = Sampler()(logits.clone(), meta)
     assert out.token_ids.dtype == torch.int64
     assert out.token_ids.tolist() == np.argmax(logits.numpy(), axis=1).tolist()
@@ -272,7 +272,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_then_allows_them() -> None:
     picks = []
     for n_out in range(5):
         meta = _meta([_row(params, output=[0] * n_out, eos=eos)], v)
-        assert meta.need_min_tokens == (n_out < 3)
+        assert (meta.min_tokens_index is not None) == (n_out < 3)
         picks.append(Sampler()(logits.clone(), meta).token_ids.item())
     assert picks == [7, 7, 7, 9, 9]
     ignore = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[8], ignore_eos=True)
@@ -312,7 +312,7 @@ def test_mixed_batch_greedy_rows_take_argmax() -> None:
 
 def test_metadata_flags_skip_unneeded_ops() -> None:
     meta = _meta([_row(SamplingParams(temperature=1.0)), _row(SamplingParams(seed=1))], 10)
-    assert meta.all_random and meta.any_random
+    assert meta.all_random and not meta.all_greedy
     assert (meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.penalties) == (
         None,
         None,
@@ -320,7 +320,7 @@ def test_metadata_flags_skip_unneeded_ops() -> None:
         None,
         None,
     )
-    assert not (meta.need_top_k or meta.need_top_p or meta.need_min_p or meta.need_min_tokens)
+    assert meta.min_tokens_index is None
     assert meta.greedy_mask is None and meta.max_num_logprobs is None
     assert list(meta.generators) == [1] and meta.num_unseeded_random == 1
 

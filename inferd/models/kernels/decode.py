@@ -1,5 +1,6 @@
-"""`decode_step.cpp`: a decode step of 1-16 rows (with panel copies 1-128) through every decoder
-layer in one native call.
+"""`decode_step.cpp`: a decode step through every decoder layer in one native call, of up to 128
+rows when every linear layer has its panel copy (the default where the copies fit), else 1-16
+(int8 weights 1-8).
 
 `DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
 RoPE tables), checks their shapes and builds the C structures that point at them; the returned

@@ -1,4 +1,4 @@
-// A decode step of 1-16 rows (int8 weights: 1-8; weights with their panel copies: 1-128)
+// A decode step of up to 128 rows with the weights' panel copies (else 1-16; int8 weights 1-8)
 // through every decoder layer of a Llama-family model in one call.
 //
 //   inferd_decode_layers(model, step)
