@@ -5,14 +5,16 @@ keys are `base_model.model.<module>.lora_A.weight` [r, in] and `<module>.lora_B.
 each module one checkpoint layer of the base model (`model.layers.3.self_attn.q_proj`). inferd
 fuses q/k/v and gate/up into one linear layer each, so an adapter is packed per *inferd* layer:
 
-    at:    [in, w]   the A of every shard of the layer the adapter targets, stacked and
-                     transposed (w = sum of their ranks)
-    bt:    [w, out]  B transposed, block-structured: shard i's rows sit in its rank range and
-                     its own output columns, zeros elsewhere
+    at:      [in, w]        the A of every shard of the layer the adapter targets, stacked and
+                            transposed (w = sum of their ranks): one GEMM for all of them
+    blocks:  per shard      its rank columns [r0, r1) of x at, its output columns [c0, c1),
+                            and its B transposed [r1 - r0, c1 - c0]
 
-so a layer's term is one pair of GEMMs for any subset of its shards: y += (x at) bt. The
-scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
-alpha_pattern honoured), is folded into bt.
+so a layer's term is one shrink GEMM and one expand GEMM per shard, each over that shard's own
+output columns: y[:, c0:c1] += (x at)[:, r0:r1] bt_i. (One B over all columns, zero off each
+shard's block, would multiply and read those zeros: 3x the expand's work and bytes for q/k/v.)
+The scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
+alpha_pattern honoured), is folded into each bt.
 
 Refused with the reason (InvalidRequestError, a 400): a path that is not a folder, no
 adapter_config.json or not a LoRA one, weights only as a pickle (`.bin`: safetensors only), a rank
@@ -53,18 +55,36 @@ class ShardTarget:
 
 
 @dataclass(frozen=True)
+class ShardFactors:
+    """One shard's expand: rank columns [r0, r1) of x at -> output columns [c0, c1)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    bt: Tensor  # [r1 - r0, c1 - c0], scaling folded in
+
+
+@dataclass(frozen=True)
 class LinearFactors:
     """One inferd linear layer's part of an adapter, packed (module docstring)."""
 
     at: Tensor  # [in, w]
-    bt: Tensor  # [w, out], scaling folded in
+    blocks: tuple[ShardFactors, ...]
 
     @property
     def width(self) -> int:
         return int(self.at.shape[1])
 
+    @property
+    def nbytes(self) -> int:
+        return self.at.nbytes + sum(b.bt.nbytes for b in self.blocks)
+
     def to(self, device: torch.device) -> LinearFactors:
-        return LinearFactors(self.at.to(device), self.bt.to(device))
+        if self.at.device == device:
+            return self
+        blocks = tuple(ShardFactors(b.r0, b.r1, b.c0, b.c1, b.bt.to(device)) for b in self.blocks)
+        return LinearFactors(self.at.to(device), blocks)
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(f.at.nbytes + f.bt.nbytes for f in self.layers.values())
+        return sum(f.nbytes for f in self.layers.values())
 
 
 def load_adapter(
@@ -204,16 +224,17 @@ def _pack(
         shards.sort(key=lambda s: s[0].shard)
         width = sum(int(factors[m][0].shape[0]) for _, m in shards)
         first = shards[0][0]
-        at = torch.zeros(first.in_features, width, dtype=torch.float32)
-        bt = torch.zeros(width, first.out_features, dtype=torch.float32)
+        at = torch.empty(first.in_features, width, dtype=dtype)
+        blocks = []
         col = 0
         for target, module in shards:
             fa, fb = factors[module]
             r = int(fa.shape[0])
             scale = _scaling(config, module, r)
-            at[:, col : col + r] = fa.float().t()
+            at[:, col : col + r] = fa.float().t().to(dtype)
             lo, hi = target.row_start, target.row_start + target.rows
-            bt[col : col + r, lo:hi] = fb.float().t() * scale
+            bt = (fb.float().t() * scale).to(dtype).contiguous()
+            blocks.append(ShardFactors(col, col + r, lo, hi, bt))
             col += r
-        out[linear] = LinearFactors(at.to(dtype).contiguous(), bt.to(dtype))
+        out[linear] = LinearFactors(at, tuple(blocks))
     return out

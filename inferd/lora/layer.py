@@ -2,9 +2,10 @@
 their own rows only (S-LoRA / Punica's segmented GEMM, SGMV).
 
 The base GEMM runs once over every row of the step, whatever adapter each row runs under; then
-for each adapter present (its slot s, its rows), one pair of small GEMMs:
+for each adapter present (its slot s, its rows), small GEMMs: one shrink, and one expand per
+shard it targets (q/k/v or gate/up), over that shard's output columns only (adapter.py):
 
-    y[rows] += (x[rows] at_s) bt_s
+    v = x[rows] at_s;   y[rows, c0:c1] += v[:, r0:r1] bt_s,i
 
 The runner orders the step's rows so each adapter's rows come together (its decode rows, then
 its prompt chunks): one run of rows is a view, rows in both parts are gathered by an index built
@@ -82,6 +83,11 @@ class LoRALayer:
                 continue
             shrunk = x[rows] @ factors.at  # [n, w]
             if isinstance(rows, slice):
-                y[rows].addmm_(shrunk, factors.bt)
-            else:
-                y.index_add_(0, rows, shrunk @ factors.bt)
+                out = y[rows]
+                for b in factors.blocks:
+                    out[:, b.c0 : b.c1].addmm_(shrunk[:, b.r0 : b.r1], b.bt)
+                continue
+            delta = y.new_zeros(shrunk.shape[0], y.shape[1])
+            for b in factors.blocks:
+                delta[:, b.c0 : b.c1] = shrunk[:, b.r0 : b.r1] @ b.bt
+            y.index_add_(0, rows, delta)

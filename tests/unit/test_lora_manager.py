@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from inferd.config import LoRAConfig
 from inferd.errors import InvalidRequestError
@@ -78,9 +78,16 @@ def test_packs_shards_with_scaling_and_spans(tmp_path: Path) -> None:
     m.register(_request("a", folder))
     adapter = m.load("a").result()
     f = adapter.layers["model.layers.0.self_attn.qkv_proj"]
-    assert f.at.shape == (8, 4) and f.bt.shape == (4, 16)
-    # k's columns get nothing; q's B lands in rows 0-1, scaled by alpha / r = 2.
-    assert torch.count_nonzero(f.bt[:, 8:12]) == 0 and torch.count_nonzero(f.bt[:2, 8:]) == 0
+    assert f.at.shape == (8, 4)
+    q, v = f.blocks
+    assert (q.r0, q.r1, q.c0, q.c1, q.bt.shape) == (0, 2, 0, 8, (2, 8))
+    assert (v.r0, v.r1, v.c0, v.c1, v.bt.shape) == (2, 4, 12, 16, (2, 4))
+    # B transposed, times lora_alpha / r = 2; A transposed, stacked q then v.
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    q_b = saved[f"{PREFIX}.self_attn.q_proj.lora_B.weight"]
+    torch.testing.assert_close(q.bt, q_b.t() * 2)
+    v_a = saved[f"{PREFIX}.self_attn.v_proj.lora_A.weight"]
+    torch.testing.assert_close(f.at[:, 2:4], v_a.t())
     assert "model.layers.0.self_attn.o_proj" not in adapter.layers
 
 
