@@ -130,7 +130,10 @@ def systems(shape: ModelShape, folder: Path, args: argparse.Namespace) -> list[S
         name, _, extra = variant.partition("=")
         argv = [inferd, "serve", str(folder), "--served-model-name", "m", "--num-threads", "2"]
         argv += ["--disable-access-log", *shlex.split(extra or "--dtype float32")]
-        out.append(System(name, argv, "/health/ready"))
+        # The checkout this script lives in, not whatever the venv's editable install points at
+        # (a git worktree shares the main checkout's venv).
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        out.append(System(name, argv, "/health/ready", {"PYTHONPATH": path}))
     if args.vllm_python and Path(args.vllm_python).exists():
         out.extend(_vllm(folder, args, dtype) for dtype in args.vllm_dtypes.split(","))
     else:
@@ -227,7 +230,11 @@ def single_workload(shape: ModelShape, tokens: int, seed: int) -> list[BenchRequ
     return [BenchRequest(rng.integers(0, shape.vocab_size, 32).tolist(), tokens)]
 
 
-def run_workload(url: str, reqs: list[BenchRequest], pid: int) -> dict[str, Any]:
+def run_workload(
+    url: str, reqs: list[BenchRequest], pid: int, models: list[str] | None = None
+) -> dict[str, Any]:
+    """Streams every request at once; `models` names each request's `model` (a LoRA adapter,
+    bench/lora_peers.py), default the served model `m`."""
     load_args = argparse.Namespace(
         max_concurrency=None,
         no_progress=True,
@@ -235,10 +242,10 @@ def run_workload(url: str, reqs: list[BenchRequest], pid: int) -> dict[str, Any]
         seed=0,
         request_timeout=3600.0,
     )
+    names = models or ["m"] * len(reqs)
+    bodies = [completion_body(r, m, 0.0) for r, m in zip(reqs, names, strict=True)]
     cpu0 = tree_cpu_seconds(pid)
-    results, wall, _ = asyncio.run(
-        run_load(f"{url}/v1/completions", [completion_body(r, "m", 0.0) for r in reqs], load_args)
-    )
+    results, wall, _ = asyncio.run(run_load(f"{url}/v1/completions", bodies, load_args))
     cpu = tree_cpu_seconds(pid) - cpu0
     for r in results:
         # A server that sends no usage chunk: one token per chunk.
