@@ -12,14 +12,17 @@ its prompt chunks): one run of rows is a view, rows in both parts are gathered b
 once per step and shared by every layer. Base-model rows are in no segment and cost nothing; a
 step with no adapter rows costs one attribute check per layer.
 
-On CPU these GEMMs run on one thread: between the native kernels' steps, each small GEMM
-measured 4-8x slower per call on two threads than on one (the thread pools hand over), and a
-native kernel for them measured no faster end to end, its decode rows bound by reading the
-adapters' weights from memory (bench/NOTES.md, "LoRA").
+Per adapter that is a handful of small ops per layer, and with many adapters in a step their
+fixed cost, not their arithmetic, is what the step pays. So adapters with few rows each (decode)
+run grouped when there are enough of them: every slot at once, rows padded to a common count,
+one batched GEMM for the shrink and one per shard for the expand (`GroupedRows`); their cost is
+then reading every slot's factors, which the layer keeps stacked for it (a copy of each resident
+adapter's factors). A native kernel for these GEMMs measured no faster end to end: decode rows
+are bound by reading the adapters' weights from memory (bench/NOTES.md, "LoRA").
 
 Slots: a layer holds `max_loras` slots, each an adapter's packed factors for it (adapter.py) or
-none. A slot refers to the adapter's own tensors on the model's device (no copy on CPU); the
-manager fills a slot when a step first needs its adapter.
+none: the adapter's own tensors on the model's device for one adapter at a time, and the stacked
+copy for the grouped pass. The manager fills a slot when a step first needs its adapter.
 """
 
 from __future__ import annotations
@@ -30,30 +33,69 @@ import torch
 from torch import Tensor
 
 from inferd.lora.adapter import LinearFactors
+from inferd.models.linear import Linear
 
 # The rows of the flat batch one adapter runs: a run of them, or their indices [n] int64.
 Rows = slice | Tensor
 
 
+@dataclass(frozen=True)
+class GroupedRows:
+    """Adapters with few rows each, every slot at once: slot s's rows go to positions
+    [s * max_rows, ...) of a zero-padded [num_slots * max_rows] batch. `src`: their rows of the
+    flat batch, `dst`: their positions there (both [n] int64)."""
+
+    src: Tensor
+    dst: Tensor
+    max_rows: int
+    # (lo, hi) when src is exactly rows lo..hi-1 in order: an add into a view, no scatter.
+    run: tuple[int, int] | None = None
+
+
 @dataclass
 class LoRABatch:
     """Which rows of the step being run use which slot: set by the runner before each forward,
-    read by every LoRA layer."""
+    read by every LoRA layer. `segments` run one adapter at a time; `grouped`, all at once."""
 
     segments: list[tuple[int, Rows]] = field(default_factory=list)
+    grouped: GroupedRows | None = None
 
     @property
     def active(self) -> bool:
-        return bool(self.segments)
+        return bool(self.segments) or self.grouped is not None
 
 
 class LoRALayer:
     """One linear layer's slots and its term over a step's segments (the module docstring)."""
 
-    def __init__(self, batch: LoRABatch, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        batch: LoRABatch,
+        linear: Linear,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.batch = batch
         self.device = device
+        self.max_rank = max_rank
         self._factors: list[LinearFactors | None] = [None] * num_slots
+        # The grouped path's copy of each slot: A^T of every shard at rank columns
+        # [i * max_rank, (i + 1) * max_rank), B^T per shard, zero where an adapter has less.
+        self.cols: list[tuple[int, int]] = []
+        start = 0
+        for _, rows in linear.shards:
+            self.cols.append((start, start + rows))
+            start += rows
+        width = len(self.cols) * max_rank
+        self.at_slots = torch.zeros(
+            num_slots, linear.in_features, width, dtype=dtype, device=device
+        )
+        self.bt_slots = [
+            torch.zeros(num_slots, max_rank, c1 - c0, dtype=dtype, device=device)
+            for c0, c1 in self.cols
+        ]
 
     @property
     def active(self) -> bool:
@@ -61,22 +103,24 @@ class LoRALayer:
 
     def load(self, slot: int, factors: LinearFactors | None) -> None:
         """Puts an adapter's factors for this layer in `slot` (None: it has none here)."""
-        self._factors[slot] = None if factors is None else factors.to(self.device)
+        factors = None if factors is None else factors.to(self.device)
+        self._factors[slot] = factors
+        self.at_slots[slot].zero_()
+        for bt in self.bt_slots:
+            bt[slot].zero_()
+        if factors is None:
+            return
+        for b in factors.blocks:
+            i = self.cols.index((b.c0, b.c1))
+            lo = i * self.max_rank
+            self.at_slots[slot, :, lo : lo + b.r1 - b.r0] = factors.at[:, b.r0 : b.r1]
+            self.bt_slots[i][slot, : b.r1 - b.r0] = b.bt
 
     def add_to(self, x: Tensor, y: Tensor) -> None:
         """y += each segment's term. x: [T', in], y: [T', out] (T' >= the real rows: padded
         rows are in no segment)."""
-        if x.device.type != "cpu":
-            self._add(x, y)
-            return
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            self._add(x, y)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _add(self, x: Tensor, y: Tensor) -> None:
+        if self.batch.grouped is not None:
+            self._add_grouped(x, y, self.batch.grouped)
         for slot, rows in self.batch.segments:
             factors = self._factors[slot]
             if factors is None:
@@ -91,3 +135,19 @@ class LoRALayer:
             for b in factors.blocks:
                 delta[:, b.c0 : b.c1] = shrunk[:, b.r0 : b.r1] @ b.bt
             y.index_add_(0, rows, delta)
+
+    def _add_grouped(self, x: Tensor, y: Tensor, g: GroupedRows) -> None:
+        """Every slot's rows in one batched GEMM per shard (a handful of ops whatever the
+        number of adapters): x [T', in] -> padded [S, M, in] -> v [S, M, w] -> y's columns."""
+        slots = self.at_slots.shape[0]
+        padded = x.new_zeros(slots * g.max_rows, x.shape[1])
+        padded.index_copy_(0, g.dst, x.index_select(0, g.src))
+        v = torch.bmm(padded.view(slots, g.max_rows, -1), self.at_slots)  # [S, M, w]
+        r = self.max_rank
+        for i, (c0, c1) in enumerate(self.cols):
+            out = torch.bmm(v[:, :, i * r : (i + 1) * r], self.bt_slots[i])  # [S, M, c1 - c0]
+            delta = out.view(-1, c1 - c0).index_select(0, g.dst)  # [n, c1 - c0], src's order
+            if g.run is not None:  # the rows are one run (decode rows, sorted by adapter)
+                y[g.run[0] : g.run[1], c0:c1].add_(delta)
+            else:
+                y[:, c0:c1].index_add_(0, g.src, delta)

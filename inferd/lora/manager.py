@@ -27,12 +27,14 @@ import torch
 from inferd.config import LoRAConfig
 from inferd.errors import InvalidRequestError
 from inferd.lora.adapter import LoRAAdapter, ShardTarget, load_adapter
-from inferd.lora.layer import LoRABatch, LoRALayer, Rows
+from inferd.lora.layer import GroupedRows, LoRABatch, LoRALayer, Rows
 from inferd.lora.request import LoRARequest
 from inferd.models.linear import Linear
 
 logger = logging.getLogger("inferd.lora")
 
+# Adapters with at most this many rows in a step may run grouped (layer.py).
+GROUPED_MAX_ROWS = 32
 # (adapter name or None for the base model, first row, end row) of the flat batch.
 RowRun = tuple[str | None, int, int]
 
@@ -55,7 +57,9 @@ class LoRAManager:
         self.targets = _targets(linears)
         self.layers: dict[str, LoRALayer] = {}
         for name, linear in linears:
-            linear.lora = self.layers[name] = LoRALayer(self.batch, config.max_loras, device)
+            linear.lora = self.layers[name] = LoRALayer(
+                self.batch, linear, config.max_loras, config.max_lora_rank, dtype, device
+            )
         self._known: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._loading: dict[str, concurrent.futures.Future[LoRAAdapter]] = {}
@@ -179,9 +183,34 @@ class LoRAManager:
         assert len(needed) <= len(self._slot_names), "the scheduler admits max_loras per step"
         for adapter in rows:  # in row order: the same slots every run
             self._to_slot(adapter, needed)
+        # Adapters with few rows (decode) together, when there are enough of them that one
+        # batched GEMM over every slot does less than one pair of GEMMs each.
+        few = [n for n, spans in rows.items() if _count(spans) <= GROUPED_MAX_ROWS]
+        if len(few) < max(2, len(self._slot_names) // 2):
+            few = []
+        self.batch.grouped = self._grouped({n: rows[n] for n in few}) if few else None
         self.batch.segments = [
-            (self._slot_of[n], _rows(spans, self.device)) for n, spans in rows.items()
+            (self._slot_of[n], _rows(spans, self.device))
+            for n, spans in rows.items()
+            if n not in few
         ]
+
+    def _grouped(self, rows: dict[str, list[tuple[int, int]]]) -> GroupedRows:
+        max_rows = max(_count(spans) for spans in rows.values())
+        src: list[int] = []
+        dst: list[int] = []
+        for name, spans in rows.items():
+            base = self._slot_of[name] * max_rows
+            index = [i for lo, hi in spans for i in range(lo, hi)]
+            src += index
+            dst += range(base, base + len(index))
+        run = (src[0], src[-1] + 1) if src == list(range(src[0], src[-1] + 1)) else None
+        return GroupedRows(
+            torch.tensor(src, device=self.device),
+            torch.tensor(dst, device=self.device),
+            max_rows,
+            run,
+        )
 
     def _to_slot(self, name: str, needed: set[str]) -> None:
         slot = self._slot_of.get(name)
@@ -196,6 +225,10 @@ class LoRAManager:
             self._slot_names[slot] = name
             self._slot_of[name] = slot
         self._slot_lru.move_to_end(slot)
+
+
+def _count(spans: list[tuple[int, int]]) -> int:
+    return sum(hi - lo for lo, hi in spans)
 
 
 def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:

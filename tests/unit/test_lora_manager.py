@@ -134,7 +134,11 @@ def test_slots_are_reused_least_recently_used_first(tmp_path: Path) -> None:
         m.register(_request(name, _write(tmp_path / name, {"q_proj": (8, 8)}), i + 1))
         _load(m, name)
     m.set_step([("a", 0, 2), (None, 2, 3), ("b", 3, 4)])
-    assert {s for s, _ in m.batch.segments} == {0, 1} and m.batch.active
+    assert m._slot_of == {"a": 0, "b": 1} and m.batch.active
+    # Both adapters have few rows: one grouped pass over every slot, rows placed slot-major.
+    g = m.batch.grouped
+    assert g is not None and not m.batch.segments
+    assert g.src.tolist() == [0, 1, 3] and g.dst.tolist() == [0, 1, 2] and g.max_rows == 2
     m.set_step([("b", 0, 1)])
     m.set_step([("c", 0, 1), ("b", 1, 2)])  # c takes a's slot, the least recently used
     assert m._slot_of == {"b": 1, "c": 0}
