@@ -81,6 +81,8 @@ class LoRALayer:
         self.device = device
         self.max_rank = max_rank
         self._factors: list[LinearFactors | None] = [None] * num_slots
+        # Slots whose stacked copy is not made yet.
+        self._stale: set[int] = set()
         # The grouped path's copy of each slot: A^T of every shard at rank columns
         # [i * max_rank, (i + 1) * max_rank), B^T per shard, zero where an adapter has less.
         self.cols: list[tuple[int, int]] = []
@@ -102,9 +104,15 @@ class LoRALayer:
         return self.batch.active
 
     def load(self, slot: int, factors: LinearFactors | None) -> None:
-        """Puts an adapter's factors for this layer in `slot` (None: it has none here)."""
-        factors = None if factors is None else factors.to(self.device)
-        self._factors[slot] = factors
+        """Puts an adapter's factors for this layer in `slot` (None: it has none here). The
+        stacked copy is made when a grouped pass first reads the slot, so an adapter that only
+        ever runs alone (a cold adapter's first request) costs no copy."""
+        self._factors[slot] = None if factors is None else factors.to(self.device)
+        self._stale.add(slot)
+
+    def _stack(self, slot: int) -> None:
+        """Copies the slot's factors into the stacked tensors the grouped pass reads."""
+        factors = self._factors[slot]
         self.at_slots[slot].zero_()
         for bt in self.bt_slots:
             bt[slot].zero_()
@@ -139,6 +147,9 @@ class LoRALayer:
     def _add_grouped(self, x: Tensor, y: Tensor, g: GroupedRows) -> None:
         """Every slot's rows in one batched GEMM per shard (a handful of ops whatever the
         number of adapters): x [T', in] -> padded [S, M, in] -> v [S, M, w] -> y's columns."""
+        for slot in self._stale:
+            self._stack(slot)
+        self._stale.clear()
         slots = self.at_slots.shape[0]
         padded = x.new_zeros(slots * g.max_rows, x.shape[1])
         padded.index_copy_(0, g.dst, x.index_select(0, g.src))
