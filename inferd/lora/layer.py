@@ -48,6 +48,8 @@ class GroupedRows:
     src: Tensor
     dst: Tensor
     max_rows: int
+    # The slots the grouped rows run (their adapters).
+    slots: tuple[int, ...] = ()
     # (lo, hi) when src is exactly rows lo..hi-1 in order: an add into a view, no scatter.
     run: tuple[int, int] | None = None
 
@@ -81,8 +83,9 @@ class LoRALayer:
         self.device = device
         self.max_rank = max_rank
         self._factors: list[LinearFactors | None] = [None] * num_slots
-        # Slots whose stacked copy is not made yet.
+        # Slots whose stacked copy is not made yet; the shards each slot's adapter targets here.
         self._stale: set[int] = set()
+        self._shards: list[frozenset[int]] = [frozenset()] * num_slots
         # The grouped path's copy of each slot: A^T of every shard at rank columns
         # [i * max_rank, (i + 1) * max_rank), B^T per shard, zero where an adapter has less.
         self.cols: list[tuple[int, int]] = []
@@ -108,6 +111,11 @@ class LoRALayer:
         stacked copy is made when a grouped pass first reads the slot, so an adapter that only
         ever runs alone (a cold adapter's first request) costs no copy."""
         self._factors[slot] = None if factors is None else factors.to(self.device)
+        self._shards[slot] = (
+            frozenset()
+            if factors is None
+            else frozenset(self.cols.index((b.c0, b.c1)) for b in factors.blocks)
+        )
         self._stale.add(slot)
 
     def _stack(self, slot: int) -> None:
@@ -147,6 +155,10 @@ class LoRALayer:
     def _add_grouped(self, x: Tensor, y: Tensor, g: GroupedRows) -> None:
         """Every slot's rows in one batched GEMM per shard (a handful of ops whatever the
         number of adapters): x [T', in] -> padded [S, M, in] -> v [S, M, w] -> y's columns."""
+        # Only the shards some grouped adapter targets here (none: the layer is skipped).
+        shards = frozenset().union(*(self._shards[s] for s in g.slots))
+        if not shards:
+            return
         for slot in self._stale:
             self._stack(slot)
         self._stale.clear()
@@ -155,7 +167,8 @@ class LoRALayer:
         padded.index_copy_(0, g.dst, x.index_select(0, g.src))
         v = torch.bmm(padded.view(slots, g.max_rows, -1), self.at_slots)  # [S, M, w]
         r = self.max_rank
-        for i, (c0, c1) in enumerate(self.cols):
+        for i in sorted(shards):
+            c0, c1 = self.cols[i]
             out = torch.bmm(v[:, :, i * r : (i + 1) * r], self.bt_slots[i])  # [S, M, c1 - c0]
             delta = out.view(-1, c1 - c0).index_select(0, g.dst)  # [n, c1 - c0], src's order
             if g.run is not None:  # the rows are one run (decode rows, sorted by adapter)

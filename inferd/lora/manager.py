@@ -209,6 +209,7 @@ class LoRAManager:
             torch.tensor(src, device=self.device),
             torch.tensor(dst, device=self.device),
             max_rows,
+            tuple(self._slot_of[n] for n in rows),
             run,
         )
 
