@@ -407,10 +407,14 @@ class LLMEngine:
         self._aborted = []
         with timed(stat, "schedule"):
             sched = self.scheduler.schedule()
+        if sched.is_empty and self._waits and not outputs:
+            # Nothing to run until a grammar or adapter is ready: wait for one, and schedule
+            # what it let in within this step rather than the next.
+            self._waits.wait_any(_WAIT_POLL_S)
+            self._admit_waits()
+            with timed(stat, "schedule"):
+                sched = self.scheduler.schedule()
         if sched.is_empty:
-            if self._waits and not outputs:
-                # Nothing to run until a grammar or adapter is ready: wait for one.
-                self._waits.wait_any(_WAIT_POLL_S)
             return outputs
         self.outputs.mark_scheduled([c.request.request_id for c in sched.chunks], time.monotonic())
         self.num_preemptions_total += len(sched.preempted_ids)
