@@ -72,14 +72,6 @@ class LinearFactors:
     at: Tensor  # [in, w]
     blocks: tuple[ShardFactors, ...]
 
-    @property
-    def width(self) -> int:
-        return int(self.at.shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        return self.at.nbytes + sum(b.bt.nbytes for b in self.blocks)
-
     def to(self, device: torch.device) -> LinearFactors:
         if self.at.device == device:
             return self
@@ -89,15 +81,10 @@ class LinearFactors:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """An adapter loaded in host memory, ready to copy into a slot."""
+    """An adapter loaded in host memory, ready for a slot."""
 
     request: LoRARequest
-    rank: int  # the largest of its modules' ranks
     layers: dict[str, LinearFactors]  # by inferd linear layer name
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.layers.values())
 
 
 def load_adapter(
@@ -111,8 +98,7 @@ def load_adapter(
     config = _read_config(folder, request.lora_name)
     factors = _read_factors(folder, config, targets, max_rank)
     layers = _pack(factors, config, targets, dtype)
-    rank = max((int(a.shape[0]) for a, _ in factors.values()), default=0)
-    return LoRAAdapter(request, rank, layers)
+    return LoRAAdapter(request, layers)
 
 
 def _refuse(name: str, reason: str) -> InvalidRequestError:
