@@ -1,4 +1,4 @@
-"""The one stage vocabulary of both request lanes, and the typed carrier of a request's stage times.
+"""The one stage vocabulary of every request lane, and the typed carrier of a request's stage times.
 
 Every place that names a stage uses `Stage`: the LLM lane's `RequestTimeline`, the classic lane's
 pipeline, the Prometheus histograms (`inferd_request_<stage>_seconds` for the LLM lane,
@@ -11,6 +11,8 @@ the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is*
                    -> grammar -> detokenize -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
                    -> compute_output -> postprocess -> stream
+    image lane:    receive -> validate -> text_encode -> lora_load -> queue -> denoise
+                   -> vae_decode -> image_encode -> stream
 
     t = StageTimings()
     with t.measure(Stage.VALIDATE):
@@ -38,17 +40,21 @@ class Stage(StrEnum):
     VALIDATE = "validate"
     TOKENIZE = "tokenize"
     PREPROCESS = "preprocess"
+    TEXT_ENCODE = "text_encode"
     LORA_LOAD = "lora_load"
     QUEUE = "queue"
     BATCH = "batch"
     PREFILL = "prefill"
     DECODE = "decode"
+    DENOISE = "denoise"
+    VAE_DECODE = "vae_decode"
     GRAMMAR = "grammar"
     COMPUTE_INPUT = "compute_input"
     INFER = "infer"
     COMPUTE_OUTPUT = "compute_output"
     DETOKENIZE = "detokenize"
     POSTPROCESS = "postprocess"
+    IMAGE_ENCODE = "image_encode"
     STREAM = "stream"
 
 
@@ -81,6 +87,18 @@ CLASSIC_STAGES: tuple[Stage, ...] = (
     Stage.POSTPROCESS,
     Stage.STREAM,
 )
+IMAGE_STAGES: tuple[Stage, ...] = (
+    Stage.RECEIVE,
+    Stage.VALIDATE,
+    # Batched across the requests that arrive together, before they queue for denoising.
+    Stage.TEXT_ENCODE,
+    Stage.LORA_LOAD,
+    Stage.QUEUE,
+    Stage.DENOISE,
+    Stage.VAE_DECODE,
+    Stage.IMAGE_ENCODE,
+    Stage.STREAM,
+)
 # The router in front of replicas (`inferd router`), added to the replica's `timings`.
 ROUTER_STAGES: tuple[Stage, ...] = (Stage.ROUTE,)
 # Not stages: spans over several stages, reported after the stages in `timings`.
@@ -94,17 +112,21 @@ STAGE_HELP: dict[Stage, str] = {
     Stage.VALIDATE: "Semantic checks (model, parameters, shapes, context window)",
     Stage.TOKENIZE: "Chat template and tokenizer",
     Stage.PREPROCESS: "Preprocessing steps (tokenize, image decode/resize, audio features)",
+    Stage.TEXT_ENCODE: "Image lane: the prompt and negative prompt through the text encoder(s)",
     Stage.LORA_LOAD: "Waiting for the request's LoRA adapter to load from disk (a cold adapter)",
     Stage.QUEUE: "Waiting in the admission queue until scheduled (or a free model instance)",
     Stage.GRAMMAR: "Structured outputs: waiting for the grammar to compile, and masking logits",
     Stage.BATCH: "Batch formation: the wait inside the batching window (max_queue_delay)",
     Stage.PREFILL: "First scheduled to first token (prompt processing)",
     Stage.DECODE: "First token to last token",
+    Stage.DENOISE: "Image lane: first denoising step scheduled to the last one done",
+    Stage.VAE_DECODE: "Image lane: latents to pixels through the VAE decoder (batched)",
     Stage.COMPUTE_INPUT: "Concatenating and padding the batch's inputs",
     Stage.INFER: "The backend's forward pass over the whole batch",
     Stage.COMPUTE_OUTPUT: "Splitting the batch's outputs back per request",
     Stage.DETOKENIZE: "Engine-side incremental detokenization, summed over steps",
     Stage.POSTPROCESS: "Postprocessing steps (softmax, pooling, NMS, classification labels)",
+    Stage.IMAGE_ENCODE: "Image lane: pixels to PNG, JPEG or WebP bytes",
     Stage.STREAM: "Serializing and sending the response or its chunks",
 }
 

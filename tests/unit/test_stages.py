@@ -1,4 +1,4 @@
-"""The one stage vocabulary: both lanes' orders, the timings carrier, and its `timings` form."""
+"""The one stage vocabulary: every lane's order, the timings carrier, and its `timings` form."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from inferd.telemetry.stages import (
     CLASSIC_STAGES,
+    IMAGE_STAGES,
     LLM_STAGES,
     ROUTER_STAGES,
     STAGE_HELP,
@@ -18,7 +19,10 @@ from inferd.telemetry.timeline import RequestTimeline
 
 def test_every_stage_has_help_and_a_lane() -> None:
     assert set(STAGE_HELP) == set(Stage)
-    assert set(LLM_STAGES) | set(CLASSIC_STAGES) | set(ROUTER_STAGES) == set(Stage)
+    lanes = (LLM_STAGES, CLASSIC_STAGES, IMAGE_STAGES, ROUTER_STAGES)
+    assert set().union(*lanes) == set(Stage)
+    for lane in lanes:
+        assert list(lane) == ordered(lane)  # each lane lists its stages in lifecycle order
 
 
 def test_the_route_stage_comes_first_in_timings() -> None:
