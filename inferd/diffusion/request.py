@@ -96,6 +96,20 @@ class ImagesDone:
 ImageEvent = DenoiseProgress | ImagesDone
 
 
+@dataclass(frozen=True, slots=True)
+class ImageEngineStats:
+    """Counters since start (monotonic, for rates) and gauges now: what the metrics and the
+    dashboard's image lane read."""
+
+    running: int  # requests denoising now
+    waiting: int  # requests in the admission queue
+    images_total: int  # images finished
+    requests_total: int  # requests finished (any outcome)
+    unet_forwards_total: int  # UNet forwards (one per engine step and resolution bucket)
+    unet_rows_total: int  # rows those forwards ran (a CFG request at n images: 2n rows a step)
+    denoise_steps_total: int  # request-steps advanced (each request once per forward it is in)
+
+
 class ImageEngine(Protocol):
     """The image engine as the gateway sees it (one per served image model)."""
 
@@ -110,6 +124,8 @@ class ImageEngine(Protocol):
         ...
 
     def ready(self) -> bool: ...
+
+    def stats(self) -> ImageEngineStats: ...
 
     def generate(self, request: ImageRequest) -> AsyncIterator[ImageEvent]:
         """Progress events, then exactly one `ImagesDone`; raises an `InferdError` for a refused
