@@ -50,7 +50,6 @@ from inferd.engine.messages import (
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
 from inferd.heap import freeze_startup_heap
-from inferd.lora.request import LoRARequest
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
@@ -104,7 +103,7 @@ class EngineCore:
         self.num_added_total = 0
         self.num_steps_total = 0
         # AddLoRA calls whose adapter is loading: call id -> (the engine's future, the adapter).
-        self.loading: dict[int, tuple[Future[None], LoRARequest]] = {}
+        self.loading: dict[int, Future[None]] = {}
 
     def run(self) -> None:
         while self.running:
@@ -141,7 +140,7 @@ class EngineCore:
 
     def handle_lora(self, message: AddLoRA | RemoveLoRA | ListLoRAs) -> None:
         if isinstance(message, AddLoRA):
-            self.loading[message.call_id] = (self.start_load(message), message.lora_request)
+            self.loading[message.call_id] = self.start_load(message)
         elif isinstance(message, RemoveLoRA):
             found = self.engine.remove_lora(message.lora_name)
             error = None if found else "not_found"
@@ -160,11 +159,9 @@ class EngineCore:
 
     def answer_loaded(self) -> None:
         """A LoRAReply for each AddLoRA whose adapter has loaded or failed (never waits)."""
-        for call_id, (future, lora) in list(self.loading.items()):
+        for call_id, future in list(self.loading.items()):
             if future.done():
                 del self.loading[call_id]
-                if future.exception() is not None:
-                    forget_failed(self.engine, lora)
                 self.reply(_load_reply(call_id, future))
 
     def reply(self, reply: LoRAReply) -> None:
@@ -248,13 +245,6 @@ def _rejection(
     return RejectedRequest(
         request_id=request_id, error_type=error_type, message=str(error), param=param
     )
-
-
-def forget_failed(engine: LLMEngine, lora: LoRARequest) -> None:
-    """Unregisters an adapter whose load failed, now: the engine drops it at its next step, and
-    an idle engine takes none, so until then a retry under the same name would be refused."""
-    if lora in engine.list_loras():
-        engine.remove_lora(lora.lora_name)
 
 
 def _load_reply(call_id: int, future: Future[None]) -> LoRAReply:

@@ -20,7 +20,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from inferd.config import DEFAULT_MODEL, EngineConfig
-from inferd.engine.core_proc import forget_failed
 from inferd.engine.llm_engine import LLMEngine, PromptType
 from inferd.engine.output_processor import OutputKind
 from inferd.lora.request import LoRARequest
@@ -83,8 +82,6 @@ class LLM:
                 engine.step()
             else:
                 concurrent.futures.wait([future], timeout=_LOAD_POLL_S)
-        if future.exception() is not None:
-            forget_failed(engine, lora_request)
         future.result()
         return True
 

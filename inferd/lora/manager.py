@@ -82,7 +82,9 @@ class LoRAManager:
 
     def register(self, request: LoRARequest) -> LoRARequest:
         """Makes `request` known (the one already known under its name if it is the same
-        folder). Raises InvalidRequestError for a name taken by another folder."""
+        folder). Raises InvalidRequestError for a name taken by another folder. An adapter whose
+        load failed is absent here from the moment it failed, not from the next engine step."""
+        self._forget_failed(request.lora_name)
         known = self._known.get(request.lora_name)
         if known is not None:
             if known.lora_path != request.lora_path:
@@ -103,13 +105,22 @@ class LoRAManager:
         return request
 
     def unregister(self, name: str) -> bool:
-        return self._known.pop(name, None) is not None
+        return self._known.pop(name, None) is not None and not self._failed(name)
 
     def get(self, name: str) -> LoRARequest | None:
-        return self._known.get(name)
+        return None if self._failed(name) else self._known.get(name)
 
     def known(self) -> list[LoRARequest]:
-        return list(self._known.values())
+        return [r for name, r in self._known.items() if not self._failed(name)]
+
+    def _failed(self, name: str) -> bool:
+        future = self._loading.get(name)
+        return future is not None and future.done() and future.exception() is not None
+
+    def _forget_failed(self, name: str) -> None:
+        if self._failed(name):
+            del self._loading[name]
+            self._known.pop(name, None)
 
     # -- loaded --------------------------------------------------------------------------------
 

@@ -123,6 +123,14 @@ def test_a_failed_load_is_forgotten_and_can_be_retried(tmp_path: Path) -> None:
     m.register(_request("late", folder))
     with pytest.raises(InvalidRequestError, match="is not a folder"):
         m.load("late").result()
+    # Absent from the moment it failed, before any engine step collects the failure.
+    assert m.get("late") is None and m.known() == [] and not m.unregister("late")
+    other = _write(tmp_path / "other", {"q_proj": (8, 8)})
+    assert m.register(_request("late", other)).lora_path == str(other)
+    m.unregister("late")
+    m.register(_request("late", folder))
+    with pytest.raises(InvalidRequestError, match="is not a folder"):
+        m.load("late").result()
     _write(folder, {"q_proj": (8, 8)})
     _load(m, "late")  # the old failure is not answered again
     assert m.is_loaded("late")
