@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from fake_llm import FakeLLM
 from fastapi.testclient import TestClient
-from test_gateway import FakeLLM
 
 from inferd.cli import build_parser, main, serve_config
 from inferd.config import Environment, LoRAConfig, LoRAModule, ServerConfig

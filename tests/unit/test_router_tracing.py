@@ -5,8 +5,6 @@ so the test sees the replica's `inferd.request` span as the router's child in on
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -14,83 +12,24 @@ import pytest
 from fastapi import FastAPI
 
 pytest.importorskip("opentelemetry.sdk.trace", reason="needs the otel extra")
+from fake_llm import FakeLLM
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inferd.config import ServerConfig
-from inferd.engine.generate_request import GenerateRequest
-from inferd.engine.info import EngineStats
-from inferd.engine.messages import KVBlocks
 from inferd.gateway import create_app
-from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.router.app import create_router_app
 from inferd.router.config import RouterConfig
 from inferd.router.tokenize import load_tokenizer
 from inferd.router.tracing import RouteTracer
 from inferd.telemetry.tracing import RequestTracer
-from inferd.types import CompletionOutput, RequestMetrics, RequestOutput
 
 A, B = "http://a", "http://b"
 COMPLETION = {"prompt": "hello there", "max_tokens": 2}
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
-
-
-class ByteTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(ids).decode(errors="replace")
-
-
-@dataclass
-class Info:
-    max_model_len: int = 64
-    vocab_size: int = 256
-    model_path: str = "/fake"
-    reasoning_parser: str | None = None
-
-
-@dataclass
-class FakeLLM:
-    """Answers every prompt with one token ("x"), reporting the prompt's first 4 tokens cached."""
-
-    model_name: str = "fake-model"
-    tokenizer: Any = field(default_factory=ByteTokenizer)
-    info: Info = field(default_factory=Info)
-    ready: bool = True
-    dead: bool = False
-
-    def stats(self) -> EngineStats:
-        return EngineStats()
-
-    async def kv_blocks(self, limit: int, recent_s: float = 0.0) -> KVBlocks:
-        return KVBlocks(16, 64, [], 0, True)
-
-    def lora(self, name: str) -> LoRARequest | None:
-        return None
-
-    def loras(self) -> list[LoRARequest]:
-        return []
-
-    def next_lora_id(self) -> int:
-        return 1
-
-    async def add_lora(self, lora_request: LoRARequest) -> None:
-        raise NotImplementedError
-
-    async def remove_lora(self, lora_name: str) -> bool:
-        return False
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        out = CompletionOutput(0, "x", [120], "length", None, None)
-        metrics = RequestMetrics(0.0, first_scheduled_time=1.0, first_token_time=1.5)
-        metrics.finished_time = 2.0
-        ids = request.prompt_token_ids
-        yield RequestOutput(request.request_id, request.prompt, ids, [out], True, metrics)
 
 
 @pytest.fixture(scope="module")
