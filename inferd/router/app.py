@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions, /v1/embeddings   validated, tokenized, routed by
                                                                   the policy on the prompt (under
                                                                   the LoRA adapter `model` names)
+    POST /v1/images/generations                                   routed by its cost: the fewest
+                                                                  latent pixel-steps in flight
     any other /v1/*, /v2/* (models, KServe v2 infer by name...)   forwarded as is, routed on load
     /health/live, /health/ready, /health, /v2/health/*            the router's own (ready: some
                                                                   replica is in rotation)
@@ -39,6 +41,7 @@ from inferd.router import dashboard
 from inferd.router.cluster import Cluster, Routed
 from inferd.router.config import RouterConfig
 from inferd.router.health import HealthChecker
+from inferd.router.image_cost import IMAGE_PATHS, image_cost
 from inferd.router.kv_events import KVEventFeed
 from inferd.router.metrics import RouterMetrics
 from inferd.router.proxy import Forward, Proxy
@@ -96,6 +99,23 @@ class Router:
         self.metrics.decision.observe(route_s)
         fwd = self._traced(request, Forward.of(request, body, ids, route_s, lora_name), t0)
         return await self.proxy.forward(request, fwd, routed)
+
+    async def image_request(self, request: Request) -> Response:
+        """Routed by its cost in latent pixel-steps (router/image_cost.py); the replica
+        validates it."""
+        body = await request.body()
+        t0 = time.monotonic()
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
+        cfg = self.cluster.config
+        cost = image_cost(doc, cfg.image_default_steps, cfg.image_default_size)
+        routed = self.cluster.route_image(cost) if self.cluster.ready() else None
+        route_s = time.monotonic() - t0
+        self.metrics.decision.observe(route_s)
+        fwd = Forward.of(request, body, [], route_s, image_cost=cost)
+        return await self.proxy.forward(request, self._traced(request, fwd, t0), routed)
 
     async def passthrough(self, request: Request) -> Response:
         t0 = time.monotonic()
@@ -155,11 +175,10 @@ def create_router_app(
     app.state.router = router
     install_error_handlers(app)
 
-    async def routed(request: Request) -> Response:
-        return await router.routed_request(request)
-
     for path in TOKENIZED_PATHS:
-        app.add_api_route(path, routed, methods=["POST"])
+        app.add_api_route(path, router.routed_request, methods=["POST"])
+    for path in IMAGE_PATHS:
+        app.add_api_route(path, router.image_request, methods=["POST"])
 
     @app.get("/health/live")
     @app.get("/v2/health/live")

@@ -11,6 +11,10 @@ A request under a LoRA adapter (`lora_name`, from its `model`: router/adapters.p
 under it, as the replica's prefix cache keys it, and its dispatch records where the adapter ran
 (the policy's adapter affinity).
 
+An image request (`route_image`) has no prompt to match: it goes to the replica with the fewest
+latent pixel-steps in flight (router/image_cost.py), ties in turn, and holds its cost there until
+it finishes.
+
     cluster = Cluster(RouterConfig(replicas=("http://a", "http://b")))
     for url in cluster.names(): cluster.set_health(url, ready=True)
     routed = cluster.route(token_ids, lora_name=cluster.adapters.lora_name(model))
@@ -30,7 +34,14 @@ from inferd.router.adapters import AdapterCatalog, AdapterPlacement
 from inferd.router.config import RouterConfig
 from inferd.router.index import PrefixIndex
 from inferd.router.load import ReplicaLoad, ReplicaReport, Ticket
-from inferd.router.policy import Candidate, Decision, Policy, make_policy, rendezvous
+from inferd.router.policy import (
+    Candidate,
+    Decision,
+    LeastLoad,
+    Policy,
+    make_policy,
+    rendezvous,
+)
 
 
 class NoReplicaError(Exception):
@@ -55,6 +66,8 @@ class Routed:
     prompt_tokens: int
     # The LoRA adapter the prompt runs under (its hashes are the adapter's); None: the base.
     lora_name: str | None = None
+    # An image request's latent pixel-steps; 0 for every other request.
+    image_cost: int = 0
 
 
 class Cluster:
@@ -69,6 +82,7 @@ class Cluster:
             config.cold_margin_tokens,
             config.block_size,
         )
+        self.image_policy = LeastLoad()
         self.replicas: dict[str, Replica] = {}
         self.adapters = AdapterCatalog()
         self.placement = AdapterPlacement()
@@ -155,10 +169,7 @@ class Cluster:
     ) -> Routed:
         """The decision for a prompt run under adapter `lora_name` (None: the base model) among
         the ready replicas not in `exclude`."""
-        skip = set(exclude)
-        ready = [r for r in self.ready() if r.url not in skip]
-        if not ready:
-            raise NoReplicaError("no replica is ready")
+        ready = self._ready_except(exclude)
         cfg = self.config
         hashes = tuple(block_hashes(token_ids, cfg.block_size, cfg.max_match_blocks, lora_name))
         warm = self.placement.last(lora_name)
@@ -177,6 +188,18 @@ class Cluster:
         decision = self.policy.choose(candidates, len(token_ids))
         return Routed(decision, hashes, len(token_ids), lora_name)
 
+    def route_image(self, cost: int, exclude: Iterable[str] = ()) -> Routed:
+        """The decision for an image request of `cost` latent pixel-steps."""
+        candidates = [Candidate(r.url, r.load.image_work) for r in self._ready_except(exclude)]
+        return Routed(self.image_policy.choose(candidates, 0), (), 0, image_cost=cost)
+
+    def _ready_except(self, exclude: Iterable[str]) -> list[Replica]:
+        skip = set(exclude)
+        ready = [r for r in self.ready() if r.url not in skip]
+        if not ready:
+            raise NoReplicaError("no replica is ready")
+        return ready
+
     def dispatch(self, url: str, routed: Routed) -> Ticket:
         """The request goes to `url` (the decision's choice, or a retry's): count its uncached
         prompt tokens as load there and record that `url` will hold its prompt's blocks."""
@@ -190,7 +213,9 @@ class Cluster:
         brings: tuple[int, ...] = ()
         if self.config.sees_first_byte and not self.index.is_exact(url):
             brings = routed.hashes[self.index.match(url, routed.hashes) :]
-        ticket = Ticket.dispatch(url, replica.load, uncached, stamp, claim, brings)
+        ticket = Ticket.dispatch(
+            url, replica.load, uncached, stamp, claim, brings, routed.image_cost
+        )
         replica.routed += 1
         self.index.insert(url, routed.hashes)
         if routed.lora_name is not None:

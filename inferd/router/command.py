@@ -12,6 +12,7 @@ from typing import Any, get_args
 
 from inferd.config import read_environment
 from inferd.router.config import RouterConfig
+from inferd.router.image_cost import parse_size
 from inferd.router.policy import PolicyName
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RouterConfig)}
@@ -82,6 +83,19 @@ def add_router_parser(sub: Any) -> None:
         help="a prompt no replica holds goes among the replicas within this many tokens of load "
         "of the least loaded, by a rendezvous hash of its first block",
     )
+    p.add_argument(
+        "--image-default-steps",
+        type=int,
+        default=d["image_default_steps"],
+        help="an image request without num_inference_steps counts this many (the model's default)",
+    )
+    p.add_argument(
+        "--image-default-size",
+        type=parse_size,
+        default=d["image_default_size"],
+        metavar="WxH",
+        help="an image request without size counts this size (the model's default)",
+    )
     p.add_argument("--health-interval", type=float, default=d["health_interval_s"])
     p.add_argument("--max-retries", type=int, default=d["max_retries"])
     p.add_argument("--seed", type=int, default=None, help="power_of_two's RNG seed")
@@ -119,6 +133,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
         cold_margin_tokens=args.cold_margin_tokens,
+        image_default_steps=args.image_default_steps,
+        image_default_size=args.image_default_size,
         health_interval_s=args.health_interval,
         max_retries=args.max_retries,
         seed=args.seed,

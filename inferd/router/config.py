@@ -35,6 +35,10 @@ class RouterConfig:
     # wide, so new groups still spread by index size (at 32 the least loaded replica takes
     # them whatever it holds) and routers sharing no state see the same eligible replicas.
     cold_margin_tokens: int = 256
+    # An image request's cost counts a field it leaves out as these: the served image model's
+    # default steps and size (router/image_cost.py).
+    image_default_steps: int = 50
+    image_default_size: tuple[int, int] = (512, 512)
     # Whether the router sees each answer's first byte (the end of its prefill). Ray Serve's
     # request router does not: a request counts as prefilling until it ends there, too long to
     # judge which claimed blocks are still queued (router/load.py's births), so none are.

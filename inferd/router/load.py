@@ -49,6 +49,8 @@ class ReplicaReport:
 class ReplicaLoad:
     prefill_tokens: int = 0
     in_flight: int = 0
+    # Latent pixel-steps of the image requests in flight there (router/image_cost.py).
+    image_work: int = 0
     report: ReplicaReport = ReplicaReport()
     # Requests still prefilling, by the prefix index's stamp when each was dispatched: a block
     # stamped later may not be computed yet (router/index.py's correction leaves it alone).
@@ -100,6 +102,8 @@ class Ticket:
     claim: tuple[int, ...] = ()
     # The block hashes this request is the first to bring to the replica (`births`).
     brings: tuple[int, ...] = ()
+    # Its latent pixel-steps when it is an image request, held until it finishes.
+    image_work: int = 0
     started: bool = False
     done: bool = False
 
@@ -112,13 +116,15 @@ class Ticket:
         stamp: int = 0,
         claim: tuple[int, ...] = (),
         brings: tuple[int, ...] = (),
+        image_work: int = 0,
     ) -> Ticket:
         load.prefill_tokens += prefill_tokens
         load.in_flight += 1
+        load.image_work += image_work
         load.prefilling[stamp] = load.prefilling.get(stamp, 0) + 1
         for h in brings:
             load.births.setdefault(h, stamp)
-        return cls(replica, load, prefill_tokens, stamp, claim, brings)
+        return cls(replica, load, prefill_tokens, stamp, claim, brings, image_work)
 
     def first_byte(self) -> None:
         """The replica answered: its prefill for this request is done."""
@@ -138,3 +144,4 @@ class Ticket:
         self.first_byte()
         self.done = True
         self.load.in_flight -= 1
+        self.load.image_work -= self.image_work

@@ -23,6 +23,7 @@ inferd_router_replica_digests_total{replica, result}  block digests read with th
 inferd_router_replica_ready{replica}             1 in rotation, 0 out (at scrape time)
 inferd_router_in_flight{replica}                 requests the router has there (at scrape time)
 inferd_router_load_tokens{replica}               the policy's load estimate (at scrape time)
+inferd_router_image_work{replica}                latent pixel-steps of image requests in flight
 inferd_router_index_blocks{replica}              prefix index size (at scrape time)
 """
 
@@ -49,6 +50,11 @@ class _ClusterCollector(Collector):
             ("inferd_router_replica_ready", "1 when the replica is in rotation", lambda r: r.ready),
             ("inferd_router_in_flight", "Requests in flight there", lambda r: r.load.in_flight),
             ("inferd_router_load_tokens", "Load estimate in tokens", c.load_tokens),
+            (
+                "inferd_router_image_work",
+                "Latent pixel-steps of the image requests in flight there",
+                lambda r: r.load.image_work,
+            ),
             ("inferd_router_index_blocks", "Prefix index blocks", lambda r: c.index.size(r.url)),
         )
         for name, help_text, value in families:

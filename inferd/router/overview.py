@@ -169,7 +169,11 @@ def _replica(cluster: Cluster, r: Replica, newest: Totals, oldest: Totals) -> di
         "in_flight": r.load.in_flight,
         "load_tokens": cluster.load_tokens(r),
         # The two views the load is the larger of (router/load.py).
-        "router_load": {"prefill_tokens": r.load.prefill_tokens, "in_flight": r.load.in_flight},
+        "router_load": {
+            "prefill_tokens": r.load.prefill_tokens,
+            "in_flight": r.load.in_flight,
+            "image_work": r.load.image_work,
+        },
         "reported_load": {
             "running": report.running,
             "waiting": report.waiting + report.queued,

@@ -75,6 +75,8 @@ class Forward:
     span: RouteSpan = NO_SPAN
     # The LoRA adapter its prompt runs under (a retry hashes it the same); None: the base model.
     lora_name: str | None = None
+    # An image request's latent pixel-steps (a retry is routed as an image request again).
+    image_cost: int = 0
 
     @classmethod
     def of(
@@ -84,12 +86,22 @@ class Forward:
         token_ids: list[int],
         route_s: float,
         lora_name: str | None = None,
+        image_cost: int = 0,
     ) -> Forward:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST]
         if "x-request-id" not in request.headers:
             headers.append(("x-request-id", uuid.uuid4().hex))  # retries carry the same id
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return cls(request.method, path, headers, body, token_ids, route_s, lora_name=lora_name)
+        return cls(
+            request.method,
+            path,
+            headers,
+            body,
+            token_ids,
+            route_s,
+            lora_name=lora_name,
+            image_cost=image_cost,
+        )
 
     @property
     def request_id(self) -> str:
@@ -126,7 +138,7 @@ class Proxy:
         retries = self.cluster.config.max_retries
         for attempt in range(retries + 1):
             try:
-                routed = routed or self.cluster.route(fwd.token_ids, tried, fwd.lora_name)
+                routed = routed or self._route(fwd, tried)
             except NoReplicaError:
                 break
             url = routed.decision.replica
@@ -150,6 +162,11 @@ class Proxy:
             reason="no_replica",
             headers={"Retry-After": seconds},
         )
+
+    def _route(self, fwd: Forward, tried: list[str]) -> Routed:
+        if fwd.image_cost:
+            return self.cluster.route_image(fwd.image_cost, tried)
+        return self.cluster.route(fwd.token_ids, tried, fwd.lora_name)
 
     async def _try(
         self, request: Request, fwd: Forward, routed: Routed, url: str, final: bool

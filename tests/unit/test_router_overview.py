@@ -61,7 +61,7 @@ def test_states_load_and_in_flight_come_from_the_cluster() -> None:
     assert by[A]["in_flight"] == 1 and by[B]["in_flight"] == 0
     # The larger of the router's view (40 pending + 32 * 1) and the replica's (100 + 32 * 2).
     assert by[A]["load_tokens"] == 164 == cluster.load_tokens(cluster.replicas[A])
-    assert by[A]["router_load"] == {"prefill_tokens": 40, "in_flight": 1}
+    assert by[A]["router_load"] == {"prefill_tokens": 40, "in_flight": 1, "image_work": 0}
     assert by[A]["reported_load"] == {
         "running": 2,
         "waiting": 0,
