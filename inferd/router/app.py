@@ -87,10 +87,7 @@ class Router:
         """Validate and tokenize (4xx here), decide, forward."""
         body = await request.body()
         t0 = time.monotonic()
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
+        doc = _json(body)
         valid = validate(request.url.path, doc)
         ids = prompt_token_ids(self.tokenizer, valid)
         lora_name = self.cluster.adapters.lora_name(requested_model(valid))
@@ -105,10 +102,7 @@ class Router:
         validates it."""
         body = await request.body()
         t0 = time.monotonic()
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError as e:
-            raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
+        doc = _json(body)
         cfg = self.cluster.config
         cost = image_cost(doc, cfg.image_default_steps, cfg.image_default_size)
         routed = self.cluster.route_image(cost) if self.cluster.ready() else None
@@ -151,6 +145,13 @@ class Router:
             "replicas_ready": ready,
         }
         return JSONResponse(status, 200 if ready else 503)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"malformed JSON: {e}", None, "invalid_json") from e
 
 
 def create_router_app(
