@@ -26,6 +26,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import orjson
