@@ -30,6 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from inferd.diffusion.request import ImageRequest
 from inferd.diffusion.runner import ImageRunner
+from inferd.diffusion.step_scheduler import preview_steps
 from inferd.diffusion.validate import ImageSpec
 
 
@@ -62,13 +63,6 @@ class DenoiseState:
     @property
     def rows(self) -> int:
         return self.spec.rows
-
-
-def preview_steps(num_steps: int, k: int) -> tuple[int, ...]:
-    """k steps spread evenly before the last (which brings the final image), e.g. 20 steps, 3
-    previews: (5, 10, 15). Fewer when the steps are too few to space them."""
-    steps = {round(num_steps * (i + 1) / (k + 1)) for i in range(k)}
-    return tuple(sorted(s for s in steps if 1 <= s < num_steps))
 
 
 def start_states(

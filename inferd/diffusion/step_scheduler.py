@@ -19,6 +19,9 @@ one forward share a shape), each request at its own denoising step. The rule:
    waits at its step boundary with its latents: that is preemption, at no cost but time, and
    it is how a later higher-priority request overtakes.
 
+Previews: a request asking for k partial images gets them after k steps spread evenly before its
+last (`preview_steps`).
+
 A request's rows are its images, doubled under classifier-free guidance (the uncond and cond
 rows of each image). Nothing here knows about tensors, so the rule is unit-tested on its own.
 """
@@ -85,3 +88,10 @@ class StepPolicy:
                 chosen.append(slot)
                 rows += slot.rows
         return chosen
+
+
+def preview_steps(num_steps: int, k: int) -> tuple[int, ...]:
+    """k steps spread evenly before the last (which brings the final image), e.g. 20 steps, 3
+    previews: (5, 10, 15). Fewer when the steps are too few to space them."""
+    steps = {round(num_steps * (i + 1) / (k + 1)) for i in range(k)}
+    return tuple(sorted(s for s in steps if 1 <= s < num_steps))
