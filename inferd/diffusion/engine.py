@@ -46,7 +46,14 @@ from inferd.diffusion.request import (
 from inferd.diffusion.runner import ImageRunner
 from inferd.diffusion.step_scheduler import Slot, StepPolicy
 from inferd.diffusion.validate import ImageSpec
-from inferd.errors import DeadlineExceededError, InferdError, QueueFullError, QueueTimeoutError
+from inferd.errors import (
+    DeadlineExceededError,
+    DrainingError,
+    EngineDeadError,
+    InferdError,
+    QueueFullError,
+    QueueTimeoutError,
+)
 from inferd.telemetry.stages import Stage
 
 logger = logging.getLogger("inferd.diffusion")
@@ -87,6 +94,7 @@ class ImageEngineCore:
         self._seq = itertools.count()
         self._completions = CompletionRate(256)
         self._stopping = False
+        self._closed: InferdError | None = None  # set once the loop ended: add() refuses
         self._counts = {"images": 0, "requests": 0, "forwards": 0, "rows": 0, "steps": 0}
 
     def set_emit(self, emit: Emit) -> None:
@@ -100,6 +108,8 @@ class ImageEngineCore:
         """Queues a checked request, or raises QueueFullError with its Retry-After hint."""
         now = time.monotonic()
         with self._lock:
+            if self._closed is not None:
+                raise self._closed
             item = _Queued(request, spec, next(self._seq), now)
             try:
                 self._queue.push(
@@ -145,11 +155,20 @@ class ImageEngineCore:
     # -- the engine thread ---------------------------------------------------------------------
 
     def run(self) -> None:
-        """Steps until `stop()`; sleeps while there is no work. On stop, whatever is left fails
-        with `error`."""
-        while self._wait_for_work():
-            self.step()
-        self._fail_all(InferdError("the image engine stopped"))
+        """Steps until `stop()`; sleeps while there is no work. When it ends (stopped, or a bug
+        escaped a step), whatever is queued or admitted fails and nothing more is accepted."""
+        error: InferdError = DrainingError("the image engine stopped")
+        try:
+            while self._wait_for_work():
+                self.step()
+        except Exception as e:
+            logger.exception("the image engine loop died")
+            error = EngineDeadError(f"the image engine died: {e}")
+            raise
+        finally:
+            with self._lock:
+                self._closed = error
+            self._fail_all(error)
 
     def _wait_for_work(self) -> bool:
         with self._lock:
