@@ -164,7 +164,6 @@ class ImageEngineCore:
         except Exception as e:
             logger.exception("the image engine loop died")
             error = EngineDeadError(f"the image engine died: {e}")
-            raise
         finally:
             with self._lock:
                 self._closed = error

@@ -5,7 +5,8 @@ timesteps, step counts, guidance scales, seeds, negative prompts and sizes, equa
 `StableDiffusionPipeline` makes for that request alone with
 `generator=torch.Generator("cpu").manual_seed(seed)` (and `num_images_per_prompt=n`), within 3/255
 per pixel. Also: cancellation mid-denoise frees the request's slot, deadlines (queued and while
-denoising), the queue bound, and bad input refused before queueing. About 60 s on 2 busy cores.
+denoising), the queue bound, bad input refused before queueing, a failing forward failing only
+its own requests, and a dead loop failing what it held. About 15 s on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from inferd.diffusion.tiny import ensure_tiny_sd
 from inferd.diffusion.validate import resolve
 from inferd.errors import (
     DeadlineExceededError,
+    EngineDeadError,
+    InferdError,
     InvalidRequestError,
     QueueFullError,
     QueueTimeoutError,
@@ -286,3 +289,50 @@ def test_queue_full_and_bad_input(cache_dir: Path) -> None:
         with pytest.raises(InvalidRequestError):
             spec(bad)
     assert core.stats().waiting == 1
+
+
+def test_a_failing_forward_fails_only_its_requests(cache_dir: Path) -> None:
+    """A forward that raises fails the requests it ran (one size here); the other size's
+    request, in forwards of its own, still gets its image."""
+
+    async def main() -> None:
+        engine = await started(config("DDIMScheduler"), cache_dir)
+        runner = engine._core.runner
+        forward = runner.unet_forward
+
+        def flaky(sample: torch.Tensor, *args: Any) -> torch.Tensor:
+            if sample.shape[-1] == 6:  # 48-pixel-wide latents
+                raise RuntimeError("out of memory (injected)")
+            return forward(sample, *args)
+
+        runner.unet_forward = flaky  # type: ignore[method-assign]
+        try:
+            bad = ImageRequest("bad", ImageParams("a", num_inference_steps=4, width=48))
+            good = ImageRequest("good", ImageParams("b", num_inference_steps=4, seed=3))
+            results = await asyncio.gather(
+                collect(engine, bad), collect(engine, good), return_exceptions=True
+            )
+            assert isinstance(results[0], InferdError) and "injected" in str(results[0])
+            assert isinstance(results[1], tuple) and results[1][0].images.shape == (1, 64, 64, 3)
+            assert engine.ready()
+        finally:
+            await engine.shutdown()
+
+    run(main())
+
+
+def test_a_dead_loop_fails_what_it_held_and_refuses_more(cache_dir: Path) -> None:
+    core = build_core(config("DDIMScheduler"), cache_dir)
+    errors: list[BaseException] = []
+    core.set_emit(lambda rid, item: errors.append(item) if isinstance(item, Exception) else None)
+    spec = resolve(ImageParams("x"), core.runner.parts.limits, max_rows=32, seed_source=int)
+    core.add(ImageRequest("queued", ImageParams("x")), spec)
+
+    def broken() -> None:
+        raise RuntimeError("a bug in the loop")
+
+    core.step = broken  # type: ignore[method-assign]
+    core.run()  # logs the error and returns: readiness (the thread alive) turns red
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+    with pytest.raises(EngineDeadError):
+        core.add(ImageRequest("later", ImageParams("x")), spec)
