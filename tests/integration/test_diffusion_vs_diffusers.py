@@ -291,7 +291,9 @@ def test_queue_full_and_bad_input(cache_dir: Path) -> None:
     assert core.stats().waiting == 1
 
 
-def test_a_failing_forward_fails_only_its_requests(cache_dir: Path) -> None:
+def test_a_failing_forward_fails_only_its_requests(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A forward that raises fails the requests it ran (one size here); the other size's
     request, in forwards of its own, still gets its image."""
 
@@ -300,12 +302,12 @@ def test_a_failing_forward_fails_only_its_requests(cache_dir: Path) -> None:
         runner = engine._core.runner
         forward = runner.unet_forward
 
-        def flaky(sample: torch.Tensor, *args: Any) -> torch.Tensor:
+        def flaky(sample: torch.Tensor, steps: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
             if sample.shape[-1] == 6:  # 48-pixel-wide latents
                 raise RuntimeError("out of memory (injected)")
-            return forward(sample, *args)
+            return forward(sample, steps, embeds)
 
-        runner.unet_forward = flaky  # type: ignore[method-assign]
+        monkeypatch.setattr(runner, "unet_forward", flaky)
         try:
             bad = ImageRequest("bad", ImageParams("a", num_inference_steps=4, width=48))
             good = ImageRequest("good", ImageParams("b", num_inference_steps=4, seed=3))
@@ -321,7 +323,9 @@ def test_a_failing_forward_fails_only_its_requests(cache_dir: Path) -> None:
     run(main())
 
 
-def test_a_dead_loop_fails_what_it_held_and_refuses_more(cache_dir: Path) -> None:
+def test_a_dead_loop_fails_what_it_held_and_refuses_more(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     core = build_core(config("DDIMScheduler"), cache_dir)
     errors: list[BaseException] = []
     core.set_emit(lambda rid, item: errors.append(item) if isinstance(item, Exception) else None)
@@ -331,7 +335,7 @@ def test_a_dead_loop_fails_what_it_held_and_refuses_more(cache_dir: Path) -> Non
     def broken() -> None:
         raise RuntimeError("a bug in the loop")
 
-    core.step = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(core, "step", broken)
     core.run()  # logs the error and returns: readiness (the thread alive) turns red
     assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
     with pytest.raises(EngineDeadError):
