@@ -10,8 +10,8 @@ and step index, its latents [n, C, h, w], its text embeddings, and its `torch.Ge
 seeded with the request's seed. The noise is drawn from that generator in the pipeline's order
 (timesteps set, then `randn_tensor` of the pipeline's shape, times `init_noise_sigma`; an
 ancestral scheduler draws its per-step noise from it too), so a request's images are the ones
-`StableDiffusionPipeline(..., generator=torch.Generator("cpu").manual_seed(seed))` makes,
-whatever else shares its forwards.
+`StableDiffusionPipeline(..., generator=torch.Generator("cpu").manual_seed(seed))` (or
+`StableDiffusionXLPipeline`) makes, whatever else shares its forwards.
 
 Row layout of a forward, request after request: with guidance, the request's n uncond rows then
 its n cond rows (the pipeline's `cat([latents] * 2)` against `cat([negative, prompt])`); without,
@@ -29,7 +29,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from inferd.diffusion.request import ImageRequest
-from inferd.diffusion.runner import ImageRunner
+from inferd.diffusion.runner import ImageRunner, TextEmbeddings
 from inferd.diffusion.step_scheduler import preview_steps
 from inferd.diffusion.validate import ImageSpec
 
@@ -43,6 +43,7 @@ class DenoiseState:
     timesteps: torch.Tensor
     latents: torch.Tensor  # [n, C, h, w]
     embeds: torch.Tensor  # [rows, L, D]: uncond rows (with guidance) then cond rows
+    added: dict[str, torch.Tensor] | None  # SDXL: text_embeds [rows, P], time_ids [rows, 6]
     generator: torch.Generator
     step_kwargs: dict[str, Any]
     preview_steps: tuple[int, ...]  # 1-based steps after which a preview is sent
@@ -69,25 +70,56 @@ def start_states(
     runner: ImageRunner, admitted: list[tuple[ImageRequest, ImageSpec, int]]
 ) -> list[DenoiseState]:
     """States for requests admitted together: their prompts and negative prompts go through
-    the text encoder in one batch; each then draws its own noise."""
+    the text encoder(s) in one batch; each then draws its own noise."""
+    zero = runner.parts.zero_empty_negative
     texts: list[str] = []
     for _, spec, _ in admitted:
-        if spec.cfg:
+        if spec.cfg and not (zero and spec.negative_prompt == ""):
             texts.append(spec.negative_prompt)
         texts.append(spec.prompt)
-    hidden = runner.encode_text(texts)
+    text = runner.encode_text(texts)
     states, i = [], 0
     for request, spec, seq in admitted:
-        used = 2 if spec.cfg else 1
-        # [used, L, D] -> each repeated n times: [uncond x n, cond x n] (the pipeline's order).
-        embeds = hidden[i : i + used].repeat_interleave(spec.n, dim=0)
-        i += used
-        states.append(_new_state(runner, request, spec, seq, embeds))
+        rows = []
+        if spec.cfg and zero and spec.negative_prompt == "":
+            rows.append(-1)  # SDXL's empty negative: zeros
+        elif spec.cfg:
+            rows.append(i)
+            i += 1
+        rows.append(i)
+        i += 1
+        embeds, added = _conditioning(runner, spec, text, rows)
+        states.append(_new_state(runner, request, spec, seq, embeds, added))
     return states
 
 
+def _conditioning(
+    runner: ImageRunner, spec: ImageSpec, text: TextEmbeddings, rows: list[int]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """The request's rows of text conditioning, [uncond x n, cond x n] (the pipeline's order):
+    `rows` picks its encoded texts (-1: zeros). SDXL adds the pooled text and the size ids."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.zeros_like(t[:1]) if r < 0 else t[r : r + 1] for r in rows]
+        return torch.cat(parts).repeat_interleave(spec.n, dim=0)
+
+    embeds = pick(text.hidden)
+    if text.pooled is None:
+        return embeds, None
+    h, w = spec.height, spec.width
+    # original size, crop top-left, target size: the pipeline's defaults for a txt2img call.
+    time_ids = torch.tensor([[h, w, 0, 0, h, w]], dtype=text.hidden.dtype, device=runner.device)
+    added = {"text_embeds": pick(text.pooled), "time_ids": time_ids.repeat(spec.rows, 1)}
+    return embeds, added
+
+
 def _new_state(
-    runner: ImageRunner, request: ImageRequest, spec: ImageSpec, seq: int, embeds: torch.Tensor
+    runner: ImageRunner,
+    request: ImageRequest,
+    spec: ImageSpec,
+    seq: int,
+    embeds: torch.Tensor,
+    added: dict[str, torch.Tensor] | None,
 ) -> DenoiseState:
     scheduler = runner.new_scheduler()
     scheduler.set_timesteps(spec.steps, device=runner.device)
@@ -104,6 +136,7 @@ def _new_state(
         timesteps=scheduler.timesteps,
         latents=latents,
         embeds=embeds,
+        added=added,
         generator=generator,
         step_kwargs=_step_kwargs(scheduler, generator),
         preview_steps=preview_steps(len(scheduler.timesteps), spec.partial_images),
@@ -133,7 +166,10 @@ def denoise_step(runner: ImageRunner, states: list[DenoiseState]) -> None:
         inputs.append(s.scheduler.scale_model_input(latent_in, t))
         steps.append(t.to(torch.float32).expand(s.rows))
         embeds.append(s.embeds)
-    noise = runner.unet_forward(torch.cat(inputs), torch.cat(steps), torch.cat(embeds))
+    added = None
+    if states[0].added is not None:  # SDXL: every request of the model has them
+        added = {k: torch.cat([s.added[k] for s in states if s.added]) for k in states[0].added}
+    noise = runner.unet_forward(torch.cat(inputs), torch.cat(steps), torch.cat(embeds), added)
     start = 0
     for s, rows in zip(states, (s.rows for s in states), strict=True):
         _advance(s, noise[start : start + rows])

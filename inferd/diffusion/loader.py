@@ -5,8 +5,10 @@
     parts.unet, parts.vae, parts.text_encoder, parts.tokenizer, parts.scheduler_template
 
 The folder is diffusers' layout: `model_index.json` names each component's library and class.
-Stable Diffusion 1.x/2.x pipelines load: a `UNet2DConditionModel`, an `AutoencoderKL`, a CLIP text
-encoder and tokenizer, and one of the schedulers in `SCHEDULERS`. Every named class must be in the
+Stable Diffusion 1.x/2.x pipelines load (a `UNet2DConditionModel`, an `AutoencoderKL`, a CLIP text
+encoder and tokenizer, and one of the schedulers in `SCHEDULERS`), and SDXL's
+(`StableDiffusionXLPipeline`: a second tokenizer and a `CLIPTextModelWithProjection` whose pooled
+output and the image's size condition the UNet). Every named class must be in the
 allow-list below (a folder cannot make inferd import or run code of its choosing: no
 `trust_remote_code`, no custom pipeline classes), every weight file must be safetensors
 (`use_safetensors=True`: a pickle-only folder is refused). A safety checker, feature extractor
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from inferd.diffusion.request import ImageLimits
-from inferd.diffusion.tiny import TINY_SD_NAME, ensure_tiny_sd
+from inferd.diffusion.tiny import BUILT_IN, ensure_tiny_sd
 from inferd.errors import ModelLoadError
 
 # component -> the (library, class) pairs it may name.
@@ -34,6 +36,16 @@ _MODELS: dict[str, frozenset[tuple[str, str]]] = {
     "tokenizer": frozenset(
         {("transformers", "CLIPTokenizer"), ("transformers", "CLIPTokenizerFast")}
     ),
+    "text_encoder_2": frozenset({("transformers", "CLIPTextModelWithProjection")}),
+    "tokenizer_2": frozenset(
+        {("transformers", "CLIPTokenizer"), ("transformers", "CLIPTokenizerFast")}
+    ),
+}
+_SD = frozenset({"unet", "vae", "text_encoder", "tokenizer", "scheduler"})
+# Pipeline class -> the components it must have (and may have: nothing else is loaded).
+_PIPELINES = {
+    "StableDiffusionPipeline": _SD,
+    "StableDiffusionXLPipeline": _SD | {"text_encoder_2", "tokenizer_2"},
 }
 # Schedulers whose per-request instances the engine steps (one model call per step each).
 SCHEDULERS = (
@@ -48,7 +60,6 @@ SCHEDULERS = (
 )
 # Components inferd never loads or runs, whatever they name.
 _IGNORED = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
-_PIPELINES = frozenset({"StableDiffusionPipeline"})
 DEFAULT_GUIDANCE = 7.5  # diffusers' StableDiffusionPipeline default
 MAX_N = 10  # OpenAI's images API bound
 
@@ -72,26 +83,34 @@ class PipelineParts:
 
     unet: Any
     vae: Any
-    text_encoder: Any
-    tokenizer: Any
+    # One (tokenizer, text encoder) pair for SD 1.x/2.x; SDXL's two, in its order.
+    text_encoders: list[tuple[Any, Any]]
     scheduler_template: Any  # never stepped: each request gets its own from its config
     vae_scale_factor: int
     device: torch.device
     dtype: torch.dtype
     limits: ImageLimits
+    # SDXL: an empty negative prompt is zeros, not the encoded "" (model_index.json's
+    # force_zeros_for_empty_prompt, as diffusers' pipeline reads it).
+    zero_empty_negative: bool = False
+
+    @property
+    def sdxl(self) -> bool:
+        return len(self.text_encoders) == 2
 
 
 def is_image_model(name_or_folder: str) -> bool:
-    """True for `inferd-tiny-sd` and for a folder that has a `model_index.json`."""
-    if name_or_folder == TINY_SD_NAME:
+    """True for a built-in (`inferd-tiny-sd`, `inferd-tiny-sdxl`) and for a folder that has a
+    `model_index.json`."""
+    if name_or_folder in BUILT_IN:
         return True
     return (Path(name_or_folder).expanduser() / "model_index.json").is_file()
 
 
 def resolve_image_model(name_or_folder: str, cache_dir: Path) -> Path:
-    """`inferd-tiny-sd` -> its folder (built on first use); else a diffusers folder."""
-    if name_or_folder == TINY_SD_NAME:
-        return ensure_tiny_sd(cache_dir)
+    """A built-in name -> its folder (built on first use); else a diffusers folder."""
+    if name_or_folder in BUILT_IN:
+        return ensure_tiny_sd(cache_dir, name_or_folder)
     folder = Path(name_or_folder).expanduser()
     if not (folder / "model_index.json").is_file():
         raise ModelLoadError(
@@ -100,17 +119,23 @@ def resolve_image_model(name_or_folder: str, cache_dir: Path) -> Path:
     return folder
 
 
-def read_model_index(folder: Path) -> dict[str, tuple[str, str]]:
-    """The components `model_index.json` names, checked against the allow-lists."""
+def read_index(folder: Path) -> dict[str, Any]:
     try:
         index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{folder}/model_index.json: {e}") from e
+    if not isinstance(index, dict):
+        raise ModelLoadError(f"{folder}/model_index.json: not a JSON object")
+    return index
+
+
+def read_model_index(folder: Path) -> dict[str, tuple[str, str]]:
+    """The components `model_index.json` names, checked against the allow-lists."""
+    index = read_index(folder)
     pipeline = index.get("_class_name")
     if pipeline not in _PIPELINES:
         raise ModelLoadError(
-            f"{folder}: pipeline class {pipeline!r} is not served (supported: "
-            f"{sorted(_PIPELINES)}; SDXL is not supported yet)"
+            f"{folder}: pipeline class {pipeline!r} is not served (supported: {sorted(_PIPELINES)})"
         )
     components: dict[str, tuple[str, str]] = {}
     for name, value in index.items():
@@ -119,25 +144,27 @@ def read_model_index(folder: Path) -> dict[str, tuple[str, str]]:
         if len(value) != 2 or not all(isinstance(v, str) for v in value):
             raise ModelLoadError(f"{folder}/model_index.json: {name!r} must be [library, class]")
         components[name] = (value[0], value[1])
-    _check_allowed(folder, components)
+    _check_allowed(folder, components, _PIPELINES[pipeline])
     return components
 
 
-def _check_allowed(folder: Path, components: dict[str, tuple[str, str]]) -> None:
+def _check_allowed(
+    folder: Path, components: dict[str, tuple[str, str]], expected: frozenset[str]
+) -> None:
     for name, pair in components.items():
         if name == "scheduler":
             if pair[0] != "diffusers" or pair[1] not in SCHEDULERS:
                 raise ModelLoadError(
                     f"{folder}: scheduler {pair[1]!r} is not supported (one of {list(SCHEDULERS)})"
                 )
-        elif name not in _MODELS:
+        elif name not in _MODELS or name not in expected:
             raise ModelLoadError(f"{folder}: component {name!r} is not part of a served pipeline")
         elif pair not in _MODELS[name]:
             raise ModelLoadError(
                 f"{folder}: {name} class {pair[0]}.{pair[1]} is not allowed "
                 f"(allowed: {sorted(f'{lib}.{cls}' for lib, cls in _MODELS[name])})"
             )
-    missing = {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} - components.keys()
+    missing = expected - components.keys()
     if missing:
         raise ModelLoadError(f"{folder}: model_index.json lacks {sorted(missing)}")
 
@@ -174,43 +201,77 @@ def _load_components(
     dtype: torch.dtype,
 ) -> PipelineParts:
     import diffusers
-    from transformers import CLIPTextModel, CLIPTokenizer
 
     unet = diffusers.UNet2DConditionModel.from_pretrained(
         folder, subfolder="unet", use_safetensors=True, torch_dtype=dtype
     )
+    sdxl = "text_encoder_2" in components
+    _check_conditioning(folder, unet.config, sdxl)
     vae = diffusers.AutoencoderKL.from_pretrained(
-        folder, subfolder="vae", use_safetensors=True, torch_dtype=dtype
+        folder, subfolder="vae", use_safetensors=True, torch_dtype=_vae_dtype(folder, dtype)
     )
-    text_encoder = CLIPTextModel.from_pretrained(
-        folder / "text_encoder", use_safetensors=True, dtype=dtype
-    )
-    tokenizer = CLIPTokenizer.from_pretrained(folder / "tokenizer")
-    scheduler_class = spec.scheduler or components["scheduler"][1]
-    if scheduler_class not in SCHEDULERS:
-        raise ModelLoadError(f"scheduler {scheduler_class!r} is not one of {list(SCHEDULERS)}")
-    folder_scheduler = getattr(diffusers, components["scheduler"][1])
-    config = folder_scheduler.load_config(folder, subfolder="scheduler")
-    template = getattr(diffusers, scheduler_class).from_config(config)
-    if unet.config.get("time_cond_proj_dim") is not None or unet.config.get("addition_embed_type"):
-        raise ModelLoadError(
-            f"{folder}: this UNet needs extra conditioning (SDXL, LCM): unsupported"
-        )
-    modules: tuple[Any, ...] = (unet, vae, text_encoder)
+    encoders = [_text_encoder(folder, "", "CLIPTextModel", dtype)]
+    if sdxl:
+        encoders.append(_text_encoder(folder, "_2", "CLIPTextModelWithProjection", dtype))
+    modules: list[Any] = [unet, vae, *(encoder for _, encoder in encoders)]
     for module in modules:
         module.to(device).eval().requires_grad_(False)
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
     return PipelineParts(
         unet=unet,
         vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler_template=template,
+        text_encoders=encoders,
+        scheduler_template=_scheduler(folder, components["scheduler"][1], spec.scheduler),
         vae_scale_factor=scale,
         device=device,
         dtype=dtype,
         limits=derive_limits(int(unet.config.sample_size) * scale, scale, spec),
+        zero_empty_negative=sdxl and bool(read_index(folder).get("force_zeros_for_empty_prompt")),
     )
+
+
+def _check_conditioning(folder: Path, config: Any, sdxl: bool) -> None:
+    """SDXL's UNet takes its added text and time embeddings; nothing else extra is served."""
+    added = config.get("addition_embed_type")
+    if config.get("time_cond_proj_dim") is not None or added != ("text_time" if sdxl else None):
+        raise ModelLoadError(
+            f"{folder}: a UNet with this conditioning (addition_embed_type={added!r}, "
+            f"time_cond_proj_dim={config.get('time_cond_proj_dim')!r}) is not supported"
+        )
+
+
+def _vae_dtype(folder: Path, dtype: torch.dtype) -> torch.dtype:
+    """float16 overflows in a VAE that says `force_upcast` (SDXL's): that one runs in float32,
+    as diffusers' pipeline upcasts it."""
+    if dtype != torch.float16:
+        return dtype
+    try:
+        config = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return dtype
+    return torch.float32 if config.get("force_upcast") else dtype
+
+
+def _text_encoder(folder: Path, suffix: str, cls: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    import transformers
+
+    tokenizer = transformers.CLIPTokenizer.from_pretrained(folder / f"tokenizer{suffix}")
+    encoder = getattr(transformers, cls).from_pretrained(
+        folder / f"text_encoder{suffix}", use_safetensors=True, dtype=dtype
+    )
+    return tokenizer, encoder
+
+
+def _scheduler(folder: Path, folder_class: str, chosen: str | None) -> Any:
+    """The template every request's scheduler is built from: `chosen` (or the folder's class)
+    over the folder's scheduler config."""
+    import diffusers
+
+    name = chosen or folder_class
+    if name not in SCHEDULERS:
+        raise ModelLoadError(f"scheduler {name!r} is not one of {list(SCHEDULERS)}")
+    config = getattr(diffusers, folder_class).load_config(folder, subfolder="scheduler")
+    return getattr(diffusers, name).from_config(config)
 
 
 def derive_limits(default_size: int, multiple: int, spec: ImageModelSpec) -> ImageLimits:

@@ -2,7 +2,8 @@
 
 Every image the engine makes, alone or sharing UNet forwards with other requests at other
 timesteps, step counts, guidance scales, seeds, negative prompts and sizes, equals the image
-`StableDiffusionPipeline` makes for that request alone with
+`StableDiffusionPipeline` (`StableDiffusionXLPipeline` on inferd-tiny-sdxl) makes for that
+request alone with
 `generator=torch.Generator("cpu").manual_seed(seed)` (and `num_images_per_prompt=n`), within 3/255
 per pixel. Also: cancellation mid-denoise frees the request's slot, deadlines (queued and while
 denoising), the queue bound, bad input refused before queueing, a failing forward failing only
@@ -76,9 +77,14 @@ def folder(cache_dir: Path) -> Path:
 
 @functools.cache
 def _pipeline(folder: Path) -> Any:
-    pipe = diffusers.StableDiffusionPipeline.from_pretrained(
-        folder, use_safetensors=True, safety_checker=None, requires_safety_checker=False
-    )
+    if "sdxl" in folder.name:
+        pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
+            folder, use_safetensors=True, add_watermarker=False
+        )
+    else:
+        pipe = diffusers.StableDiffusionPipeline.from_pretrained(
+            folder, use_safetensors=True, safety_checker=None, requires_safety_checker=False
+        )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -199,6 +205,43 @@ def test_mixed_concurrent_requests_each_equal_diffusers(
         assert_same(done.images, reference(folder, SCHEDULERS[name], params))
 
 
+SDXL_MIXED = [
+    ImageParams("a castle", num_inference_steps=6, guidance_scale=7.5, seed=1),  # zeros negative
+    ImageParams("a bird", "blurry", num_inference_steps=4, guidance_scale=5.0, seed=2, n=2),
+    ImageParams("a tree", num_inference_steps=5, guidance_scale=1.0, seed=3),
+]
+
+
+def test_sdxl_mixed_requests_each_equal_diffusers(cache_dir: Path) -> None:
+    """SDXL's added conditioning (pooled text, size ids) rides along per row; an empty negative
+    prompt is zeros (force_zeros_for_empty_prompt), as in diffusers."""
+    folder = ensure_tiny_sd(cache_dir, "inferd-tiny-sdxl")
+    cfg = config("EulerDiscreteScheduler", image_model="inferd-tiny-sdxl")
+
+    async def main() -> list[ImagesDone]:
+        engine = await started(cfg, cache_dir)
+        try:
+            gates = [asyncio.Event() for _ in SDXL_MIXED]
+            gates[0].set()
+
+            async def one(i: int) -> ImagesDone:
+                await gates[i].wait()
+
+                def on_step(p: DenoiseProgress) -> None:
+                    if p.step == 1 and i + 1 < len(gates):
+                        gates[i + 1].set()
+
+                request = ImageRequest(f"x{i}", SDXL_MIXED[i])
+                return (await collect(engine, request, on_step))[0]
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(SDXL_MIXED)))))
+        finally:
+            await engine.shutdown()
+
+    for params, done in zip(SDXL_MIXED, run(main()), strict=True):
+        assert_same(done.images, reference(folder, "EulerDiscreteScheduler", params))
+
+
 def test_previews_and_progress(cache_dir: Path) -> None:
     params = ImageParams("a fox", num_inference_steps=8, seed=7, partial_images=3)
 
@@ -302,10 +345,15 @@ def test_a_failing_forward_fails_only_its_requests(
         runner = engine._core.runner
         forward = runner.unet_forward
 
-        def flaky(sample: torch.Tensor, steps: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        def flaky(
+            sample: torch.Tensor,
+            steps: torch.Tensor,
+            embeds: torch.Tensor,
+            added: dict[str, torch.Tensor] | None = None,
+        ) -> torch.Tensor:
             if sample.shape[-1] == 6:  # 48-pixel-wide latents
                 raise RuntimeError("out of memory (injected)")
-            return forward(sample, steps, embeds)
+            return forward(sample, steps, embeds, added)
 
         monkeypatch.setattr(runner, "unet_forward", flaky)
         try:
