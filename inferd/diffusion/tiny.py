@@ -110,8 +110,6 @@ def write_tiny_sd(out_dir: Path, seed: int = WEIGHT_SEED) -> Path:
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
             **_UNET,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
             cross_attention_dim=32,
             attention_head_dim=8,
         )
@@ -144,8 +142,6 @@ def write_tiny_sdxl(out_dir: Path, seed: int = WEIGHT_SEED) -> Path:
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
             **_UNET,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
             cross_attention_dim=64,
             attention_head_dim=(2, 4),
             use_linear_projection=True,
@@ -172,7 +168,14 @@ def write_tiny_sdxl(out_dir: Path, seed: int = WEIGHT_SEED) -> Path:
     return out_dir
 
 
-_UNET: dict[str, Any] = {"sample_size": 8, "block_out_channels": (32, 64), "layers_per_block": 2}
+# Both UNets: 8x8 latents (64-pixel images), two levels, cross-attention in the lower one.
+_UNET: dict[str, Any] = {
+    "sample_size": 8,
+    "block_out_channels": (32, 64),
+    "layers_per_block": 2,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+}
 
 
 def _tokenizer() -> tuple[Any, dict[str, int]]:

@@ -170,38 +170,42 @@ MIXED = [
 ]
 
 
+async def staggered(
+    cfg: ImageEngineConfig, cache_dir: Path, params: list[ImageParams], join_at: int
+) -> tuple[list[ImagesDone], int]:
+    """Runs `params` on one engine, each request starting when the one before it reached step
+    `join_at`, so forwards mix rows at different timesteps. Returns the results and the number
+    of UNet forwards."""
+    engine = await started(cfg, cache_dir)
+    try:
+        gates = [asyncio.Event() for _ in params]
+        gates[0].set()
+
+        async def one(i: int) -> ImagesDone:
+            await gates[i].wait()
+
+            def on_step(p: DenoiseProgress) -> None:
+                if p.step == join_at and i + 1 < len(gates):
+                    gates[i + 1].set()
+
+            return (await collect(engine, ImageRequest(f"m{i}", params[i]), on_step))[0]
+
+        results = await asyncio.gather(*(one(i) for i in range(len(params))))
+        return list(results), engine.stats().unet_forwards_total
+    finally:
+        await engine.shutdown()
+
+
 @pytest.mark.parametrize("name", ["euler", "dpmpp"])
 def test_mixed_concurrent_requests_each_equal_diffusers(
     name: str, cache_dir: Path, folder: Path
 ) -> None:
-    """Requests join at staggered steps (each starts when the previous reached step 2), so
-    forwards mix rows at different timesteps, step counts, guidance and sizes."""
+    """Requests join at staggered steps, so forwards mix rows at different timesteps, step
+    counts, guidance and sizes."""
     cfg = config(SCHEDULERS[name], max_image_rows_per_step=16)
-
-    async def main() -> list[ImagesDone]:
-        engine = await started(cfg, cache_dir)
-        try:
-            gates = [asyncio.Event() for _ in MIXED]
-            gates[0].set()
-
-            async def one(i: int) -> ImagesDone:
-                await gates[i].wait()
-
-                def on_step(p: DenoiseProgress) -> None:
-                    if p.step == 2 and i + 1 < len(gates):
-                        gates[i + 1].set()
-
-                done, _ = await collect(engine, ImageRequest(f"m{i}", MIXED[i]), on_step)
-                return done
-
-            results = await asyncio.gather(*(one(i) for i in range(len(MIXED))))
-            stats = engine.stats()
-            assert stats.unet_forwards_total < sum(p.num_inference_steps for p in MIXED)
-            return list(results)
-        finally:
-            await engine.shutdown()
-
-    for params, done in zip(MIXED, run(main()), strict=True):
+    results, forwards = run(staggered(cfg, cache_dir, MIXED, join_at=2))
+    assert forwards < sum(p.num_inference_steps for p in MIXED)  # they shared forwards
+    for params, done in zip(MIXED, results, strict=True):
         assert_same(done.images, reference(folder, SCHEDULERS[name], params))
 
 
@@ -217,28 +221,9 @@ def test_sdxl_mixed_requests_each_equal_diffusers(cache_dir: Path) -> None:
     prompt is zeros (force_zeros_for_empty_prompt), as in diffusers."""
     folder = ensure_tiny_sd(cache_dir, "inferd-tiny-sdxl")
     cfg = config("EulerDiscreteScheduler", image_model="inferd-tiny-sdxl")
-
-    async def main() -> list[ImagesDone]:
-        engine = await started(cfg, cache_dir)
-        try:
-            gates = [asyncio.Event() for _ in SDXL_MIXED]
-            gates[0].set()
-
-            async def one(i: int) -> ImagesDone:
-                await gates[i].wait()
-
-                def on_step(p: DenoiseProgress) -> None:
-                    if p.step == 1 and i + 1 < len(gates):
-                        gates[i + 1].set()
-
-                request = ImageRequest(f"x{i}", SDXL_MIXED[i])
-                return (await collect(engine, request, on_step))[0]
-
-            return list(await asyncio.gather(*(one(i) for i in range(len(SDXL_MIXED)))))
-        finally:
-            await engine.shutdown()
-
-    for params, done in zip(SDXL_MIXED, run(main()), strict=True):
+    results, forwards = run(staggered(cfg, cache_dir, SDXL_MIXED, join_at=1))
+    assert forwards < sum(p.num_inference_steps for p in SDXL_MIXED)
+    for params, done in zip(SDXL_MIXED, results, strict=True):
         assert_same(done.images, reference(folder, "EulerDiscreteScheduler", params))
 
 
