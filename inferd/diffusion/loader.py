@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
+from inferd.config import ImageScheduler
 from inferd.diffusion.request import ImageLimits
 from inferd.diffusion.tiny import BUILT_IN, ensure_tiny_sd
 from inferd.errors import ModelLoadError
@@ -48,16 +49,7 @@ _PIPELINES = {
     "StableDiffusionXLPipeline": _SD | {"text_encoder_2", "tokenizer_2"},
 }
 # Schedulers whose per-request instances the engine steps (one model call per step each).
-SCHEDULERS = (
-    "DDIMScheduler",
-    "DDPMScheduler",
-    "PNDMScheduler",
-    "LMSDiscreteScheduler",
-    "EulerDiscreteScheduler",
-    "EulerAncestralDiscreteScheduler",
-    "DPMSolverMultistepScheduler",
-    "UniPCMultistepScheduler",
-)
+SCHEDULERS: tuple[str, ...] = get_args(ImageScheduler)
 # Components inferd never loads or runs, whatever they name.
 _IGNORED = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
 DEFAULT_GUIDANCE = 7.5  # diffusers' StableDiffusionPipeline default

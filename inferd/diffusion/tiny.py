@@ -21,13 +21,12 @@ changes what is written, so old caches are not reused.
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from inferd.cache_folders import build_once
 
 TINY_SD_NAME = "inferd-tiny-sd"
 TINY_SD_FOLDER = "inferd-tiny-sd-v1"
@@ -234,23 +233,6 @@ BUILT_IN: dict[str, tuple[str, Callable[[Path], Path]]] = {
 
 def ensure_tiny_sd(cache_dir: Path, name: str = TINY_SD_NAME) -> Path:
     """A built-in pipeline's folder under `cache_dir/models` (`inferd-tiny-sd` by default),
-    built on first use (about a second).
-
-    Built in a temporary sibling folder and renamed into place: rename is atomic, so a
-    concurrent first use sees no folder or a complete one, and the loser of a race discards
-    its copy."""
+    built on first use (about a second; atomically, inferd.cache_folders)."""
     folder, write = BUILT_IN[name]
-    final = cache_dir / "models" / folder
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder}.", dir=final.parent))
-    try:
-        write(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(cache_dir / "models" / folder, write)
