@@ -261,7 +261,7 @@ class ImageEngineCore:
         c["forwards"] += 1
         c["rows"] += sum(s.rows for s in states)
         c["steps"] += len(states)
-        self._progress([s for s in states if not s.done])
+        self._progress(states)
 
     def _progress(self, states: list[DenoiseState]) -> None:
         """A progress event per request; those at a preview step get the decoded latents."""

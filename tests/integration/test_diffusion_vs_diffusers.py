@@ -155,7 +155,7 @@ def test_alone_equals_diffusers(name: str, cache_dir: Path, folder: Path) -> Non
             await engine.shutdown()
 
     done, progress = run(main())
-    assert [p.step for p in progress] == [1, 2, 3, 4, 5]
+    assert [p.step for p in progress] == [1, 2, 3, 4, 5, 6]
     assert done.seed == 11 and done.images.dtype == np.uint8
     assert_same(done.images, reference(folder, SCHEDULERS[name], params))
     assert {"queue", "text_encode", "denoise", "vae_decode"} <= set(done.timings.as_dict())
