@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 	-$(BIN)/python -m inferd.models.kernels build
 	touch $(STAMP)
 
-# The server on http://0.0.0.0:8000 (gRPC :8001): inferd-tiny plus the example model repository;
-# ARGS="..." replaces those arguments.
+# The server on http://0.0.0.0:8000 (gRPC :8001): inferd-tiny, the example model repository and
+# the image model inferd-tiny-sd; ARGS="..." replaces those arguments.
 serve: $(STAMP)
-	$(BIN)/inferd serve $(or $(ARGS),inferd-tiny --model-repository examples)
+	$(BIN)/inferd serve $(or $(ARGS),inferd-tiny --model-repository examples --image-model inferd-tiny-sd)
 
 lint: $(STAMP)
 	$(BIN)/ruff check inferd tests bench

@@ -20,12 +20,19 @@ from inferd.config import (
     AdmissionConfig,
     EngineConfig,
     Environment,
+    ImageEngineConfig,
     RepositoryConfig,
     ServeConfig,
     ServerConfig,
     read_environment,
 )
-from inferd.engine_args import add_engine_args, engine_kwargs, parse_bytes
+from inferd.engine_args import (
+    add_engine_args,
+    add_image_args,
+    engine_kwargs,
+    image_kwargs,
+    parse_bytes,
+)
 from inferd.errors import InferdError
 from inferd.postprocess.tool_parsers import TOOL_PARSERS
 from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
@@ -89,8 +96,11 @@ def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:
     one onto the other. A flag that is None was not given, so its field keeps the config's
     default; flags named like their field need no mapping, the few others are below."""
     model = args.model_pos if args.model_pos is not None else args.model
-    # With a model repository and no LLM named, the server serves only the repository.
-    serves_llm = model is not None or args.model_repository is None
+    image = _image_config(args, model)
+    if image is not None and image.image_model == model:
+        model = None  # MODEL named the image model, so no LLM is named
+    # With a model repository or an image model and no LLM named, the server serves only those.
+    serves_llm = model is not None or (args.model_repository is None and image is None)
     engine = {**engine_kwargs(args), "model": model or DEFAULT_MODEL}
     return ServeConfig(
         env=env,
@@ -98,7 +108,25 @@ def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:
         admission=_given(AdmissionConfig, args),
         server=_server_config(args, env),
         repository=None if args.model_repository is None else _given(RepositoryConfig, args),
+        image=image,
     )
+
+
+def _image_config(args: argparse.Namespace, model: str | None) -> ImageEngineConfig | None:
+    """The image model: MODEL when it is a diffusers folder (model_index.json) or
+    inferd-tiny-sd (then --served-model-name names it), else --image-model; None if neither."""
+    from inferd.diffusion.loader import is_image_model
+
+    given = image_kwargs(args)
+    if model is not None and is_image_model(model):
+        if args.image_model is not None:
+            raise InferdError(f"MODEL {model!r} is an image model; --image-model names another")
+        return ImageEngineConfig.model_validate(
+            {**given, "image_model": model, "served_model_name": args.served_model_name}
+        )
+    if args.image_model is None:
+        return None
+    return ImageEngineConfig.model_validate(given)
 
 
 # Config field -> the flag's argparse dest, where the two names differ.
@@ -287,12 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     srv = sub.add_parser(
         "serve",
-        help="serve LLMs (OpenAI API) and classic models (KServe v2)",
+        help="serve LLMs (OpenAI API), classic models (KServe v2) and image models",
         usage="inferd serve [MODEL] [options]",
     )
     add_server_args(srv)
     add_security_args(srv)
     add_engine_args(srv)
+    add_image_args(srv)
     srv.set_defaults(model=None)  # resolved in _serve: no LLM when only a repository is given
     srv.set_defaults(func=_serve)
     add_data_parallel_args(srv)

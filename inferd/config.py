@@ -368,12 +368,67 @@ class RepositoryConfig(_Frozen):
     backend_threads: int | None = Field(default=None, gt=0)
 
 
+ImageScheduler = Literal[
+    "DDIMScheduler",
+    "DDPMScheduler",
+    "PNDMScheduler",
+    "LMSDiscreteScheduler",
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "DPMSolverMultistepScheduler",
+    "UniPCMultistepScheduler",
+]
+
+
+class ImageEngineConfig(_Frozen):
+    """The image lane: one diffusers pipeline served with step-level batching (inferd/diffusion)."""
+
+    image_model: str = Field(
+        default="inferd-tiny-sd",
+        min_length=1,
+        description="a diffusers pipeline folder (with model_index.json), or inferd-tiny-sd",
+    )
+    # Set from --served-model-name when the image model is the server's MODEL; else the
+    # folder's name.
+    served_model_name: str | None = None
+    image_scheduler: ImageScheduler | None = Field(
+        default=None, description="the sampler every request uses (default: the folder's)"
+    )
+    image_dtype: DType = Field(default="auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    image_device: Device = Field(default="auto", description="auto: cuda when available")
+    # The role max_num_batched_tokens plays for the LLM: a request at n images with guidance
+    # takes 2n rows, so this also bounds n (to rows // 2, at most 10).
+    max_image_rows_per_step: int = Field(
+        default=32, gt=1, description="UNet rows (images, x2 with guidance) one forward may run"
+    )
+    # Admitted requests hold their latents and text embeddings; those past the row budget wait
+    # at a step boundary (the step policy picks who runs).
+    max_admitted_image_requests: int = Field(
+        default=64, gt=0, description="image requests admitted to denoising at once"
+    )
+    max_queued_image_requests: int = Field(
+        default=256, gt=0, description="image requests waiting to be admitted (over it: 429)"
+    )
+    # The VAE's full-resolution activations are the lane's largest tensors.
+    max_image_decode_rows: int = Field(
+        default=8, gt=0, description="images one VAE decode call may take"
+    )
+    image_default_steps: int = Field(
+        default=50, gt=0, description="denoising steps when a request names none"
+    )
+    image_max_steps: int = Field(default=150, gt=0, description="the most steps a request may ask")
+    max_image_size: int | None = Field(
+        default=None, gt=0, description="longest image side in pixels (default: twice native)"
+    )
+
+
 class ServeConfig(_Frozen):
     """Everything `inferd serve` runs with: built once, at start-up, from the command line and
     the environment (`inferd.cli.serve_config`, the only place flags become config), then
     handed down whole.
 
-    A server runs an LLM (`engine`), a model repository (`repository`), or both."""
+    A server runs any of an LLM (`engine`), a model repository (`repository`) and an image
+    model (`image`)."""
 
     env: Environment
     # None: no LLM; the server serves only the model repository.
@@ -381,3 +436,5 @@ class ServeConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
     repository: RepositoryConfig | None = None
+    # None: no image model.
+    image: ImageEngineConfig | None = None

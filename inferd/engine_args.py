@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from inferd.config import (
     CacheConfig,
     DeviceConfig,
+    ImageEngineConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -71,8 +72,10 @@ _FORMS: dict[str, FlagForm] = {
         type=parse_lora_module, nargs="+", action="extend", metavar="NAME=PATH"
     ),
 }
-# Fields with no flag: prefills have always been chunked, and no flag has turned that off.
-_NO_FLAG = frozenset({"enable_chunked_prefill"})
+# Fields with no flag: prefills have always been chunked, and no flag has turned that off; the
+# image model's served name is --served-model-name's when it is the server's MODEL, and
+# --image-model has no default (add_image_args).
+_NO_FLAG = frozenset({"enable_chunked_prefill", "served_model_name", "image_model"})
 
 SECTIONS: tuple[type[BaseModel], ...] = (
     ModelConfig,
@@ -88,14 +91,38 @@ ENGINE_ARGS = tuple(
 )
 
 
+# The image lane's flags (`inferd serve`), from ImageEngineConfig's fields by the same rule.
+IMAGE_ARGS = (
+    "image_model",
+    *(name for name in ImageEngineConfig.model_fields if name not in _NO_FLAG),
+)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One argument group per config section, one flag per field."""
     for section in SECTIONS:
-        doc = (section.__doc__ or "").strip().split("\n")[0]
-        group = p.add_argument_group(section.__name__, doc)
-        for name, field in section.model_fields.items():
-            if name not in _NO_FLAG:
-                _add_flag(group, name, field, _FORMS.get(name, FlagForm()))
+        _add_section(p, section)
+
+
+def add_image_args(p: argparse.ArgumentParser) -> None:
+    """The image lane's group. --image-model has no default: no image model unless one is named
+    (as the server's MODEL, or with the flag)."""
+    group = _add_section(p, ImageEngineConfig)
+    group.add_argument(
+        "--image-model",
+        default=None,
+        metavar="NAME_OR_FOLDER",
+        help=f"serve this image model: {ImageEngineConfig.model_fields['image_model'].description}",
+    )
+
+
+def _add_section(p: argparse.ArgumentParser, section: type[BaseModel]) -> argparse._ArgumentGroup:
+    doc = (section.__doc__ or "").strip().split("\n")[0]
+    group = p.add_argument_group(section.__name__, doc)
+    for name, field in section.model_fields.items():
+        if name not in _NO_FLAG:
+            _add_flag(group, name, field, _FORMS.get(name, FlagForm()))
+    return group
 
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, form: FlagForm) -> None:
@@ -139,3 +166,9 @@ def _typed(name: str, annotation: Any) -> dict[str, Any]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The engine flags' values by field name, for `EngineConfig.from_kwargs` / `LLM(...)`."""
     return {name: getattr(args, name) for name in ENGINE_ARGS}
+
+
+def image_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The image flags that were given (not None), by field name, for ImageEngineConfig."""
+    values = {name: getattr(args, name, None) for name in IMAGE_ARGS}
+    return {name: value for name, value in values.items() if value is not None}

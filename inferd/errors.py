@@ -48,6 +48,12 @@ class QueueTimeoutError(InferdError):
     """The request's deadline passed before it was scheduled (HTTP 503, code "queue_timeout")."""
 
 
+class DeadlineExceededError(QueueTimeoutError):
+    """The request's deadline passed while it ran, and nothing partial can be returned (the image
+    lane, between denoising steps). A QueueTimeoutError, so a protocol that maps only that
+    answers 503 as for a deadline passed while waiting."""
+
+
 class DrainingError(InferdError):
     """The server is shutting down and admits nothing new (HTTP 503)."""
 

@@ -1,5 +1,5 @@
 """`inferd serve`: the server's lifecycle around uvicorn, the LLM engine client, the model
-repository and the gRPC service.
+repository, the image engine and the gRPC service.
 
 Start: HTTP comes up first (live, not ready), the repository's models and the engine load, gRPC
 starts, readiness turns green. One bad model in the repository does not stop the server (it is
@@ -18,7 +18,7 @@ import logging
 import signal
 import ssl
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from inferd.gateway.state import GatewayState, gateway_state
 from inferd.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
+    from inferd.diffusion.client import AsyncImageEngine
     from inferd.engine.async_client import AsyncLLM
     from inferd.repository.manager import ModelRepository
 
@@ -121,11 +122,15 @@ class _Parts:
     repository: ModelRepository | None = None
     grpc: Any = None
     grpc_port: int | None = None
+    # Image models by served name (each its own engine thread in this process).
+    images: dict[str, AsyncImageEngine] = field(default_factory=dict)
 
     def describe(self) -> str:
         words = []
         if self.llm is not None:
             words.append(f" LLM {self.llm.model_name}")
+        if self.images:
+            words.append(f" images {sorted(self.images)}")
         if self.repository is not None:
             words.append(f" models {self.repository.model_names()}")
         if self.grpc_port is not None:
@@ -138,6 +143,7 @@ class _Parts:
             waits.append(self.llm.drain(timeout_s))
         if self.repository is not None:
             waits.append(self.repository.shutdown(timeout_s))
+        waits.extend(engine.drain(timeout_s) for engine in self.images.values())
         await asyncio.gather(*waits)
 
     async def close(self, grace_s: float) -> None:
@@ -149,6 +155,8 @@ class _Parts:
             await self.repository.shutdown(0.0)
         if self.llm is not None:
             await self.llm.shutdown()
+        for engine in self.images.values():
+            await engine.shutdown()
 
 
 async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
@@ -174,6 +182,21 @@ async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
             engine, admission, served_model_name=server.served_model_name, env=config.env
         )
         set_engine(app, parts.llm)
+    if config.image is not None:
+        await _start_images(parts, app, config)
+
+
+async def _start_images(parts: _Parts, app: Any, config: ServeConfig) -> None:
+    """The image model's engine, handed to the gateway in the one call below."""
+    from inferd.diffusion.client import AsyncImageEngine
+    from inferd.gateway.app import set_image_engines  # type: ignore[attr-defined]
+
+    assert config.image is not None
+    engine = await AsyncImageEngine.start(
+        config.image, config.env.cache_dir, request_timeout_s=config.admission.request_timeout_s
+    )
+    parts.images[engine.model_name] = engine
+    set_image_engines(app, dict(parts.images))
 
 
 async def _start_repository(

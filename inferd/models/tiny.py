@@ -14,10 +14,7 @@ The folder is a normal Hugging Face model folder (transformers can load it too).
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from inferd.cache_folders import build_once
 from inferd.models.config import ArchConfig
 from inferd.models.llama import LlamaForCausalLM
 
@@ -260,26 +258,12 @@ def write_model_folder(
 
 
 def ensure_tiny_model(cache_dir: Path) -> Path:
-    """The `inferd-tiny` folder under `cache_dir/models`, built on first use (about a second).
-
-    Built in a temporary sibling folder and renamed into place: rename is atomic, so a
-    concurrent first use either sees no folder or a complete one, and the loser of a race
-    discards its copy.
-    """
-    final = cache_dir / "models" / TINY_FOLDER
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_FOLDER}.", dir=final.parent))
-    try:
-        write_model_folder(TINY_CONFIG, tmp, tokenizer_vocab=TINY_CONFIG["vocab_size"])
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The `inferd-tiny` folder under `cache_dir/models`, built on first use (about a second;
+    atomically, inferd.cache_folders)."""
+    return build_once(
+        cache_dir / "models" / TINY_FOLDER,
+        lambda tmp: write_model_folder(TINY_CONFIG, tmp, tokenizer_vocab=TINY_CONFIG["vocab_size"]),
+    )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from inferd.config import (
     AdmissionConfig,
     EngineConfig,
     Environment,
+    ImageEngineConfig,
     RepositoryConfig,
     ServeConfig,
     ServerConfig,
@@ -116,3 +117,34 @@ def test_engine_flags_keep_their_names_and_forms() -> None:
     assert engine.cache.kv_cache_memory == 2 * 2**30
     assert not engine.cache.enable_prefix_caching and engine.device.enforce_eager
     assert [m.name for m in engine.lora.lora_modules] == ["a", "b"]
+
+
+def test_an_image_model_as_model_serves_no_llm(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text("{}")
+    cfg = config(str(tmp_path), "--served-model-name", "sd", "--max-image-rows-per-step", "8")
+    assert cfg.engine is None
+    assert cfg.image == ImageEngineConfig(
+        image_model=str(tmp_path), served_model_name="sd", max_image_rows_per_step=8
+    )
+    assert config("inferd-tiny-sd").image == ImageEngineConfig(image_model="inferd-tiny-sd")
+
+
+def test_image_model_flag_adds_an_image_model_beside_the_others() -> None:
+    cfg = config(
+        "m", "--model-repository", "r", "--image-model", "inferd-tiny-sd",
+        "--image-scheduler", "EulerDiscreteScheduler",
+    )  # fmt: skip
+    assert cfg.engine is not None and cfg.engine.model.model == "m"
+    assert cfg.repository is not None
+    assert cfg.image == ImageEngineConfig(image_scheduler="EulerDiscreteScheduler")
+    assert config("--image-model", "inferd-tiny-sd").engine is None
+    assert config().image is None
+
+
+def test_image_flags_are_the_config_fields() -> None:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    groups = {g.title: g for g in sub.choices["serve"]._action_groups}
+    flags = {a.dest: a for a in groups["ImageEngineConfig"]._group_actions}
+    for name, field in ImageEngineConfig.model_fields.items():
+        if name != "served_model_name":  # --served-model-name's, when MODEL is the image model
+            assert field.description and field.description in flags[name].help
