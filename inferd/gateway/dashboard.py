@@ -42,11 +42,13 @@ _MIN_INTERVAL_S = 0.25
 
 
 def install(app: FastAPI, state: GatewayState, log: RequestLog | None = None) -> RequestLog:
-    """Adds the routes and starts recording finished requests of both lanes into `log`."""
+    """Adds the routes and starts recording finished requests of every lane into `log`."""
     log = log if log is not None else RequestLog(llm_model=lambda: state.model_name)
     app.state.request_log = log
     state.metrics.request_log = log
     state.model_metrics.request_log = log
+    if state.image_metrics is not None:
+        state.image_metrics.request_log = log
     app.include_router(page_routes("index.html", _ASSETS))
     app.include_router(router)
     return log
