@@ -262,3 +262,18 @@ def test_closing_the_events_aborts_the_engine_request() -> None:
     assert engine.aborted == ["r1"] and engine.running == 0
     m = parse_samples(client.get("/metrics").text)
     assert m['inferd_image_requests_total{model="tiny-sd",outcome="abort"}'] == 1
+
+
+def test_the_openai_client_parses_answers_and_stream_events() -> None:
+    import openai
+    from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent
+
+    client, _ = make()
+    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    r = oc.images.generate(prompt="a fox", model="tiny-sd", size="32x32", n=2)
+    assert r.size == "32x32" and r.output_format == "png" and r.data and len(r.data) == 2
+    stream = oc.images.generate(
+        prompt="a fox", stream=True, partial_images=1, extra_body={"num_inference_steps": 4}
+    )
+    kinds = [type(e) for e in stream]
+    assert kinds == [ImageGenPartialImageEvent, ImageGenCompletedEvent]
