@@ -1,13 +1,15 @@
 """The dashboard's live overview: rates, percentiles and stage shares of the recent window.
 
 Computed only when someone reads it (each tick of an open dashboard), from the RequestLog's
-records of the last `window_s` seconds plus the engine gauges and the classic models' batch
-histograms; nothing here runs on the request path.
+records of the last `window_s` seconds plus the engine gauges, the classic models' batch
+histograms and the image engines' counters; nothing here runs on the request path.
 
     {"window_s": 60, "llm": {"rps": 3.2, "output_tps": 410.0, "ttft": {"p50": ...}, ...,
      "stage_seconds": {"queue": 0.4, "prefill": 1.1, "decode": 9.8, "other": 0.02}},
      "classic": {"rps": ..., "models": {"fraud": {"batch_rows": 6.1, "padding_ratio": 0.0,
-                                                  "queue_s": 0.3, "compute_s": 0.1}}}}
+                                                  "queue_s": 0.3, "compute_s": 0.1}}},
+     "image": {"rps": 0.4, "images_per_s": 0.8, "steps_per_s": 12.0, "rows_per_forward": 6.5,
+               "queue": {"p50": ...}, "engine": {"running": 2, "waiting": 0}, ...}}
 
 `stage_seconds` sums each record's exclusive path (RequestRecord.path), so the stages of a lane
 add up to the summed e2e of its requests and read directly as shares of where the time went.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
+from inferd.telemetry.image_metrics import ImageEngineStats
 from inferd.telemetry.metrics import EngineGauges
 from inferd.telemetry.request_log import LANE_STAGES, OTHER, Lane, RequestLog, RequestRecord
 from inferd.telemetry.stages import STAGE_HELP, Stage
@@ -139,6 +142,30 @@ def _stage_sum(records: Iterable[RequestRecord], stages: Sequence[Stage]) -> flo
 
 
 @dataclass(frozen=True)
+class ImageCounters:
+    """Cumulative image-engine counters at one instant (see telemetry.image_metrics)."""
+
+    steps: int = 0
+    forwards: int = 0
+    rows: int = 0
+    running: int = 0
+    waiting: int = 0
+
+    @classmethod
+    def read(cls, stats: Iterable[ImageEngineStats]) -> ImageCounters:
+        out = cls()
+        for s in stats:
+            out = cls(
+                out.steps + s.denoise_steps_total,
+                out.forwards + s.unet_forwards_total,
+                out.rows + s.unet_rows_total,
+                out.running + s.running,
+                out.waiting + s.waiting,
+            )
+        return out
+
+
+@dataclass(frozen=True)
 class BatchTotals:
     """Cumulative counters at one instant: the classic models' batch histograms and the LLM
     engine's prefix-cache tokens (a window's means and rates are differences of two)."""
@@ -148,6 +175,8 @@ class BatchTotals:
     padding: HistogramTotals
     prefix_queries: int = 0
     prefix_hits: int = 0
+    # The image engines' counters, summed over the served image models.
+    image: ImageCounters = ImageCounters()
 
 
 def overview(
@@ -156,12 +185,14 @@ def overview(
     engine: EngineGauges | None,
     batches: tuple[BatchTotals, BatchTotals | None],
     llm_model: str = "",
+    image_models: Sequence[str] = (),
 ) -> dict[str, object]:
     """One overview snapshot. `batches`: now and the oldest snapshot inside the window."""
     now = time.monotonic()
     records = log.window(now - window_s)
     llm = [r for r in records if r.lane == "llm"]
     classic = [r for r in records if r.lane == "classic"]
+    image = [r for r in records if r.lane == "image"]
     newest, oldest = batches
     return {
         "time": time.time(),
@@ -180,6 +211,30 @@ def overview(
                 (newest.padding, None if oldest is None else oldest.padding),
             ),
         },
+        "image": {"models": list(image_models), **_image(image, window_s, newest, oldest)},
+    }
+
+
+def _image(
+    records: Sequence[RequestRecord],
+    window_s: float,
+    newest: BatchTotals,
+    oldest: BatchTotals | None,
+) -> dict[str, object]:
+    """Images/s from the finished requests; steps/s and rows per UNet forward from the engines'
+    counters over the window (since start until the window has an older snapshot)."""
+    now = newest.image
+    then = ImageCounters() if oldest is None else oldest.image
+    seconds = window_s if oldest is None else max(newest.at - oldest.at, 1e-9)
+    forwards = now.forwards - then.forwards
+    return {
+        **_lane(records, window_s, "image"),
+        "images_per_s": round(sum(r.images for r in records) / window_s, 3),
+        "steps_per_s": round((now.steps - then.steps) / seconds, 3) if oldest else None,
+        "rows_per_forward": round((now.rows - then.rows) / forwards, 3) if forwards else None,
+        "queue": percentiles([r.stages.seconds.get(Stage.QUEUE, 0.0) for r in records]),
+        "denoise": percentiles([r.stages.seconds.get(Stage.DENOISE, 0.0) for r in records]),
+        "engine": {"running": now.running, "waiting": now.waiting},
     }
 
 

@@ -140,14 +140,16 @@ class FakeImageEngine:
         seed = p.seed if p.seed is not None else 1234
         pixels = fake_pixels(p, seed, width, height)
         timings = StageTimings()
-        timings.add(Stage.TEXT_ENCODE, 0.001, time.monotonic())
-        timings.add(Stage.QUEUE, 0.0, time.monotonic())
+        with timings.measure(Stage.TEXT_ENCODE):
+            await asyncio.sleep(0)
+        t_queue = time.monotonic()
         self.running += 1
         finished = False
         try:
             if self.gate is not None:
                 await self.gate.wait()
             t0 = time.monotonic()
+            timings.add(Stage.QUEUE, t0 - t_queue, t_queue)
             rows = p.n * 2
             for step in range(1, steps + 1):
                 await asyncio.sleep(0)
@@ -158,7 +160,8 @@ class FakeImageEngine:
                 if self.fail is not None:
                     raise self.fail
             timings.add(Stage.DENOISE, time.monotonic() - t0, t0)
-            timings.add(Stage.VAE_DECODE, 0.0005, time.monotonic())
+            with timings.measure(Stage.VAE_DECODE):
+                await asyncio.sleep(0)
             finished = True
             self.images_total += p.n
             yield ImagesDone(pixels, seed, timings)

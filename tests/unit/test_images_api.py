@@ -277,3 +277,48 @@ def test_the_openai_client_parses_answers_and_stream_events() -> None:
     )
     kinds = [type(e) for e in stream]
     assert kinds == [ImageGenPartialImageEvent, ImageGenCompletedEvent]
+
+
+def test_spans_and_the_access_log_cover_the_image_stages(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from inferd.telemetry.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = create_app(
+        None, ServerConfig(access_log=True), tracer=RequestTracer(provider.get_tracer("t"))
+    )
+    app.state.gateway.serves_llm = False
+    set_image_engines(app, {"tiny-sd": FakeImageEngine()})
+    with caplog.at_level(logging.INFO, logger="inferd.access"):
+        r = TestClient(app).post(URL, json={"prompt": "a fox", "num_inference_steps": 3})
+    assert r.status_code == 200
+    names = {s.name for s in exporter.get_finished_spans()}
+    assert {"inferd.request", "inferd.denoise", "inferd.image_encode"} <= names
+    line = json.loads(next(m for m in caplog.messages if URL in m))
+    assert (line["model"], line["images"], line["steps"], line["outcome"]) == (
+        "tiny-sd",
+        1,
+        3,
+        "ok",
+    )
+    assert "vae_decode" in line["timings"]
+
+
+def test_the_dashboard_overview_has_the_image_lane() -> None:
+    client, _ = make()
+    for _ in range(2):
+        client.post(URL, json={"prompt": "a fox", "n": 2, "num_inference_steps": 5})
+    o = client.get("/v1/dashboard/overview").json()
+    assert o["lanes"]["image"] is True and o["image"]["models"] == ["tiny-sd"]
+    image = o["image"]
+    assert image["requests"] == 2 and image["images_per_s"] == round(4 / o["window_s"], 3)
+    assert image["rows_per_forward"] == 4.0  # the fake: n = 2 images, 2 rows each a step
+    assert image["queue"] is not None and image["engine"] == {"running": 0, "waiting": 0}
+    assert "denoise" in image["stage_seconds"] and image["stage_order"][-1] == "other"

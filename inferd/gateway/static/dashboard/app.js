@@ -7,7 +7,11 @@ const COLORS = {
   lora_load: "#fdb462", queue: "#fc8d62", grammar: "#b2df8a", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
   compute_input: "#b3b3b3", infer: "#1f78b4", compute_output: "#cab2d6",
   detokenize: "#e78ac3", postprocess: "#e78ac3", stream: "#b15928", other: "#dddddd",
+  text_encode: "#e5c494", denoise: "#1f78b4", vae_decode: "#66c2a5", image_encode: "#e78ac3",
 };
+const LANE_NAMES = { llm: "LLM", classic: "classic", image: "image" };
+// The waterfall row whose ticks mark the lane's units: output tokens, denoising steps.
+const TICKED = { llm: "decode", image: "denoise" };
 const HISTORY_S = 300;  // sparklines: the last five minutes of overview ticks
 const history = {};      // card id -> [[t, value]]
 let lastTotal = -1;
@@ -48,8 +52,10 @@ function onOverview(o) {
   $("#window").textContent = `window ${o.window_s} s · ${o.requests_total} requests seen`;
   if (o.lanes.llm) drawLLM(o.llm, o.time);
   if (o.lanes.classic || o.classic.requests > 0) drawClassic(o.classic, o.time);
+  if (o.lanes.image || o.image.requests > 0) drawImage(o.image, o.time);
   drawStages("llm", o.llm);
   drawStages("classic", o.classic);
+  drawStages("image", o.image);
   if (o.requests_total !== lastTotal) {
     lastTotal = o.requests_total;
     refreshRequests();
@@ -123,6 +129,23 @@ function drawClassic(k, t) {
   $("#classic-bound").textContent = verdict(k.stage_seconds, ["queue", "batch", "infer"]);
 }
 
+function drawImage(m, t) {
+  $("#image").hidden = false;
+  $("#image-models").textContent = m.models.join(", ");
+  const c = $("#image-cards");
+  const e = m.engine || {};
+  const pair = (p) => (p ? `${ms(p.p50)} / ${ms(p.p99)}` : "–");
+  card(c, "image-ips", "images/s", num(m.images_per_s, 2), m.images_per_s, t);
+  card(c, "image-steps", "denoising steps/s", num(m.steps_per_s, 1), m.steps_per_s, t);
+  card(c, "image-rows", "rows per UNet forward", num(m.rows_per_forward, 1), m.rows_per_forward, t);
+  card(c, "image-queue", "queue p50 / p99", pair(m.queue), m.queue && m.queue.p99, t);
+  card(c, "image-e2e", "e2e p50 / p99", pair(m.e2e), m.e2e && m.e2e.p99, t);
+  card(c, "image-running", "running", num(e.running, 0), e.running, t);
+  card(c, "image-waiting", "queue depth", num(e.waiting, 0), e.waiting, t);
+  card(c, "image-failed", "failed (window)", num(m.failed, 0), m.failed, t);
+  $("#image-bound").textContent = verdict(m.stage_seconds, ["queue", "text_encode", "denoise", "vae_decode", "image_encode"]);
+}
+
 function verdict(seconds, candidates) {
   const total = Object.values(seconds).reduce((a, b) => a + b, 0);
   if (!total) return "";
@@ -135,7 +158,7 @@ function drawStages(lane, l) {
   const total = Object.values(l.stage_seconds).reduce((a, b) => a + b, 0);
   if (!total) return;
   box.hidden = false;
-  box.replaceChildren(el("div", { class: "lane-name" }, lane === "llm" ? "LLM" : "classic"));
+  box.replaceChildren(el("div", { class: "lane-name" }, LANE_NAMES[lane]));
   const bar = el("div", { class: "stack" });
   const legend = el("div", { class: "legend" });
   for (const stage of l.stage_order) {
@@ -168,7 +191,7 @@ async function refreshRequests() {
     if (!models.has(r.model)) { models.add(r.model); $("#f-model").append(el("option", {}, r.model)); }
     const tr = el("tr", { class: "req" + (r.failed ? " failed" : ""), "data-id": r.request_id, "data-e2e": r.e2e });
     const cells = [r.arrival.slice(11, 23), r.request_id, r.lane, r.model, r.lora || "", r.status, ms(r.e2e), ms(r.ttft),
-      r.output_tokens || "", r.error || ""];
+      r.lane === "image" ? `${r.images} img` : r.output_tokens || "", r.error || ""];
     for (const v of cells) tr.append(el("td", {}, String(v)));
     tr.addEventListener("click", () => openRequest(r.request_id));
     body.append(tr);
@@ -185,13 +208,14 @@ async function openRequest(id) {
   box.dataset.lane = doc.lane;
   box.dataset.tokens = doc.output_tokens;
   $("#wf-id").textContent = doc.request_id;
-  const meta = [`${doc.lane} · ${doc.model}` + (doc.lora ? ` · adapter ${doc.lora}` : ""), `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
+  const meta = [`${doc.lane} · ${doc.model}` + (doc.lora ? ` · ${doc.lane === "image" ? "style" : "adapter"} ${doc.lora}` : ""), `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
   const own = {};
   for (const p of doc.path) if (p.stage !== "other") own[p.stage] = (own[p.stage] || 0) + p.seconds;
   const top = Object.entries(own).sort((a, b) => b[1] - a[1])[0];
   if (top) meta.push(`mostly ${top[0]} (${((100 * top[1]) / Math.max(doc.e2e, 1e-9)).toFixed(0)} %)`);
   if (doc.ttft !== null) meta.push(`TTFT ${ms(doc.ttft)}`);
-  if (doc.output_tokens) meta.push(`${doc.output_tokens} tokens`);
+  if (doc.lane === "image") meta.push(`${doc.images} images · ${doc.output_tokens} steps`);
+  else if (doc.output_tokens) meta.push(`${doc.output_tokens} tokens`);
   if (doc.num_preemptions) meta.push(`${doc.num_preemptions} preemptions`);
   if (doc.batch_size) meta.push(`batch of ${doc.batch_size}`);
   if (doc.trace_id) meta.push(`trace ${doc.trace_id}`);
@@ -252,7 +276,7 @@ function drawWaterfall(doc) {
     const v = svgEl("text", { x: Math.min(x(st.start + st.seconds) + 4, W - right + 4), y: y + 15, class: "dur" });
     v.textContent = ms(st.seconds);
     svg.append(v);
-    if (st.stage === "decode") {
+    if (st.stage === TICKED[doc.lane]) {
       for (const t of doc.token_ticks) {
         svg.append(svgEl("line", { x1: x(t), x2: x(t), y1: y + 1, y2: y + rowH - 1, class: "token-tick" }));
       }
