@@ -21,8 +21,8 @@ from inferd.gateway.openai.protocol import JsonInt, _Body
 from inferd.postprocess.image_encode import ImageFormat
 
 _SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
-# Seeds are taken as torch.Generator takes them: any 64-bit value (a negative one wraps).
-_MAX_SEED = 2**64 - 1
+# Seeds are what torch.Generator.manual_seed takes without wrapping: a non-negative int64.
+_MAX_SEED = 2**63 - 1
 
 
 class ImageGenerationRequest(_Body):
@@ -43,7 +43,7 @@ class ImageGenerationRequest(_Body):
     negative_prompt: StrictStr = ""
     num_inference_steps: JsonInt | None = Field(default=None, ge=1)
     guidance_scale: StrictFloat | JsonInt | None = Field(default=None, ge=0)
-    seed: JsonInt | None = Field(default=None, ge=-(2**63), le=_MAX_SEED)
+    seed: JsonInt | None = Field(default=None, ge=0, le=_MAX_SEED)
     priority: JsonInt = 0
 
     def dimensions(self) -> tuple[int, int]:
@@ -74,7 +74,7 @@ class ImageGenerationRequest(_Body):
             height=height,
             num_inference_steps=self.num_inference_steps or 0,
             guidance_scale=None if self.guidance_scale is None else float(self.guidance_scale),
-            seed=None if self.seed is None else self.seed % 2**64,
+            seed=self.seed,
             lora_name=lora_name,
             partial_images=(self.partial_images or 0) if self.stream else 0,
         )
