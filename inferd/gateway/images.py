@@ -10,7 +10,8 @@ A request's `model` names a served image model or one of its LoRA styles (`engin
 the style becomes `ImageParams.lora_name`. The gateway measures receive, validate,
 image_encode and stream; the engine reports text_encode through vae_decode in
 `ImagesDone.timings`, merged into the job's timeline. Each denoising step is recorded as a
-tick (the timeline's token instants), which the dashboard's waterfall draws on `denoise`.
+tick (the timeline's token instants, from the progress events), which the dashboard's
+waterfall draws on `denoise`.
 Closing the event stream (a client that left) aborts the request in the engine.
 """
 
@@ -96,6 +97,9 @@ class ImageJob:
     engine: ImageEngine
     timeline: RequestTimeline
     done: ImagesDone | None = None
+    # The last progress event's step and step count (0: none seen yet).
+    step: int = 0
+    num_steps: int = 0
     # "ok" once the images were sent; else why not (see telemetry.image_metrics.IMAGE_OUTCOMES).
     outcome: str = "abort"
     finalized: bool = False
@@ -178,7 +182,8 @@ async def follow(job: ImageJob, events: ImageEvents) -> AsyncIterator[DenoisePro
         if isinstance(event, ImagesDone):
             record_done(job, event)
             return
-        job.timeline.on_tokens(1)
+        job.timeline.on_tokens(max(event.step - job.step, 1))
+        job.step, job.num_steps = event.step, event.num_steps
         yield event
     job.outcome = "error"
     raise InferdError("the image engine ended the request without its images")
@@ -199,13 +204,19 @@ async def finish(job: ImageJob, events: ImageEvents) -> ImagesDone:
 
 
 def record_done(job: ImageJob, done: ImagesDone) -> None:
-    """Merges the engine's stages into the timeline (the gateway's own stay as measured)."""
+    """Merges the engine's stages into the timeline (the gateway's own stay as measured), and
+    ticks the steps no progress event reported (an engine may end with `ImagesDone` instead of
+    a last progress event) at the end of `denoise`."""
     job.done = done
     stages = job.timeline.stages
     if done.timings is not stages:
         for stage, seconds in done.timings.seconds.items():
             if stage not in GATEWAY_STAGES:
                 stages.set(stage, seconds, done.timings.starts.get(stage))
+    start = stages.starts.get(Stage.DENOISE)
+    if job.step < job.num_steps and start is not None:
+        job.timeline.on_tokens(job.num_steps - job.step, start + stages.seconds[Stage.DENOISE])
+        job.step = job.num_steps
 
 
 def finalize_image_job(state: GatewayState, job: ImageJob, outcome: str | None = None) -> None:

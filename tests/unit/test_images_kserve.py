@@ -15,7 +15,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from fake_image_engine import fake_pixels
 from fastapi.testclient import TestClient
-from test_images_api import make
+from test_images_gateway import make
 from tritonclient.utils import InferenceServerException
 
 from inferd.diffusion.request import ImageParams
