@@ -66,7 +66,14 @@ def resolve_image_model(state: GatewayState, name: str | None) -> tuple[ImageEng
         raise unavailable("the server is shutting down", "draining")
     if name is None:
         if not state.images:
-            raise model_not_found("(an image model)")
+            raise APIError(
+                404,
+                "this server serves no image model (start it with one, e.g. --image-model)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+                reason="not_found",
+            )
         return next(iter(state.images.values())), None
     found = find_image_model(state, name)
     if found is None:

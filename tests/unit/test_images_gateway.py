@@ -324,3 +324,10 @@ def test_the_dashboard_overview_has_the_image_lane() -> None:
     assert image["rows_per_forward"] == 4.0  # the fake: n = 2 images, 2 rows each a step
     assert image["queue"] is not None and image["engine"] == {"running": 0, "waiting": 0}
     assert "denoise" in image["stage_seconds"] and image["stage_order"][-1] == "other"
+
+
+def test_a_server_without_image_models_says_so() -> None:
+    client = TestClient(create_app(None, ServerConfig(access_log=False)))
+    r = client.post(URL, json={"prompt": "x"})
+    assert r.status_code == 404 and "no image model" in r.json()["error"]["message"]
+    assert client.post("/v2/models/tiny-sd/infer", json={"inputs": []}).status_code == 404
