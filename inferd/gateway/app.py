@@ -7,8 +7,9 @@
 
 Routes: openai/routes.py (/v1/models, completions, chat), openai/embeddings.py (/v1/embeddings,
 served by the model repository), openai/images.py (/v1/images/generations, the image models),
-openai/websocket.py (/v1/*/ws), kserve/http.py (the Open
-Inference Protocol: /v2, /v2/models/..., /v2/repository/...), openai/adapters.py (LoRA
+openai/websocket.py (/v1/*/ws), openai/image_websocket.py (/v1/images/generations/ws),
+kserve/http.py (the Open Inference Protocol: /v2, /v2/models/..., /v2/repository/...; image
+models too: kserve/image_models.py), openai/adapters.py (LoRA
 adapters' names, /v1/load_lora_adapter and /v1/unload_lora_adapter), health.py (/health/*,
 /v2/health/*, /metrics), kv_cache.py (/v1/kv_cache/blocks, the block digest a router reads).
 Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). Responses
@@ -29,7 +30,7 @@ from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
-from inferd.gateway.openai import adapters, embeddings, images, websocket
+from inferd.gateway.openai import adapters, embeddings, image_websocket, images, websocket
 from inferd.gateway.openai import routes as openai
 from inferd.gateway.state import EngineClient, GatewayState, gateway_state
 from inferd.telemetry.image_metrics import ImageMetrics
@@ -74,6 +75,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(embeddings.router)
     app.include_router(images.router)
+    app.include_router(image_websocket.router)
     app.include_router(kserve_http.router)
     app.include_router(kv_cache.router)
     if lora_updates:

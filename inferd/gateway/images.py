@@ -17,6 +17,7 @@ Closing the event stream (a client that left) aborts the request in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import suppress
@@ -29,6 +30,7 @@ from inferd.diffusion.request import (
     ImageParams,
     ImageRequest,
     ImagesDone,
+    Pixels,
 )
 from inferd.errors import (
     InferdError,
@@ -40,6 +42,7 @@ from inferd.errors import (
 from inferd.gateway.errors import APIError, model_not_found, unavailable
 from inferd.gateway.responses import Peeked, aclose_quietly
 from inferd.gateway.state import GatewayState
+from inferd.postprocess.image_encode import ImageFormat, encode_images
 from inferd.telemetry.stages import Stage
 from inferd.telemetry.timeline import DisabledTimeline, RequestTimeline
 
@@ -251,6 +254,19 @@ def finalize_image_job(state: GatewayState, job: ImageJob, outcome: str | None =
         }
         with suppress(Exception):
             state.tracer.export(timeline, attrs)
+
+
+async def encode(
+    job: ImageJob, pixels: Pixels, fmt: ImageFormat, compression: int | None
+) -> list[bytes]:
+    """The images as files, timed as the job's `image_encode`; off the event loop (Pillow
+    releases the GIL while compressing)."""
+    return await asyncio.to_thread(encode_images, pixels, fmt, compression, job.timeline.stages)
+
+
+def size_of(pixels: Pixels) -> str:
+    """`"WIDTHxHEIGHT"` of `[n, H, W, 3]` pixels."""
+    return f"{pixels.shape[2]}x{pixels.shape[1]}"
 
 
 def access_fields(job: ImageJob) -> dict[str, object]:

@@ -13,13 +13,18 @@ histograms and the image engines' counters; nothing here runs on the request pat
 
 `stage_seconds` sums each record's exclusive path (RequestRecord.path), so the stages of a lane
 add up to the summed e2e of its requests and read directly as shares of where the time went.
+
+Each lane's `series` is its throughput and latency over the window, for the page's small plots
+(`lane_series`): the window cut into `BUCKETS` buckets, oldest first, a request counted in the
+bucket it finished in. Built from the records when read, so a page opened now shows the whole
+window at once; gauges (queue depth, running) have no history here and the page keeps its own.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Histogram
@@ -30,6 +35,7 @@ from inferd.telemetry.request_log import LANE_STAGES, OTHER, Lane, RequestLog, R
 from inferd.telemetry.stages import STAGE_HELP, Stage
 
 PERCENTILES = (50, 90, 99)
+BUCKETS = 30  # points of each lane's time series
 # Inter-token gaps are one sample per token: the newest this many are enough for percentiles.
 _MAX_GAP_SAMPLES = 20_000
 _QUEUE_STAGES = (Stage.QUEUE, Stage.BATCH)
@@ -45,8 +51,40 @@ def percentiles(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
-    n = len(ordered)
-    return {f"p{p}": round(ordered[max(-(-p * n // 100) - 1, 0)], 6) for p in PERCENTILES}
+    return {f"p{p}": _nearest_rank(ordered, p) for p in PERCENTILES}
+
+
+def _nearest_rank(ordered: Sequence[float], p: int) -> float:
+    return round(ordered[max(-(-p * len(ordered) // 100) - 1, 0)], 6)
+
+
+def lane_series(
+    records: Sequence[RequestRecord],
+    window_s: float,
+    now: float,
+    amount: Callable[[RequestRecord], float],
+    latency: Callable[[RequestRecord], float | None],
+) -> dict[str, object]:
+    """`rate`: `amount` (requests, output tokens, images) per second in each bucket; `p50` and
+    `p99`: of `latency` there (None: no request finished in it)."""
+    bucket_s = window_s / BUCKETS
+    start = now - window_s
+    totals = [0.0] * BUCKETS
+    latencies: list[list[float]] = [[] for _ in range(BUCKETS)]
+    for r in records:
+        i = min(max(int((r.arrival + r.e2e - start) / bucket_s), 0), BUCKETS - 1)
+        totals[i] += amount(r)
+        value = latency(r)
+        if value is not None:
+            latencies[i].append(value)
+    for values in latencies:
+        values.sort()
+    return {
+        "bucket_s": round(bucket_s, 6),
+        "rate": [round(t / bucket_s, 3) for t in totals],
+        "p50": [_nearest_rank(v, 50) if v else None for v in latencies],
+        "p99": [_nearest_rank(v, 99) if v else None for v in latencies],
+    }
 
 
 def stage_seconds(records: Iterable[RequestRecord]) -> dict[str, float]:
@@ -202,16 +240,22 @@ def overview(
             "model": llm_model,
             **_llm(llm, window_s),
             "engine": None if engine is None else _engine(engine, newest, oldest),
+            "series": lane_series(llm, window_s, now, lambda r: r.output_tokens, lambda r: r.ttft),
         },
         "classic": {
             **_lane(classic, window_s, "classic"),
+            "series": lane_series(classic, window_s, now, lambda r: 1, lambda r: r.e2e),
             "models": _classic_models(
                 classic,
                 (newest.rows, None if oldest is None else oldest.rows),
                 (newest.padding, None if oldest is None else oldest.padding),
             ),
         },
-        "image": {"models": list(image_models), **_image(image, window_s, newest, oldest)},
+        "image": {
+            "models": list(image_models),
+            **_image(image, window_s, newest, oldest),
+            "series": lane_series(image, window_s, now, lambda r: r.images, lambda r: r.e2e),
+        },
     }
 
 

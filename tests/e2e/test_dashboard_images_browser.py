@@ -72,6 +72,10 @@ def test_a_person_sees_the_image_lane_and_a_waterfall_with_steps(
         timeout=WAIT_MS,
     )
     assert MODEL in page.locator("#image-models").inner_text()
+    for card in ("#image-ips", "#image-e2e"):
+        page.wait_for_selector(
+            f"{card} .spark[data-series=window] polyline", state="attached", timeout=WAIT_MS
+        )
     assert page.locator("[data-testid=image-e2e]").inner_text() != "–"
     stages = page.locator("#stages-image .item").evaluate_all("e => e.map(x => x.dataset.stage)")
     assert {"text_encode", "denoise", "vae_decode", "image_encode"} <= set(stages)

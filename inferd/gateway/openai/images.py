@@ -17,7 +17,6 @@ image queue is full. A client that leaves aborts the request in the engine.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,18 +33,20 @@ from inferd.gateway.images import (
     ImageEvents,
     ImageJob,
     access_fields,
+    encode,
     finalize_image_job,
     finish,
     follow,
     new_image_job,
     resolve_image_model,
+    size_of,
     start_image_job,
 )
 from inferd.gateway.openai.image_protocol import ImageGenerationRequest, ImagesResponse
 from inferd.gateway.openai.routes import CLIENT_CLOSED, ClientGone, race_disconnect
 from inferd.gateway.responses import FinalizingResponse, FinalizingStreamingResponse, run_once
 from inferd.gateway.state import GatewayState, gateway
-from inferd.postprocess.image_encode import MEDIA_TYPES, ImageFormat, encode_images
+from inferd.postprocess.image_encode import MEDIA_TYPES, ImageFormat
 from inferd.telemetry.stages import Stage
 
 router = APIRouter()
@@ -94,7 +95,7 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Res
         await done()
         raise
     assert job.done is not None
-    files = await _encode(job, job.done.images, fmt, body.output_compression)
+    files = await encode(job, job.done.images, fmt, body.output_compression)
     if file_format is not None:
         job.outcome = "ok"
         return FinalizingResponse(files[0], done, media_type=MEDIA_TYPES[fmt])
@@ -122,13 +123,6 @@ def _params(
     return params
 
 
-async def _encode(
-    job: ImageJob, pixels: Pixels, fmt: ImageFormat, compression: int | None
-) -> list[bytes]:
-    """Pillow releases the GIL while compressing: off the event loop."""
-    return await asyncio.to_thread(encode_images, pixels, fmt, compression, job.timeline.stages)
-
-
 def _json_body(job: ImageJob, files: list[bytes], fmt: ImageFormat) -> bytes:
     """The JSON response with `timings` last, its `stream` stage being this encoding."""
     assert job.done is not None
@@ -137,7 +131,7 @@ def _json_body(job: ImageJob, files: list[bytes], fmt: ImageFormat) -> bytes:
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(f).decode()} for f in files],
         "output_format": fmt,
-        "size": _size(job.done.images),
+        "size": size_of(job.done.images),
         "background": "opaque",
         "seed": job.done.seed,
     }
@@ -151,10 +145,6 @@ def _json_body(job: ImageJob, files: list[bytes], fmt: ImageFormat) -> bytes:
     return encoded[:-1] + b',"timings":' + orjson.dumps(timings) + b"}"
 
 
-def _size(pixels: Pixels) -> str:
-    return f"{pixels.shape[2]}x{pixels.shape[1]}"
-
-
 async def _stream(
     job: ImageJob, events: ImageEvents, body: ImageGenerationRequest, fmt: ImageFormat
 ) -> AsyncIterator[bytes]:
@@ -164,13 +154,13 @@ async def _stream(
         async for progress in follow(job, events):
             if progress.preview is None:
                 continue
-            files = await _encode(job, progress.preview, fmt, body.output_compression)
+            files = await encode(job, progress.preview, fmt, body.output_compression)
             for i, f in enumerate(files):
                 yield _event(job, "image_generation.partial_image", f, fmt, progress.preview, i,
                              partial_image_index=progress.partial_index)  # fmt: skip
         assert job.done is not None
         images = job.done.images
-        files = await _encode(job, images, fmt, body.output_compression)
+        files = await encode(job, images, fmt, body.output_compression)
         for i, f in enumerate(files):
             extra = {}
             if i == len(files) - 1:
@@ -196,7 +186,7 @@ def _event(
         "created_at": int(time.time()),
         "output_format": fmt,
         "quality": "auto",
-        "size": _size(pixels),
+        "size": size_of(pixels),
         **extra,
     }
     if job.params.n > 1:

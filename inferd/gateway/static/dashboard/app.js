@@ -62,7 +62,9 @@ function onOverview(o) {
   }
 }
 
-function card(container, id, label, value, raw, t) {
+// `series`: lines over the server's window (the overview's `series`: rate, or p99 then p50),
+// drawn instead of the page's own history of `raw`.
+function card(container, id, label, value, raw, t, series) {
   let box = document.getElementById(id);
   if (!box) {
     box = el("div", { class: "card", id });
@@ -76,12 +78,38 @@ function card(container, id, label, value, raw, t) {
   while (h.length && t - h[0][0] > HISTORY_S) h.shift();
   const spark = box.querySelector(".spark");
   spark.replaceChildren();
-  if (h.length > 1) {
+  if (series) {
+    spark.dataset.series = "window";
+    drawSeries(spark, series);
+  } else if (h.length > 1) {
     const max = Math.max(...h.map((p) => p[1])) || 1;
     const pts = h.map((p) => `${(100 * (p[0] - h[0][0])) / Math.max(t - h[0][0], 1)},${23 - (22 * p[1]) / max}`);
     spark.append(svgEl("polyline", { points: pts.join(" ") }));
   }
 }
+
+function drawSeries(svg, lines) {
+  const all = lines.flat().filter((v) => v !== null && v !== undefined);
+  if (!all.length) return;
+  const max = Math.max(...all) || 1;
+  lines.forEach((vals, k) => {
+    let pts = [];
+    const flush = () => {  // a lone point (one bucket with requests) becomes a short dash
+      if (pts.length === 1) pts.push([pts[0][0] + 1.5, pts[0][1]]);
+      if (pts.length) svg.append(svgEl("polyline", { points: pts.join(" "), class: k ? "second" : "first" }));
+      pts = [];
+    };
+    vals.forEach((v, i) => {
+      if (v === null || v === undefined) { flush(); return; }
+      pts.push([(100 * i) / Math.max(vals.length - 1, 1), 23 - (22 * v) / max]);
+    });
+    flush();
+  });
+}
+
+// A lane's series as card lines: its rate, and its latency's p99 (dark) over p50 (light).
+const rateLine = (s) => s && [s.rate];
+const latencyLines = (s) => s && [s.p99, s.p50];
 
 function drawLLM(l, t) {
   $("#llm").hidden = false;
@@ -89,8 +117,9 @@ function drawLLM(l, t) {
   const c = $("#llm-cards");
   const e = l.engine || {};
   card(c, "llm-rps", "requests/s", num(l.rps, 2), l.rps, t);
-  card(c, "llm-tps", "output tokens/s", num(l.output_tps, 1), l.output_tps, t);
-  card(c, "llm-ttft", "TTFT p50 / p99", l.ttft ? `${ms(l.ttft.p50)} / ${ms(l.ttft.p99)}` : "–", l.ttft && l.ttft.p99, t);
+  card(c, "llm-tps", "output tokens/s", num(l.output_tps, 1), l.output_tps, t, rateLine(l.series));
+  card(c, "llm-ttft", "TTFT p50 / p99", l.ttft ? `${ms(l.ttft.p50)} / ${ms(l.ttft.p99)}` : "–", l.ttft && l.ttft.p99, t,
+    latencyLines(l.series));
   card(c, "llm-itl", "ITL p50 / p99", l.itl ? `${ms(l.itl.p50)} / ${ms(l.itl.p99)}` : "–", l.itl && l.itl.p99, t);
   card(c, "llm-e2e", "e2e p50 / p99", l.e2e ? `${ms(l.e2e.p50)} / ${ms(l.e2e.p99)}` : "–", l.e2e && l.e2e.p99, t);
   card(c, "llm-queue", "queue depth", num(e.queue_depth, 0), e.queue_depth, t);
@@ -105,8 +134,9 @@ function drawLLM(l, t) {
 function drawClassic(k, t) {
   $("#classic").hidden = false;
   const c = $("#classic-cards");
-  card(c, "classic-rps", "requests/s", num(k.rps, 2), k.rps, t);
-  card(c, "classic-e2e", "e2e p50 / p99", k.e2e ? `${ms(k.e2e.p50)} / ${ms(k.e2e.p99)}` : "–", k.e2e && k.e2e.p99, t);
+  card(c, "classic-rps", "requests/s", num(k.rps, 2), k.rps, t, rateLine(k.series));
+  card(c, "classic-e2e", "e2e p50 / p99", k.e2e ? `${ms(k.e2e.p50)} / ${ms(k.e2e.p99)}` : "–", k.e2e && k.e2e.p99, t,
+    latencyLines(k.series));
   card(c, "classic-failed", "failed (window)", num(k.failed, 0), k.failed, t);
   const body = $("#classic-models tbody");
   body.replaceChildren();
@@ -135,11 +165,11 @@ function drawImage(m, t) {
   const c = $("#image-cards");
   const e = m.engine || {};
   const pair = (p) => (p ? `${ms(p.p50)} / ${ms(p.p99)}` : "–");
-  card(c, "image-ips", "images/s", num(m.images_per_s, 2), m.images_per_s, t);
+  card(c, "image-ips", "images/s", num(m.images_per_s, 2), m.images_per_s, t, rateLine(m.series));
   card(c, "image-steps", "denoising steps/s", num(m.steps_per_s, 1), m.steps_per_s, t);
   card(c, "image-rows", "rows per UNet forward", num(m.rows_per_forward, 1), m.rows_per_forward, t);
   card(c, "image-queue", "queue p50 / p99", pair(m.queue), m.queue && m.queue.p99, t);
-  card(c, "image-e2e", "e2e p50 / p99", pair(m.e2e), m.e2e && m.e2e.p99, t);
+  card(c, "image-e2e", "e2e p50 / p99", pair(m.e2e), m.e2e && m.e2e.p99, t, latencyLines(m.series));
   card(c, "image-running", "running", num(e.running, 0), e.running, t);
   card(c, "image-waiting", "queue depth", num(e.waiting, 0), e.waiting, t);
   card(c, "image-failed", "failed (window)", num(m.failed, 0), m.failed, t);
