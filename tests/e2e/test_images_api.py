@@ -204,3 +204,29 @@ def test_metrics_and_the_request_log_see_each_stage(server: Server) -> None:
     assert record["lane"] == "image" and record["images"] == 2
     assert len(record["token_ticks"]) == STEPS  # a tick per denoising step
     assert sum(p["seconds"] for p in record["path"]) == pytest.approx(record["e2e"], abs=1e-4)
+
+
+def test_websocket_progress_and_binary_image_frames(server: Server) -> None:
+    import asyncio
+    import json
+
+    import websockets
+
+    url = server.url.replace("http", "ws") + URL + "/ws"
+
+    async def run() -> list[Any]:
+        out: list[Any] = []
+        async with websockets.connect(url, max_size=None) as ws:
+            await ws.send(json.dumps(body(partial_images=1, num_inference_steps=4)))
+            while (frame := await ws.recv()) != "[DONE]":
+                out.append(frame if isinstance(frame, bytes) else json.loads(frame))
+        return out
+
+    frames = asyncio.run(run())
+    steps = [f["step"] for f in frames if isinstance(f, dict) and f["type"] == "progress"]
+    assert steps == [1, 2, 3, 4]
+    kinds = [f["type"] for f in frames if isinstance(f, dict)]
+    assert kinds.count("partial_image") == 1 and kinds[-2:] == ["image", "completed"]
+    final = frames[-2]
+    assert isinstance(final, bytes) and pixels(final).shape == (SIZE, SIZE, 3)
+    assert frames[-1]["seed"] == 11
