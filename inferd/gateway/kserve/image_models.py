@@ -10,6 +10,8 @@ the repository): the repository index, `/v2/models`, model metadata, config, rea
     output:   image            UINT8  [n, height, width, 3]
 
 The optional values may also come as request `parameters` (`{"steps": 20}`); an input wins.
+Triton's `priority` (1 highest, larger later) is not the image queue's order (lower first, as on
+the OpenAI route), so image requests over KServe run at the default priority.
 A LoRA style is served under its own name (as on the OpenAI API). The whole generation runs
 in one infer call; the binary extension (HTTP) or raw contents (gRPC) carry the pixels without
 JSON's cost.
@@ -115,7 +117,6 @@ class ServedImageModel:
             log_id(request.id or f"kserve-{next(_anonymous)}"),
             arrival,
             received,
-            priority=request.priority,
             timeout_s=request.timeout_us / 1e6 if request.timeout_us else None,
         )
         events = await start_image_job(self.state, job)
