@@ -124,6 +124,12 @@ def test_raw_bytes(extra: dict[str, Any], headers: dict[str, str], media_type: s
     assert decode(r.content).shape == (32, 32, 3)
 
 
+def test_json_named_first_in_accept_wins() -> None:
+    client, _ = make()
+    r = client.post(URL, json={"prompt": "x"}, headers={"Accept": "application/json, image/png"})
+    assert r.headers["content-type"] == "application/json" and r.json()["data"]
+
+
 def test_raw_bytes_need_one_image() -> None:
     client, engine = make()
     r = client.post(URL, json={"prompt": "x", "n": 2, "response_format": "file"})

@@ -103,10 +103,15 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Res
 
 
 def _file_format(body: ImageGenerationRequest, accept: str) -> ImageFormat | None:
-    """The format to answer with raw bytes (an image media type in Accept, or `"file"`); None:
-    JSON or events."""
-    wanted = [t.split(";")[0].strip() for t in accept.split(",")]
-    fmt = next((_BY_MEDIA_TYPE[t] for t in wanted if t in _BY_MEDIA_TYPE), None)
+    """The format to answer with raw bytes (an image media type in Accept before any JSON one,
+    or `"file"`); None: JSON or events."""
+    fmt = None
+    for media_type in (t.split(";")[0].strip() for t in accept.split(",")):
+        if media_type in ("application/json", "text/event-stream"):
+            break  # JSON (or events) is named first: the client reads base64
+        if media_type in _BY_MEDIA_TYPE:
+            fmt = _BY_MEDIA_TYPE[media_type]
+            break
     if fmt is None and body.response_format == "file":
         fmt = body.format
     if fmt is not None and body.stream:
