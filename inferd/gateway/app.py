@@ -2,11 +2,14 @@
 
     app = create_app(llm, ServerConfig())        # llm may be None while the model loads
     set_engine(app, llm)                         # ...and is attached once it has
+    set_image_engines(app, {"tiny-sd": engine})  # the image models it serves, by name
     uvicorn.run(app, port=8000)
 
 Routes: openai/routes.py (/v1/models, completions, chat), openai/embeddings.py (/v1/embeddings,
-served by the model repository), openai/websocket.py (/v1/*/ws), kserve/http.py (the Open
-Inference Protocol: /v2, /v2/models/..., /v2/repository/...), openai/adapters.py (LoRA
+served by the model repository), openai/images.py (/v1/images/generations, the image models),
+openai/websocket.py (/v1/*/ws), openai/image_websocket.py (/v1/images/generations/ws),
+kserve/http.py (the Open Inference Protocol: /v2, /v2/models/..., /v2/repository/...; image
+models too: kserve/image_models.py), openai/adapters.py (LoRA
 adapters' names, /v1/load_lora_adapter and /v1/unload_lora_adapter), health.py (/health/*,
 /v2/health/*, /metrics), kv_cache.py (/v1/kv_cache/blocks, the block digest a router reads).
 Errors are OpenAI's JSON on /v1 and KServe's `{"error": ...}` on /v2 (errors.py). Responses
@@ -15,18 +18,22 @@ that release a request's resources after sending: responses.py. OpenAPI at /open
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import FastAPI
 
 from inferd.config import ServerConfig
+from inferd.diffusion.request import ImageEngine
 from inferd.gateway import dashboard, health, kv_cache
 from inferd.gateway.auth import Guard
 from inferd.gateway.contract import openapi_document
 from inferd.gateway.errors import install_error_handlers
 from inferd.gateway.kserve import http as kserve_http
 from inferd.gateway.middleware import GatewayMiddleware
-from inferd.gateway.openai import adapters, embeddings, websocket
+from inferd.gateway.openai import adapters, embeddings, image_websocket, images, websocket
 from inferd.gateway.openai import routes as openai
 from inferd.gateway.state import EngineClient, GatewayState, gateway_state
+from inferd.telemetry.image_metrics import ImageMetrics
 from inferd.telemetry.metrics import ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.tracing import RequestTracer, make_tracer
@@ -50,17 +57,25 @@ def create_app(
         redoc_url=None,
     )
     metrics = ServerMetrics()
+    image_metrics = ImageMetrics(metrics.registry)
     state = GatewayState(
-        server=server, metrics=metrics, model_metrics=ModelMetrics(metrics.registry), llm=llm
+        server=server,
+        metrics=metrics,
+        model_metrics=ModelMetrics(metrics.registry),
+        image_metrics=image_metrics,
+        llm=llm,
     )
     state.metrics.watch_engine(state.engine_gauges)
     state.metrics.watch_models(state.model_inflight)
+    image_metrics.watch_engines(state.image_stats)
     state.tracer = tracer if tracer is not None else make_tracer(server.otlp_traces_endpoint)
     app.state.gateway = state
     app.include_router(openai.router)
     app.include_router(websocket.router)
     app.include_router(health.router)
     app.include_router(embeddings.router)
+    app.include_router(images.router)
+    app.include_router(image_websocket.router)
     app.include_router(kserve_http.router)
     app.include_router(kv_cache.router)
     if lora_updates:
@@ -79,3 +94,9 @@ def create_app(
 
 def set_engine(app: FastAPI, llm: EngineClient) -> None:
     gateway_state(app).llm = llm
+
+
+def set_image_engines(app: FastAPI, engines: Mapping[str, ImageEngine]) -> None:
+    """Serves these image models, by name (OpenAI images, /v1/models, KServe v2); readiness
+    then also waits for each engine's `ready()`."""
+    gateway_state(app).images = dict(engines)

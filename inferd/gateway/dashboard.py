@@ -31,7 +31,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from inferd.gateway.errors import APIError
 from inferd.gateway.responses import json_response
 from inferd.gateway.state import GatewayState, gateway
-from inferd.telemetry.overview import BatchTotals, HistogramTotals, overview
+from inferd.telemetry.overview import BatchTotals, HistogramTotals, ImageCounters, overview
 from inferd.telemetry.request_log import RequestLog
 
 router = APIRouter(include_in_schema=False)
@@ -42,11 +42,13 @@ _MIN_INTERVAL_S = 0.25
 
 
 def install(app: FastAPI, state: GatewayState, log: RequestLog | None = None) -> RequestLog:
-    """Adds the routes and starts recording finished requests of both lanes into `log`."""
+    """Adds the routes and starts recording finished requests of every lane into `log`."""
     log = log if log is not None else RequestLog(llm_model=lambda: state.model_name)
     app.state.request_log = log
     state.metrics.request_log = log
     state.model_metrics.request_log = log
+    if state.image_metrics is not None:
+        state.image_metrics.request_log = log
     app.include_router(page_routes("index.html", _ASSETS))
     app.include_router(router)
     return log
@@ -98,6 +100,7 @@ class _Overview:
             HistogramTotals.read(mm.padding),
             0 if engine is None else engine.prefix_cache_queries_tokens_total,
             0 if engine is None else engine.prefix_cache_hits_tokens_total,
+            ImageCounters.read(self.state.image_stats().values()),
         )
         while self.batches and now.at - self.batches[0].at > self.window_s:
             self.batches.popleft()
@@ -109,8 +112,13 @@ class _Overview:
             engine,
             (now, oldest),
             self.state.model_name,
+            list(self.state.images),
         )
-        doc["lanes"] = {"llm": self.state.serves_llm, "classic": self.state.serves_repository}
+        doc["lanes"] = {
+            "llm": self.state.serves_llm,
+            "classic": self.state.serves_repository,
+            "image": bool(self.state.images),
+        }
         return doc
 
 

@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from starlette.requests import HTTPConnection
 
 from inferd.config import ServerConfig
+from inferd.diffusion.request import ImageEngine, ImageEngineStats
 from inferd.engine.generate_request import GenerateRequest
 from inferd.engine.info import EngineStats
 from inferd.engine.messages import KVBlocks
@@ -23,6 +24,7 @@ from inferd.errors import DrainingError
 from inferd.gateway.errors import unavailable
 from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
+from inferd.telemetry.image_metrics import ImageMetrics
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics
 from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.tracing import RequestTracer
@@ -81,10 +83,14 @@ class GatewayState:
     metrics: ServerMetrics
     # Per-model metrics of the repository's models, in the same registry as `metrics`.
     model_metrics: ModelMetrics
+    # The image lane's metrics, in the same registry (create_app makes them).
+    image_metrics: ImageMetrics | None = None
     tracer: RequestTracer | None = None
     llm: EngineClient | None = None
     # Classic models (--model-repository); None when the server runs without one.
     repository: ModelRepository | None = None
+    # Image models by served name (`set_image_engines`); empty when the server runs none.
+    images: dict[str, ImageEngine] = field(default_factory=dict)
     # API keys, scopes and per-key limits (gRPC applies them too); None: no authentication.
     guard: Guard | None = None
     # What the server was started with: readiness waits for each to load.
@@ -103,11 +109,14 @@ class GatewayState:
 
     @property
     def ready(self) -> bool:
-        """Every part the server was started with is up: the LLM and the model repository."""
+        """Every part the server was started with is up: the LLM, the image models and the model
+        repository."""
         if self.draining:
             return False
         llm = self.llm
         if self.serves_llm and (llm is None or not llm.ready or llm.dead):
+            return False
+        if not all(engine.ready() for engine in self.images.values()):
             return False
         if not self.serves_repository:
             return True
@@ -129,6 +138,9 @@ class GatewayState:
         if llm.dead:
             raise unavailable("the engine process died", "engine_dead")
         return llm
+
+    def image_stats(self) -> dict[str, ImageEngineStats]:
+        return {name: engine.stats() for name, engine in self.images.items()}
 
     def model_inflight(self) -> dict[str, int]:
         return {} if self.repository is None else self.repository.inflight()

@@ -1,4 +1,4 @@
-"""The recent finished requests of both lanes, bounded and tail-sampled: what the dashboard reads.
+"""The recent finished requests of every lane, bounded and tail-sampled: what the dashboard reads.
 
     log = RequestLog()
     log.add(record)                     # O(log K): a deque append and a push on a K-heap
@@ -34,11 +34,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from inferd.telemetry.stages import CLASSIC_STAGES, LLM_STAGES, STAGE_HELP, Stage, StageTimings
+from inferd.telemetry.stages import (
+    CLASSIC_STAGES,
+    IMAGE_STAGES,
+    LLM_STAGES,
+    STAGE_HELP,
+    Stage,
+    StageTimings,
+)
 from inferd.telemetry.timeline import RequestTimeline
 
-Lane = Literal["llm", "classic"]
-LANE_STAGES: dict[Lane, tuple[Stage, ...]] = {"llm": LLM_STAGES, "classic": CLASSIC_STAGES}
+Lane = Literal["llm", "classic", "image"]
+LANE_STAGES: dict[Lane, tuple[Stage, ...]] = {
+    "llm": LLM_STAGES,
+    "classic": CLASSIC_STAGES,
+    "image": IMAGE_STAGES,
+}
 # Outcomes that are not failures: LLM finish reasons and the classic lane's success.
 OK_STATUSES = frozenset({"ok", "stop", "length", "success"})
 OTHER = "other"  # the waterfall's name for time no stage covers
@@ -73,17 +84,20 @@ class RequestRecord:
     error: str | None = None
     ttft: float | None = None
     prompt_tokens: int = 0
+    # LLM lane: output tokens; image lane: denoising steps (each a tick on the denoise stretch).
     output_tokens: int = 0
     num_preemptions: int = 0
-    # The front's gap before each output token after the first, and the last token's instant:
-    # enough to place a tick per token on the decode stretch (shared, never copied).
+    # The front's gap before each output token (denoising step) after the first, and the last
+    # one's instant: enough to place a tick per token on the decode stretch (shared, not copied).
     token_gaps: Sequence[float] = ()
     last_token_at: float | None = None
     batch_size: int | None = None
     # Classic models: the other requests of the batch it ran in (their log ids).
     batch_mates: tuple[str, ...] = ()
-    # LLM lane: the LoRA adapter it ran under; None: the base model.
+    # LLM and image lanes: the LoRA adapter (style) it ran under; None: the base model.
     lora: str | None = None
+    # Image lane: the images it produced.
+    images: int = 0
     # The LLM timeline the record came from: the tracer names its trace after the record is made.
     source: RequestTimeline | None = field(default=None, repr=False)
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
@@ -107,6 +121,7 @@ class RequestRecord:
             "e2e": round(self.e2e, 6),
             "ttft": None if self.ttft is None else round(self.ttft, 6),
             "output_tokens": self.output_tokens,
+            "images": self.images,
         }
 
     def timeline(self) -> dict[str, object]:

@@ -116,6 +116,11 @@ def test_a_person_sees_the_overview_stages_waterfall_and_failure(
         timeout=WAIT_MS,
     )
     assert page.locator("[data-testid=llm-tps]").inner_text() not in ("", "0.0", "n/a")
+    # Throughput and latency cards plot the server's window: lines for rate, p99 and p50.
+    for card in ("#llm-tps", "#llm-ttft", "#classic-rps", "#classic-e2e"):
+        page.wait_for_selector(
+            f"{card} .spark[data-series=window] polyline", state="attached", timeout=WAIT_MS
+        )
     assert page.locator("#classic-models tr[data-model=fraud]").count() == 1
 
     # Where the time goes: both lanes list their stages.

@@ -118,3 +118,26 @@ def test_prefix_cache_hit_rate_over_the_window(
     llm = o["llm"]
     assert isinstance(llm, dict)
     assert llm["engine"]["prefix_cache_hit_rate"] == rate
+
+
+def test_lane_series_buckets_rate_and_latency_by_finish_time() -> None:
+    from inferd.telemetry.overview import BUCKETS, lane_series
+
+    now = 1000.0
+
+    def finished(at: float, e2e: float, tokens: int) -> RequestRecord:
+        return RequestRecord(
+            "r", "llm", "m", "ok", arrival=at - e2e, e2e=e2e, stages=StageTimings(),
+            output_tokens=tokens, ttft=e2e / 2,
+        )  # fmt: skip
+
+    # A 60 s window: 2 s buckets. Two requests end in the last bucket, one in the first.
+    records = [finished(941.0, 0.4, 10), finished(999.0, 0.2, 4), finished(999.5, 0.8, 6)]
+    s = lane_series(records, 60.0, now, lambda r: r.output_tokens, lambda r: r.ttft)
+    assert s["bucket_s"] == 2.0
+    rate, p50, p99 = s["rate"], s["p50"], s["p99"]
+    assert isinstance(rate, list) and isinstance(p50, list) and isinstance(p99, list)
+    assert len(rate) == BUCKETS and rate[0] == 5.0 and rate[-1] == 5.0 and sum(rate) == 10.0
+    assert (p50[0], p99[0]) == (0.2, 0.2)
+    assert (p50[-1], p99[-1]) == (0.1, 0.4)
+    assert p50[1:-1] == [None] * (BUCKETS - 2)

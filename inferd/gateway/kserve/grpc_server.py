@@ -46,6 +46,7 @@ from inferd.gateway.kserve.grpc_status import (
     stream_with_status,
     with_status,
 )
+from inferd.gateway.kserve.image_models import Catalog, ServedImageModel
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.kserve.proto import SERVICE_NAME
 from inferd.gateway.kserve.proto import grpc_service_pb2 as pb
@@ -93,17 +94,17 @@ class InferenceService:
     async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
         # Like Triton: an unknown or unloaded model is simply not ready (probes need no error).
         try:
-            served = self._repository().get(request.name, request.version)
+            served = Catalog(self.state).get(request.name, request.version)
         except (ModelNotFoundError, ModelNotReadyError):
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=bool(served.ready))
 
     async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
-        meta = self._repository().metadata(request.name, request.version)
+        meta = Catalog(self.state).metadata(request.name, request.version)
         return json_format.ParseDict(meta, pb.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
-        config = self._repository().config_dict(request.name, request.version)
+        config = Catalog(self.state).config_dict(request.name, request.version)
         return pb.ModelConfigResponse(config=triton_config(config))
 
     async def model_statistics(
@@ -116,11 +117,11 @@ class InferenceService:
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         arrival = time.monotonic()
         self.state.admitting()
-        repository = self._repository()
+        catalog = Catalog(self.state)
         infer_request = decode_request(request, arrival)
         # get -> infer with no await in between: a reload swapping versions cannot stop the
         # version picked here before the request is admitted to it.
-        served = repository.get(infer_request.model_name, infer_request.model_version)
+        served = catalog.get(infer_request.model_name, infer_request.model_version)
         receive_s = time.monotonic() - arrival
         self.state.inflight += 1  # the HTTP drain waits on this too
         try:
@@ -132,7 +133,8 @@ class InferenceService:
         message = encode_response(response, timings=self.state.server.telemetry)
         # `stream` here is the encode only: grpc sends the bytes after the handler returns.
         stream_s = time.monotonic() - encode_start
-        self.state.model_metrics.observe_gateway(response.model_name, receive_s, stream_s)
+        if not isinstance(served, ServedImageModel):  # an image request records itself
+            self.state.model_metrics.observe_gateway(response.model_name, receive_s, stream_s)
         return message
 
     async def model_stream_infer(
@@ -191,8 +193,7 @@ class InferenceService:
     async def repository_index(
         self, request: pb.RepositoryIndexRequest
     ) -> pb.RepositoryIndexResponse:
-        repository = self.state.repository
-        entries = [] if repository is None else repository.index()
+        entries = Catalog(self.state).index()
         if request.ready:
             entries = [e for e in entries if e.get("state") == "READY"]
         response = pb.RepositoryIndexResponse()

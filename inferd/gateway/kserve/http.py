@@ -10,6 +10,7 @@
     POST /v2/repository/index                         [{"name","version","state","reason"}]
     POST /v2/repository/models/{m}/load | /unload
 
+Image models answer metadata, ready, config, infer and the index too (image_models.py).
 (/v2/health/* lives in health.py.) Errors leave as `{"error": "..."}` (errors.py picks the body
 by path): 400 bad input, 404 unknown model/version, 429 + Retry-After queue full, 503 not
 ready/queue timeout/draining, 500 backend failures only.
@@ -47,6 +48,7 @@ from inferd.gateway.kserve.contract import (
     ServerMetadata,
     binary_header,
 )
+from inferd.gateway.kserve.image_models import Catalog, ServedImageModel
 from inferd.gateway.kserve.metadata import server_metadata, stats_targets
 from inferd.gateway.responses import FinalizingResponse, json_response
 from inferd.gateway.state import GatewayState, gateway
@@ -101,8 +103,7 @@ async def metadata() -> Response:
 
 @router.get("/v2/models", response_model=ModelList, responses=kserve_errors())
 async def list_models(request: Request) -> Response:
-    repo = gateway(request).repository
-    return json_response({"models": [] if repo is None else repo.model_names()})
+    return json_response({"models": Catalog(gateway(request)).model_names()})
 
 
 # "/v2/models/stats" is declared before the /v2/models/{model} routes, which would otherwise
@@ -124,7 +125,7 @@ async def statistics(request: Request) -> Response:
 @router.get(_VERSION, dependencies=BY_VERSION, response_model=ModelMetadata, responses=_READ)
 async def model_metadata(request: Request) -> Response:
     model, version = _target(request)
-    return json_response(repository(gateway(request)).metadata(model, version))
+    return json_response(Catalog(gateway(request)).metadata(model, version))
 
 
 _READY: Any = {
@@ -144,7 +145,7 @@ async def model_ready(request: Request) -> Response:
     state = gateway(request)
     model, version = _target(request)
     try:
-        ready = repository(state).get(model, version).ready and not state.draining
+        ready = Catalog(state).get(model, version).ready and not state.draining
     except ModelNotReadyError:
         ready = False
     return json_response({"name": model, "ready": ready}, 200 if ready else 400)
@@ -156,7 +157,7 @@ async def model_ready(request: Request) -> Response:
 )
 async def model_config(request: Request) -> Response:
     model, version = _target(request)
-    return json_response(repository(gateway(request)).config_dict(model, version))
+    return json_response(Catalog(gateway(request)).config_dict(model, version))
 
 
 _INFER: dict[str, Any] = {
@@ -183,7 +184,7 @@ async def infer(request: Request) -> Response:
     state = gateway(request)
     state.admitting()
     model, version = _target(request)
-    repo = repository(state)
+    repo = Catalog(state)
     body = await _read_body(request, state)
     arrival = float(getattr(request.state, "arrival", time.monotonic()))
     # get -> decode -> infer with no await in between: a reload swapping versions cannot
@@ -198,7 +199,8 @@ async def infer(request: Request) -> Response:
         response.timings.set(Stage.RECEIVE, receive_s)
         encode_start = time.monotonic()
         encoded = codec.encode_response(response, infer_request)
-        return _respond(request, state, encoded, response, encode_start)
+        image = isinstance(served, ServedImageModel)
+        return _respond(request, state, encoded, response, encode_start, image)
     except BaseException:
         state.inflight -= 1
         raise
@@ -214,9 +216,7 @@ async def _read_body(request: Request, state: GatewayState) -> bytes:
         raise APIError(413, str(e), code="request_too_large", reason="too_large") from None
 
 
-def _decode(
-    request: Request, body: bytes, repo: ModelRepository, model: str, version: str
-) -> InferRequest:
+def _decode(request: Request, body: bytes, repo: Catalog, model: str, version: str) -> InferRequest:
     header_length = request.headers.get(codec.HEADER_LENGTH)
     if codec.is_raw_request(header_length):
         spec = raw_request.raw_input_spec(repo.config_dict(model, version))
@@ -230,7 +230,10 @@ def _respond(
     encoded: codec.EncodedResponse,
     response: InferResponse,
     encode_start: float,
+    image: bool,
 ) -> Response:
+    """`image`: an image model's response (its request was recorded as an image request, so
+    the classic models' metrics leave it out)."""
     body, headers = encoded.body, dict(encoded.headers)
     encoding = compression.choose_encoding(request.headers.get("accept-encoding"))
     if encoding is not None and len(body) >= compression.MIN_COMPRESS_BYTES:
@@ -240,9 +243,10 @@ def _respond(
     async def done() -> None:
         state.inflight -= 1
         stream_s = time.monotonic() - encode_start
-        state.model_metrics.observe_gateway(
-            response.model_name, response.timings.seconds[Stage.RECEIVE], stream_s
-        )
+        if not image:
+            state.model_metrics.observe_gateway(
+                response.model_name, response.timings.seconds[Stage.RECEIVE], stream_s
+            )
         request.state.access_extra = {
             "model": response.model_name,
             "model_version": response.model_version,
@@ -266,8 +270,7 @@ async def repository_index(request: Request) -> Response:
     ready_only = doc.get("ready", False)
     if not isinstance(ready_only, bool):
         raise InvalidRequestError("'ready' must be true or false", "ready")
-    repo = gateway(request).repository
-    entries = [] if repo is None else repo.index()
+    entries = Catalog(gateway(request)).index()
     if ready_only:
         entries = [e for e in entries if e.get("state") == "READY"]
     return json_response(entries)

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from inferd.gateway.contract import openai_errors, sse_or_json
+from inferd.gateway.images import image_model_cards
 from inferd.gateway.openai.adapters import adapter_cards
 from inferd.gateway.openai.contract import ChatCompletionResponse, CompletionResponse, ModelCards
 from inferd.gateway.openai.formatting import Json, Kind
@@ -35,6 +36,7 @@ from inferd.gateway.responses import (
     FinalizingResponse,
     FinalizingStreamingResponse,
     json_response,
+    run_once,
 )
 from inferd.gateway.state import GatewayState, gateway
 from inferd.telemetry.stages import Stage
@@ -52,8 +54,8 @@ _GENERATE_ERRORS = openai_errors(400, 404, 413, 429, 503, 500)
 
 @router.get("/v1/models", response_model=ModelCards, responses=openai_errors(503))
 async def list_models(request: Request) -> Response:
-    """The LLM (when the server runs one), its LoRA adapters, and the repository's embedding
-    models."""
+    """The LLM (when the server runs one), its LoRA adapters, the image models and their styles,
+    and the repository's embedding models."""
     state = gateway(request)
     data = []
     if state.serves_llm:
@@ -69,6 +71,7 @@ async def list_models(request: Request) -> Response:
             }
         )
         data.extend(adapter_cards(state))
+    data.extend(image_model_cards(state))
     if state.repository is not None:
         for name in state.repository.embedding_models():
             data.append(
@@ -153,15 +156,9 @@ async def serve_http(request: Request, body: Body, kind: Kind) -> Response:
 def _on_done(
     state: GatewayState, job: Job, request: Request, outputs: OutputStream
 ) -> Callable[[], Awaitable[None]]:
-    once: list[bool] = []
-
     async def done() -> None:
-        if once:
-            return
-        once.append(True)
         state.inflight -= 1
-        with suppress(Exception):
-            await outputs.aclose()
+        await outputs.aclose()
         if job.send_started is not None:
             job.timeline.add(Stage.STREAM, time.monotonic() - job.send_started)
         finalize(state, job)
@@ -172,7 +169,7 @@ def _on_done(
             "timings": job.timeline.as_dict(),
         }
 
-    return done
+    return run_once(done)
 
 
 async def _sse(chunks: AsyncIterator[Json]) -> AsyncIterator[bytes]:

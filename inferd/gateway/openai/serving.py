@@ -48,6 +48,7 @@ from inferd.gateway.openai.tools import (
     merge_delta,
     skip_special_tokens,
 )
+from inferd.gateway.responses import Peeked
 from inferd.gateway.state import EngineClient, GatewayState
 from inferd.lora.request import LoRARequest
 from inferd.preprocess.tokenizer import Tokenizer
@@ -283,26 +284,7 @@ async def start(state: GatewayState, job: Job) -> OutputStream:
     return OutputStream(first, outputs)
 
 
-class OutputStream:
-    """The merged outputs with the first one already taken. `aclose` always reaches the engine
-    streams, even when iteration never started (a plain generator would skip its `finally`)."""
-
-    def __init__(self, first: tuple[int, RequestOutput], rest: Outputs) -> None:
-        self._first: tuple[int, RequestOutput] | None = first
-        self._rest = rest
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await anext(self._rest)
-
-    async def aclose(self) -> None:
-        self._first = None
-        await self._rest.aclose()
+OutputStream = Peeked[tuple[int, RequestOutput]]
 
 
 async def _aclose(stream: AsyncIterator[Any]) -> None:

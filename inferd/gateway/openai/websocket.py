@@ -1,4 +1,5 @@
-"""WebSocket streaming: /v1/completions/ws and /v1/chat/completions/ws.
+"""WebSocket streaming: /v1/completions/ws and /v1/chat/completions/ws (and, on the same
+connection loop, /v1/images/generations/ws: image_websocket.py).
 
 Protocol (text frames, one JSON value each):
   client -> server: a request body, exactly as for the HTTP endpoint (`stream` is implied), or
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from inferd.errors import InferdError
 from inferd.gateway.errors import APIError, bad_request, to_api_error
@@ -36,24 +39,33 @@ from inferd.gateway.openai.serving import (
 from inferd.gateway.state import GatewayState, gateway
 
 router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
 DONE = "[DONE]"
 _CLOSED = None  # put on the inbox when the client goes away
 
 
+Inbox = asyncio.Queue[tuple[float, Any] | None]
+# Serves one request message on a connection: (ws, state, inbox, message, arrival, request_id)
+# -> True when the client closed the connection meanwhile.
+OneRequest = Callable[[WebSocket, GatewayState, Inbox, Any, float, str], Coroutine[Any, Any, bool]]
+
+
 @router.websocket("/v1/completions/ws")
 async def completions_ws(ws: WebSocket) -> None:
-    await serve_ws(ws, "completion")
+    await serve_ws(ws, partial(_one_request, kind="completion"))
 
 
 @router.websocket("/v1/chat/completions/ws")
 async def chat_completions_ws(ws: WebSocket) -> None:
-    await serve_ws(ws, "chat")
+    await serve_ws(ws, partial(_one_request, kind="chat"))
 
 
-async def serve_ws(ws: WebSocket, kind: Kind) -> None:
+async def serve_ws(ws: WebSocket, one_request: OneRequest) -> None:
+    """The connection's loop: each request message in turn (image_websocket.py serves the image
+    lane's with its own `one_request`)."""
     await ws.accept()
     state = gateway(ws)
-    inbox: asyncio.Queue[tuple[float, Any] | None] = asyncio.Queue()
+    inbox: Inbox = asyncio.Queue()
     reader = asyncio.create_task(_read(ws, inbox))
     base_id = ws.scope["state"]["request_id"]
     try:
@@ -64,9 +76,7 @@ async def serve_ws(ws: WebSocket, kind: Kind) -> None:
             arrival, message = item
             if isinstance(message, dict) and message.get("type") == "cancel":
                 continue  # nothing running: a late cancel
-            closed = await _one_request(
-                ws, state, kind, inbox, message, arrival, f"{base_id}-{seq}"
-            )
+            closed = await one_request(ws, state, inbox, message, arrival, f"{base_id}-{seq}")
             if closed:
                 return
     finally:
@@ -75,7 +85,7 @@ async def serve_ws(ws: WebSocket, kind: Kind) -> None:
             await reader
 
 
-async def _read(ws: WebSocket, inbox: asyncio.Queue[tuple[float, Any] | None]) -> None:
+async def _read(ws: WebSocket, inbox: Inbox) -> None:
     try:
         while True:
             message = await ws.receive()
@@ -94,19 +104,19 @@ async def _read(ws: WebSocket, inbox: asyncio.Queue[tuple[float, Any] | None]) -
         inbox.put_nowait(_CLOSED)
 
 
-async def _send_error(ws: WebSocket, state: GatewayState, err: APIError) -> None:
+async def send_error(ws: WebSocket, state: GatewayState, err: APIError) -> None:
     if err.status != 500:
         state.metrics.reject(err.reason)
     await ws.send_text(orjson.dumps({**err.body(), "status": err.status}).decode())
     await ws.send_text(DONE)
 
 
-def _parse(kind: Kind, message: Any) -> Body:
+def parse_message(model: type[M], message: Any) -> M:
+    """A request message as `model` (a body whose `stream` is implied); 400 when it is not."""
     if isinstance(message, APIError):
         raise message
     if not isinstance(message, dict):
         raise bad_request("a request must be a JSON object")
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         return model.model_validate({**message, "stream": True})
     except ValidationError as e:
@@ -118,25 +128,27 @@ def _parse(kind: Kind, message: Any) -> Body:
 async def _one_request(
     ws: WebSocket,
     state: GatewayState,
-    kind: Kind,
-    inbox: asyncio.Queue[tuple[float, Any] | None],
+    inbox: Inbox,
     message: Any,
     arrival: float,
     request_id: str,
+    *,
+    kind: Kind,
 ) -> bool:
     """Serves one request; True when the client closed the connection meanwhile."""
     try:
-        body = _parse(kind, message)
+        model: type[Body] = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        body = parse_message(model, message)
         job = await prepare(state, body, kind, request_id, arrival)
         decode = token_decoder(state.engine().tokenizer)
         outputs = await start(state, job)
     except (APIError, InferdError) as e:
-        await _send_error(ws, state, to_api_error(e))
+        await send_error(ws, state, to_api_error(e))
         return False
     state.inflight += 1
     producer = asyncio.create_task(_produce(ws, stream_chunks(job, decode, outputs)))
     try:
-        return await _until_done_or_cancel(ws, producer, inbox)
+        return await until_done_or_cancel(ws, producer, inbox)
     finally:
         state.inflight -= 1
         with suppress(Exception):
@@ -158,9 +170,7 @@ async def _produce(ws: WebSocket, chunks: Any) -> None:
     await ws.send_text(DONE)
 
 
-async def _until_done_or_cancel(
-    ws: WebSocket, producer: asyncio.Task[None], inbox: asyncio.Queue[tuple[float, Any] | None]
-) -> bool:
+async def until_done_or_cancel(ws: WebSocket, producer: asyncio.Task[None], inbox: Inbox) -> bool:
     """Waits for the stream to end; a cancel or a close stops it (True: the socket is gone).
     Requests that arrive meanwhile wait in the inbox for their turn."""
     held: list[tuple[float, Any]] = []

@@ -7,7 +7,11 @@ const COLORS = {
   lora_load: "#fdb462", queue: "#fc8d62", grammar: "#b2df8a", batch: "#ffd92f", prefill: "#66c2a5", decode: "#1f78b4",
   compute_input: "#b3b3b3", infer: "#1f78b4", compute_output: "#cab2d6",
   detokenize: "#e78ac3", postprocess: "#e78ac3", stream: "#b15928", other: "#dddddd",
+  text_encode: "#e5c494", denoise: "#1f78b4", vae_decode: "#66c2a5", image_encode: "#e78ac3",
 };
+const LANE_NAMES = { llm: "LLM", classic: "classic", image: "image" };
+// The waterfall row whose ticks mark the lane's units: output tokens, denoising steps.
+const TICKED = { llm: "decode", image: "denoise" };
 const HISTORY_S = 300;  // sparklines: the last five minutes of overview ticks
 const history = {};      // card id -> [[t, value]]
 let lastTotal = -1;
@@ -48,15 +52,19 @@ function onOverview(o) {
   $("#window").textContent = `window ${o.window_s} s · ${o.requests_total} requests seen`;
   if (o.lanes.llm) drawLLM(o.llm, o.time);
   if (o.lanes.classic || o.classic.requests > 0) drawClassic(o.classic, o.time);
+  if (o.lanes.image || o.image.requests > 0) drawImage(o.image, o.time);
   drawStages("llm", o.llm);
   drawStages("classic", o.classic);
+  drawStages("image", o.image);
   if (o.requests_total !== lastTotal) {
     lastTotal = o.requests_total;
     refreshRequests();
   }
 }
 
-function card(container, id, label, value, raw, t) {
+// `series`: lines over the server's window (the overview's `series`: rate, or p99 then p50),
+// drawn instead of the page's own history of `raw`.
+function card(container, id, label, value, raw, t, series) {
   let box = document.getElementById(id);
   if (!box) {
     box = el("div", { class: "card", id });
@@ -70,12 +78,38 @@ function card(container, id, label, value, raw, t) {
   while (h.length && t - h[0][0] > HISTORY_S) h.shift();
   const spark = box.querySelector(".spark");
   spark.replaceChildren();
-  if (h.length > 1) {
+  if (series) {
+    spark.dataset.series = "window";
+    drawSeries(spark, series);
+  } else if (h.length > 1) {
     const max = Math.max(...h.map((p) => p[1])) || 1;
     const pts = h.map((p) => `${(100 * (p[0] - h[0][0])) / Math.max(t - h[0][0], 1)},${23 - (22 * p[1]) / max}`);
     spark.append(svgEl("polyline", { points: pts.join(" ") }));
   }
 }
+
+function drawSeries(svg, lines) {
+  const all = lines.flat().filter((v) => v !== null && v !== undefined);
+  if (!all.length) return;
+  const max = Math.max(...all) || 1;
+  lines.forEach((vals, k) => {
+    let pts = [];
+    const flush = () => {  // a lone point (one bucket with requests) becomes a short dash
+      if (pts.length === 1) pts.push([pts[0][0] + 1.5, pts[0][1]]);
+      if (pts.length) svg.append(svgEl("polyline", { points: pts.join(" "), class: k ? "second" : "first" }));
+      pts = [];
+    };
+    vals.forEach((v, i) => {
+      if (v === null || v === undefined) { flush(); return; }
+      pts.push([(100 * i) / Math.max(vals.length - 1, 1), 23 - (22 * v) / max]);
+    });
+    flush();
+  });
+}
+
+// A lane's series as card lines: its rate, and its latency's p99 (dark) over p50 (light).
+const rateLine = (s) => s && [s.rate];
+const latencyLines = (s) => s && [s.p99, s.p50];
 
 function drawLLM(l, t) {
   $("#llm").hidden = false;
@@ -83,8 +117,9 @@ function drawLLM(l, t) {
   const c = $("#llm-cards");
   const e = l.engine || {};
   card(c, "llm-rps", "requests/s", num(l.rps, 2), l.rps, t);
-  card(c, "llm-tps", "output tokens/s", num(l.output_tps, 1), l.output_tps, t);
-  card(c, "llm-ttft", "TTFT p50 / p99", l.ttft ? `${ms(l.ttft.p50)} / ${ms(l.ttft.p99)}` : "–", l.ttft && l.ttft.p99, t);
+  card(c, "llm-tps", "output tokens/s", num(l.output_tps, 1), l.output_tps, t, rateLine(l.series));
+  card(c, "llm-ttft", "TTFT p50 / p99", l.ttft ? `${ms(l.ttft.p50)} / ${ms(l.ttft.p99)}` : "–", l.ttft && l.ttft.p99, t,
+    latencyLines(l.series));
   card(c, "llm-itl", "ITL p50 / p99", l.itl ? `${ms(l.itl.p50)} / ${ms(l.itl.p99)}` : "–", l.itl && l.itl.p99, t);
   card(c, "llm-e2e", "e2e p50 / p99", l.e2e ? `${ms(l.e2e.p50)} / ${ms(l.e2e.p99)}` : "–", l.e2e && l.e2e.p99, t);
   card(c, "llm-queue", "queue depth", num(e.queue_depth, 0), e.queue_depth, t);
@@ -99,8 +134,9 @@ function drawLLM(l, t) {
 function drawClassic(k, t) {
   $("#classic").hidden = false;
   const c = $("#classic-cards");
-  card(c, "classic-rps", "requests/s", num(k.rps, 2), k.rps, t);
-  card(c, "classic-e2e", "e2e p50 / p99", k.e2e ? `${ms(k.e2e.p50)} / ${ms(k.e2e.p99)}` : "–", k.e2e && k.e2e.p99, t);
+  card(c, "classic-rps", "requests/s", num(k.rps, 2), k.rps, t, rateLine(k.series));
+  card(c, "classic-e2e", "e2e p50 / p99", k.e2e ? `${ms(k.e2e.p50)} / ${ms(k.e2e.p99)}` : "–", k.e2e && k.e2e.p99, t,
+    latencyLines(k.series));
   card(c, "classic-failed", "failed (window)", num(k.failed, 0), k.failed, t);
   const body = $("#classic-models tbody");
   body.replaceChildren();
@@ -123,6 +159,23 @@ function drawClassic(k, t) {
   $("#classic-bound").textContent = verdict(k.stage_seconds, ["queue", "batch", "infer"]);
 }
 
+function drawImage(m, t) {
+  $("#image").hidden = false;
+  $("#image-models").textContent = m.models.join(", ");
+  const c = $("#image-cards");
+  const e = m.engine || {};
+  const pair = (p) => (p ? `${ms(p.p50)} / ${ms(p.p99)}` : "–");
+  card(c, "image-ips", "images/s", num(m.images_per_s, 2), m.images_per_s, t, rateLine(m.series));
+  card(c, "image-steps", "denoising steps/s", num(m.steps_per_s, 1), m.steps_per_s, t);
+  card(c, "image-rows", "rows per UNet forward", num(m.rows_per_forward, 1), m.rows_per_forward, t);
+  card(c, "image-queue", "queue p50 / p99", pair(m.queue), m.queue && m.queue.p99, t);
+  card(c, "image-e2e", "e2e p50 / p99", pair(m.e2e), m.e2e && m.e2e.p99, t, latencyLines(m.series));
+  card(c, "image-running", "running", num(e.running, 0), e.running, t);
+  card(c, "image-waiting", "queue depth", num(e.waiting, 0), e.waiting, t);
+  card(c, "image-failed", "failed (window)", num(m.failed, 0), m.failed, t);
+  $("#image-bound").textContent = verdict(m.stage_seconds, ["queue", "text_encode", "denoise", "vae_decode", "image_encode"]);
+}
+
 function verdict(seconds, candidates) {
   const total = Object.values(seconds).reduce((a, b) => a + b, 0);
   if (!total) return "";
@@ -135,7 +188,7 @@ function drawStages(lane, l) {
   const total = Object.values(l.stage_seconds).reduce((a, b) => a + b, 0);
   if (!total) return;
   box.hidden = false;
-  box.replaceChildren(el("div", { class: "lane-name" }, lane === "llm" ? "LLM" : "classic"));
+  box.replaceChildren(el("div", { class: "lane-name" }, LANE_NAMES[lane]));
   const bar = el("div", { class: "stack" });
   const legend = el("div", { class: "legend" });
   for (const stage of l.stage_order) {
@@ -168,7 +221,7 @@ async function refreshRequests() {
     if (!models.has(r.model)) { models.add(r.model); $("#f-model").append(el("option", {}, r.model)); }
     const tr = el("tr", { class: "req" + (r.failed ? " failed" : ""), "data-id": r.request_id, "data-e2e": r.e2e });
     const cells = [r.arrival.slice(11, 23), r.request_id, r.lane, r.model, r.lora || "", r.status, ms(r.e2e), ms(r.ttft),
-      r.output_tokens || "", r.error || ""];
+      r.lane === "image" ? `${r.images} img` : r.output_tokens || "", r.error || ""];
     for (const v of cells) tr.append(el("td", {}, String(v)));
     tr.addEventListener("click", () => openRequest(r.request_id));
     body.append(tr);
@@ -185,13 +238,14 @@ async function openRequest(id) {
   box.dataset.lane = doc.lane;
   box.dataset.tokens = doc.output_tokens;
   $("#wf-id").textContent = doc.request_id;
-  const meta = [`${doc.lane} · ${doc.model}` + (doc.lora ? ` · adapter ${doc.lora}` : ""), `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
+  const meta = [`${doc.lane} · ${doc.model}` + (doc.lora ? ` · ${doc.lane === "image" ? "style" : "adapter"} ${doc.lora}` : ""), `status ${doc.status}`, `e2e ${ms(doc.e2e)}`];
   const own = {};
   for (const p of doc.path) if (p.stage !== "other") own[p.stage] = (own[p.stage] || 0) + p.seconds;
   const top = Object.entries(own).sort((a, b) => b[1] - a[1])[0];
   if (top) meta.push(`mostly ${top[0]} (${((100 * top[1]) / Math.max(doc.e2e, 1e-9)).toFixed(0)} %)`);
   if (doc.ttft !== null) meta.push(`TTFT ${ms(doc.ttft)}`);
-  if (doc.output_tokens) meta.push(`${doc.output_tokens} tokens`);
+  if (doc.lane === "image") meta.push(`${doc.images} images · ${doc.output_tokens} steps`);
+  else if (doc.output_tokens) meta.push(`${doc.output_tokens} tokens`);
   if (doc.num_preemptions) meta.push(`${doc.num_preemptions} preemptions`);
   if (doc.batch_size) meta.push(`batch of ${doc.batch_size}`);
   if (doc.trace_id) meta.push(`trace ${doc.trace_id}`);
@@ -252,7 +306,7 @@ function drawWaterfall(doc) {
     const v = svgEl("text", { x: Math.min(x(st.start + st.seconds) + 4, W - right + 4), y: y + 15, class: "dur" });
     v.textContent = ms(st.seconds);
     svg.append(v);
-    if (st.stage === "decode") {
+    if (st.stage === TICKED[doc.lane]) {
       for (const t of doc.token_ticks) {
         svg.append(svgEl("line", { x1: x(t), x2: x(t), y1: y + 1, y2: y + rowH - 1, class: "token-tick" }));
       }
