@@ -170,13 +170,6 @@ async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
         )
         parts.repository = await _start_repository(root, config.repository, admission, state)
         state.repository = parts.repository
-        if server.grpc_port is not None:
-            from inferd.gateway.kserve.grpc_server import start_grpc_server
-
-            parts.grpc = await start_grpc_server(
-                state, server.host, server.grpc_port, server.grpc_max_message_bytes
-            )
-            parts.grpc_port = parts.grpc.port
     if engine is not None:
         parts.llm = await AsyncLLM.start(
             engine, admission, served_model_name=server.served_model_name, env=config.env
@@ -184,12 +177,20 @@ async def _start_parts(parts: _Parts, app: Any, config: ServeConfig) -> None:
         set_engine(app, parts.llm)
     if config.image is not None:
         await _start_images(parts, app, config)
+    # KServe v2 over gRPC serves the repository's models and the image models.
+    if server.grpc_port is not None and (parts.repository is not None or parts.images):
+        from inferd.gateway.kserve.grpc_server import start_grpc_server
+
+        parts.grpc = await start_grpc_server(
+            state, server.host, server.grpc_port, server.grpc_max_message_bytes
+        )
+        parts.grpc_port = parts.grpc.port
 
 
 async def _start_images(parts: _Parts, app: Any, config: ServeConfig) -> None:
     """The image model's engine, handed to the gateway in the one call below."""
     from inferd.diffusion.client import AsyncImageEngine
-    from inferd.gateway.app import set_image_engines  # type: ignore[attr-defined]
+    from inferd.gateway.app import set_image_engines
 
     assert config.image is not None
     engine = await AsyncImageEngine.start(
