@@ -133,6 +133,11 @@ def _config(
         return {k.removeprefix(_UNET): v for k, v in metadata.items() if k.startswith(_UNET)}
     ranks = {f"^{k}": int(v.shape[1]) for k, v in unet.items() if "lora_B" in k and v.ndim > 1}
     own = {k.removeprefix(_UNET): v for k, v in (alphas or {}).items() if k.startswith(_UNET)}
+    # Attention alphas come out of diffusers' kohya converter under the old processor names
+    # (`attn1.processor.to_v_lora.down.weight.alpha`), which match no module: diffusers then
+    # drops them with a warning when they differ from the most common alpha. Renamed like the
+    # factors, each module keeps its own alpha, as kohya defines it.
+    own = convert_unet_state_dict_to_peft(own)  # type: ignore[no-untyped-call]
     kwargs: dict[str, object] = get_peft_kwargs(  # type: ignore[no-untyped-call]
         ranks, own or None, unet, is_unet=True
     )

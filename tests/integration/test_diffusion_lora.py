@@ -6,15 +6,22 @@ the base UNet's exactly; files inferd cannot apply exactly are refused."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers.utils.state_dict_utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_kohya,
+)
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from inferd.config import LoRAConfig, LoRAModule
 from inferd.diffusion.lora import UNetStyles
@@ -67,6 +74,34 @@ def save_style(folder: Path, targets: list[str], rank: int, alpha: int, metadata
     )
 
 
+KOHYA_ALPHAS = {"to_v": 2.0, "proj_in": 8.0}
+
+
+def save_kohya_style(file: Path) -> Any:
+    """A random style in kohya / A1111 naming (`lora_unet_..._lora_down.weight`, `.alpha`),
+    one file, with an alpha of their own on to_v and proj_in; returns the PEFT model it was
+    trained as (the reference: diffusers drops such per-module attention alphas, see
+    inferd/diffusion/lora_files.py)."""
+    unet = tiny_unet()
+    targets = ["to_q", "to_v", "proj_in", "ff.net.2"]
+    config = LoraConfig(
+        r=4,
+        lora_alpha=4,
+        alpha_pattern=KOHYA_ALPHAS,
+        target_modules=targets,
+        init_lora_weights=False,
+    )
+    unet.add_adapter(config)
+    state = {f"unet.{k}": v for k, v in get_peft_model_state_dict(unet).items()}
+    kohya = convert_state_dict_to_kohya(state)  # type: ignore[no-untyped-call]
+    for key in kohya:
+        if key.endswith(".alpha"):
+            alpha = [a for module, a in KOHYA_ALPHAS.items() if module in key]
+            kohya[key] = torch.tensor(alpha[0] if alpha else 4.0)
+    save_file(kohya, str(file))
+    return unet
+
+
 @pytest.fixture(scope="module")
 def styles_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("styles")
@@ -76,11 +111,20 @@ def styles_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def kohya(styles_dir: Path) -> Any:
+    """The kohya style "sketch" beside the others; its PEFT original."""
+    torch.manual_seed(200)
+    (styles_dir / "sketch").mkdir()
+    return save_kohya_style(styles_dir / "sketch" / "sketch_v2.safetensors")
+
+
 def reference(base: Any, folder: Path) -> Any:
     """The UNet with the style loaded by diffusers itself."""
     unet = copy.deepcopy(base)
+    (file,) = folder.glob("*.safetensors")
     state, alphas, metadata = StableDiffusionPipeline.lora_state_dict(
-        str(folder), return_lora_metadata=True
+        str(folder), weight_name=file.name, return_lora_metadata=True
     )
     StableDiffusionPipeline.load_lora_into_unet(state, alphas, unet, metadata=metadata)
     return unet
@@ -98,13 +142,16 @@ def served(folder: Path, names: list[str], max_loras: int = 4) -> tuple[Any, UNe
 
 
 @torch.no_grad()
-def test_mixed_styles_in_one_forward_equal_diffusers_row_for_row(styles_dir: Path) -> None:
-    unet, styles = served(styles_dir, list(STYLES))
+def test_mixed_styles_in_one_forward_equal_diffusers_row_for_row(
+    styles_dir: Path, kohya: Any
+) -> None:
+    unet, styles = served(styles_dir, [*STYLES, "sketch"])
     base = tiny_unet()
     refs = {name: reference(base, styles_dir / name) for name in STYLES}
+    refs["sketch"] = kohya
     # Each item its own style (or none), its own timestep; a style split over two runs.
     rows: list[tuple[str | None, int]] = [("ink", 2), ("oil", 1), (None, 1), ("ink", 1)]
-    rows += [("pastel", 1), (None, 1), ("oil", 1)]
+    rows += [("pastel", 1), (None, 1), ("oil", 1), ("sketch", 2)]
     n = sum(count for _, count in rows)
     g = torch.Generator().manual_seed(7)
     sample = torch.randn(n, 4, 8, 8, generator=g)
@@ -195,3 +242,62 @@ def test_unloaded_style_and_wrong_row_count(styles_dir: Path) -> None:
     styles.set_rows([("ink", 1), (None, 2)])
     with pytest.raises(RuntimeError, match="named 3 batch items"):
         unet(torch.zeros(2, 4, 8, 8), torch.tensor([1, 2]), torch.zeros(2, 5, 32))
+
+
+def tiny_pipeline(unet: Any, folder: Path) -> Any:
+    """A StableDiffusionPipeline of random tiny parts around `unet` (DDIM, 16x16 images)."""
+    chars = list(bytes_to_unicode().values())  # type: ignore[no-untyped-call]
+    words = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    (folder / "vocab.json").write_text(json.dumps({w: i for i, w in enumerate(words)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=12
+    )
+    torch.manual_seed(1)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(words),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=12,
+            bos_token_id=len(words) - 2,
+            eos_token_id=len(words) - 1,
+        )
+    )
+    vae: Any = AutoencoderKL(  # type: ignore[no-untyped-call]
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=32,
+    )
+    return StableDiffusionPipeline(  # type: ignore[no-untyped-call]
+        vae=vae.eval(),
+        text_encoder=text_encoder.eval(),  # type: ignore[no-untyped-call]
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=DDIMScheduler(steps_offset=1, clip_sample=False),  # type: ignore[no-untyped-call]
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+@torch.no_grad()
+def test_pipeline_image_equals_load_lora_weights(styles_dir: Path, tmp_path: Path) -> None:
+    """The whole denoising loop, guidance rows included: the served UNet under a style gives
+    diffusers' image with `load_lora_weights`."""
+    unet, styles = served(styles_dir, ["ink"])
+    reference_pipe = tiny_pipeline(tiny_unet(), tmp_path)
+    reference_pipe.load_lora_weights(str(styles_dir / "ink"))
+    served_pipe = tiny_pipeline(unet, tmp_path)
+    args = {"prompt": "a red fox", "num_inference_steps": 3, "output_type": "np"}
+    want = reference_pipe(**args, generator=torch.Generator().manual_seed(5)).images
+    styles.set_rows([("ink", 2)])  # the unconditional row and the prompt's
+    got = served_pipe(**args, generator=torch.Generator().manual_seed(5)).images
+    styles.set_rows([])
+    plain = served_pipe(**args, generator=torch.Generator().manual_seed(5)).images
+    assert not np.allclose(plain, want, atol=1e-3), "the style changes the image"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
