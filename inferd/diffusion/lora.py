@@ -1,22 +1,29 @@
 """Many LoRA styles in one UNet forward: each style adds its low-rank term to its own rows only.
 
-    styles = UNetStyles(unet, config.lora)         # once, after the UNet is loaded
-    styles.register(LoRARequest("ink", 1, "/styles/ink"))   # or config.lora.lora_modules
-    styles.load("ink")                             # background read; then, in the step loop:
+    styles = UNetStyles(unet, lora_config)         # once, after the UNet is loaded
+    styles.register(LoRARequest("ink", 1, "/styles/ink"))  # run time; --lora-modules at start
+    styles.get("ink")                              # None: unknown style (a 404 before queueing)
+    future = styles.load("ink")                    # read in a background thread; it raises
+                                                   # InvalidRequestError (400) for a bad file
+    # in the step loop, before choosing the next forward's rows:
     styles.take_loaded(in_use={"ink"})             # finished reads into host memory
-    assert styles.is_loaded("ink")
-    # before each UNet forward, the batch's items in batch order: (style or None, items)
-    styles.set_rows([("ink", 2), (None, 2), ("ink", 2), (None, 2)])
+    if styles.is_loaded("ink"): ...                # admit the request's rows (<= max_loras
+                                                   # distinct styles per forward)
+    # before each UNet forward, its batch items in batch order: (style or None, items)
+    styles.set_rows([("ink", 1), (None, 1), ("ink", 1), (None, 1)])  # CFG: uncond, then cond
     noise = unet(latents, timesteps, encoder_hidden_states).sample
     styles.set_rows([])                            # a forward without styles: the base UNet
+    styles.unregister("ink")                       # unload: new requests refused; memory
+                                                   # freed once no running request uses it
 
 The UNet is diffusers' own; no module is replaced and no weight is merged. A forward hook on
 every `nn.Linear` (attention to_q/to_k/to_v/to_out.0, feed-forward, time embeddings, SD 2.x's
 proj_in/proj_out) and every 1x1 `nn.Conv2d` (SD 1.x's proj_in/proj_out, 1x1 shortcuts) adds
 the styles' terms after the base layer has run once over every row, through the batched LoRA
 layer the LLM lane uses (inferd/lora/layer.py's `LoRALayer`: one shrink GEMM and one expand GEMM
-per style present, over that style's rows). A forward with no style rows costs one attribute
-check per hooked layer.
+per style present, over that style's rows). A forward with no style rows costs one Python hook
+call per hooked layer. The UNet must call those layers as modules: fused q/k/v projections
+(`fuse_qkv_projections`) would bypass them, and are refused.
 
 Rows: a UNet layer sees [B, L, C] activations (1x1 convolutions [B, C, H, W], read as
 [B, H*W, C]), L tokens per batch item: the image's latent positions at that layer's resolution,
@@ -139,6 +146,8 @@ class UNetStyles:
     ) -> None:
         """Hooks `unet`'s layers and registers `config.lora_modules` (read on first use).
         `dtype` / `device`: the UNet's, by default."""
+        if any(getattr(m, "fused_projections", False) for m in unet.modules()):
+            raise ValueError("LoRA styles need the UNet's q/k/v projections unfused")
         weight = next(unet.parameters())
         self._forward = _Forward()
         self.layers: list[tuple[str, _HookedLayer]] = []
@@ -214,6 +223,10 @@ class UNetStyles:
             self._forward.step = None
             return
         names = list(dict.fromkeys(name for name, _, _ in runs))
+        if len(names) > self.max_loras:
+            raise ValueError(
+                f"{len(names)} styles in one forward, over --max-loras {self.max_loras}"
+            )
         for name in names:
             if not self.manager.is_loaded(name):
                 raise RuntimeError(f"style {name!r} is not loaded: load() and take_loaded() first")

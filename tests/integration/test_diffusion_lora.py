@@ -235,10 +235,12 @@ def test_refusals(styles_dir: Path, tmp_path: Path) -> None:
     assert "neither a folder nor a file" in refused(styles_dir, tmp_path / "missing")
 
 
-def test_unloaded_style_and_wrong_row_count(styles_dir: Path) -> None:
-    unet, styles = served(styles_dir, ["ink"])
+def test_set_rows_refuses_unloaded_styles_too_many_and_a_wrong_count(styles_dir: Path) -> None:
+    unet, styles = served(styles_dir, ["ink", "oil"], max_loras=1)
     with pytest.raises(RuntimeError, match="not loaded"):
-        styles.set_rows([("oil", 1)])
+        styles.set_rows([("pastel", 1)])
+    with pytest.raises(ValueError, match="over --max-loras 1"):
+        styles.set_rows([("ink", 1), ("oil", 1)])
     styles.set_rows([("ink", 1), (None, 2)])
     with pytest.raises(RuntimeError, match="named 3 batch items"):
         unet(torch.zeros(2, 4, 8, 8), torch.tensor([1, 2]), torch.zeros(2, 5, 32))
