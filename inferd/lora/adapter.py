@@ -16,6 +16,9 @@ shard's block, would multiply and read those zeros: 3x the expand's work and byt
 The scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
 alpha_pattern honoured), is folded into each bt.
 
+Other files reach the same packing through `check_config` and `pack_adapter`: the image lane's
+UNet styles (inferd/diffusion/lora_files.py).
+
 Refused with the reason (InvalidRequestError, a 400): a path that is not a folder, no
 adapter_config.json or not a LoRA one, weights only as a pickle (`.bin`: safetensors only), a rank
 over `max_lora_rank`, DoRA, trained biases, `modules_to_save`, targets the model lacks (embeddings,
