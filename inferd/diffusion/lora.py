@@ -43,6 +43,7 @@ writes (lora_files.py). The step loop admits at most `max_loras` distinct styles
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -160,12 +161,13 @@ class UNetStyles:
             ]
             return self.layers
 
+        unet_config = getattr(unet, "config", None)
         self.manager = LoRAManager(
             config,
             attach,
             dtype or weight.dtype,
             device or weight.device,
-            reader=read_unet_lora,
+            reader=functools.partial(read_unet_lora, unet_config=unet_config),
         )
         for i, module in enumerate(config.lora_modules, start=1):
             self.manager.register(LoRARequest(module.name, i, module.path, module.base_model_name))

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
@@ -50,13 +52,18 @@ def read_unet_lora(
     targets: dict[str, ShardTarget],
     max_rank: int,
     dtype: torch.dtype,
+    unet_config: Mapping[str, Any] | None = None,
 ) -> LoRAAdapter:
-    """Reads, checks and packs the style `request.lora_path` for the UNet layers `targets`."""
+    """Reads, checks and packs the style `request.lora_path` for the UNet layers `targets`.
+    `unet_config`: the UNet's diffusers config, which maps SGM block names (`input_blocks`) of
+    kohya files to diffusers' ones, as `load_lora_weights` does."""
     name = request.lora_name
     path = weights_file(Path(request.lora_path).expanduser(), name)
     tensors, metadata = _read(path, name)
     # kohya / A1111 keys -> diffusers' (and their `.alpha`s -> network alphas), as diffusers does.
-    state_dict, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(tensors)
+    state_dict, alphas = StableDiffusionLoraLoaderMixin.lora_state_dict(
+        tensors, unet_config=unet_config
+    )
     # diffusers' names (`lora.down`) -> PEFT's (`lora_A`); PEFT's are left as they are.
     unet = convert_unet_state_dict_to_peft(_unet_part(state_dict, name))  # type: ignore[no-untyped-call]
     config = _config(unet, alphas, metadata)
