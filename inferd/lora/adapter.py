@@ -16,6 +16,9 @@ shard's block, would multiply and read those zeros: 3x the expand's work and byt
 The scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r); PEFT's per-module rank_pattern and
 alpha_pattern honoured), is folded into each bt.
 
+Other files reach the same packing through `check_config` and `pack_adapter`: the image lane's
+UNet styles (inferd/diffusion/lora_files.py).
+
 Refused with the reason (InvalidRequestError, a 400): a path that is not a folder, no
 adapter_config.json or not a LoRA one, weights only as a pickle (`.bin`: safetensors only), a rank
 over `max_lora_rank`, DoRA, trained biases, `modules_to_save`, targets the model lacks (embeddings,
@@ -96,63 +99,83 @@ def load_adapter(
     """Reads, checks and packs the folder `request.lora_path` for the layers `targets`."""
     folder = Path(request.lora_path).expanduser()
     config = _read_config(folder, request.lora_name)
-    factors = _read_factors(folder, config, targets, max_rank)
-    layers = _pack(factors, config, targets, dtype)
-    return LoRAAdapter(request, layers)
+    pairs = _read_pairs(folder, request.lora_name)
+    return pack_adapter(request, config, pairs, targets, max_rank, dtype)
 
 
-def _refuse(name: str, reason: str) -> InvalidRequestError:
+def pack_adapter(
+    request: LoRARequest,
+    config: dict[str, object],
+    pairs: dict[str, dict[str, Tensor]],
+    targets: dict[str, ShardTarget],
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoRAAdapter:
+    """Checks and packs an adapter's factors, whatever file they came from: `config` a PEFT
+    LoraConfig's fields (passed `check_config`), `pairs` {checkpoint module name: {"A": [r, in],
+    "B": [out, r]}}."""
+    name = request.lora_name
+    factors = {m: _check_pair(name, m, p, targets, max_rank) for m, p in pairs.items()}
+    return LoRAAdapter(request, _pack(factors, config, targets, dtype))
+
+
+def refuse(name: str, reason: str) -> InvalidRequestError:
+    """The 400 an adapter that cannot be applied exactly is refused with."""
     return InvalidRequestError(f"LoRA adapter {name!r}: {reason}", "lora_path")
 
 
 def _read_config(folder: Path, name: str) -> dict[str, object]:
     if not folder.is_dir():
-        raise _refuse(name, f"{folder} is not a folder")
+        raise refuse(name, f"{folder} is not a folder")
     path = folder / _CONFIG
     if not path.is_file():
-        raise _refuse(name, f"{folder} has no {_CONFIG}")
+        raise refuse(name, f"{folder} has no {_CONFIG}")
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise _refuse(name, f"{_CONFIG} is not valid JSON ({e})") from e
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        raise _refuse(name, f"{_CONFIG} is not a LoRA adapter's (peft_type LORA)")
-    if config.get("use_dora"):
-        raise _refuse(name, "DoRA adapters are not supported")
-    if config.get("bias", "none") != "none":
-        raise _refuse(name, "adapters with trained biases are not supported (bias must be none)")
-    if config.get("modules_to_save"):
-        raise _refuse(name, "modules_to_save (fully trained layers) are not supported")
-    if not isinstance(config.get("r"), int) or not isinstance(
-        config.get("lora_alpha", 8), int | float
-    ):
-        raise _refuse(name, f"{_CONFIG} needs an integer r and a numeric lora_alpha")
-    config["_name"] = name
+        raise refuse(name, f"{_CONFIG} is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise refuse(name, f"{_CONFIG} is not a LoRA adapter's (peft_type LORA)")
+    check_config(config, name, _CONFIG)
     return config
 
 
-def _read_factors(
-    folder: Path, config: dict[str, object], targets: dict[str, ShardTarget], max_rank: int
-) -> dict[str, tuple[Tensor, Tensor]]:
-    """{checkpoint module name: (A [r, in], B [out, r])}, checked against `targets`."""
-    name = str(config["_name"])
+def check_config(config: dict[str, object], name: str, source: str) -> None:
+    """Refuses a LoraConfig (its fields, read from `source`) whose adapter inferd cannot apply
+    exactly."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise refuse(name, f"{source} is not a LoRA adapter's (peft_type LORA)")
+    if config.get("use_dora"):
+        raise refuse(name, "DoRA adapters are not supported")
+    if config.get("bias", "none") != "none":
+        raise refuse(name, "adapters with trained biases are not supported (bias must be none)")
+    if config.get("modules_to_save"):
+        raise refuse(name, "modules_to_save (fully trained layers) are not supported")
+    if not isinstance(config.get("r"), int) or not isinstance(
+        config.get("lora_alpha", 8), int | float
+    ):
+        raise refuse(name, f"{source} needs an integer r and a numeric lora_alpha")
+
+
+def _read_pairs(folder: Path, name: str) -> dict[str, dict[str, Tensor]]:
+    """{checkpoint module name: {"A": [r, in], "B": [out, r]}}, as the file holds them."""
     path = folder / _WEIGHTS
     if not path.is_file():
         found = "adapter_model.bin" if (folder / "adapter_model.bin").exists() else "nothing"
-        raise _refuse(name, f"{folder} has no {_WEIGHTS} (found {found}; safetensors only)")
+        raise refuse(name, f"{folder} has no {_WEIGHTS} (found {found}; safetensors only)")
     pairs: dict[str, dict[str, Tensor]] = {}
     try:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 match = _KEY.match(key)
                 if match is None:
-                    raise _refuse(name, f"unexpected tensor {key!r} (only lora_A / lora_B)")
+                    raise refuse(name, f"unexpected tensor {key!r} (only lora_A / lora_B)")
                 pairs.setdefault(match["module"], {})[match["factor"]] = f.get_tensor(key)
     except (OSError, RuntimeError) as e:  # safetensors' errors for a corrupt file
-        raise _refuse(name, f"{_WEIGHTS} could not be read ({e})") from e
+        raise refuse(name, f"{_WEIGHTS} could not be read ({e})") from e
     if not pairs:
-        raise _refuse(name, f"{_WEIGHTS} holds no LoRA factors")
-    return {m: _check_pair(name, m, p, targets, max_rank) for m, p in pairs.items()}
+        raise refuse(name, f"{_WEIGHTS} holds no LoRA factors")
+    return pairs
 
 
 def _check_pair(
@@ -164,17 +187,17 @@ def _check_pair(
 ) -> tuple[Tensor, Tensor]:
     target = targets.get(module)
     if target is None:
-        raise _refuse(name, f"targets {module}, which this model has no LoRA-capable layer for")
+        raise refuse(name, f"targets {module}, which this model has no LoRA-capable layer for")
     if set(pair) != {"A", "B"}:
-        raise _refuse(name, f"{module} needs both lora_A and lora_B")
+        raise refuse(name, f"{module} needs both lora_A and lora_B")
     a, b = pair["A"], pair["B"]
     r = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
-        raise _refuse(name, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}")
+        raise refuse(name, f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}")
     if r > max_rank:
-        raise _refuse(name, f"rank {r} of {module} is over --max-lora-rank {max_rank}")
+        raise refuse(name, f"rank {r} of {module} is over --max-lora-rank {max_rank}")
     if a.shape[1] != target.in_features or b.shape[0] != target.rows:
-        raise _refuse(
+        raise refuse(
             name,
             f"{module} is shaped for another base model: lora_A {tuple(a.shape)}, lora_B "
             f"{tuple(b.shape)}; this model's layer is [{target.rows}, {target.in_features}]",

@@ -22,21 +22,34 @@ are bound by reading the adapters' weights from memory (bench/NOTES.md, "LoRA").
 
 Slots: a layer holds `max_loras` slots, each an adapter's packed factors for it (adapter.py) or
 none: the adapter's own tensors on the model's device for one adapter at a time, and the stacked
-copy for the grouped pass. The manager fills a slot when a step first needs its adapter.
+copy for the grouped pass (allocated when a grouped pass first runs). The manager fills a slot
+when a step first needs its adapter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from inferd.lora.adapter import LinearFactors
-from inferd.models.linear import Linear
+from inferd.models.linear import LowRankTerm
 
 # The rows of the flat batch one adapter runs: a run of them, or their indices [n] int64.
 Rows = slice | Tensor
+
+
+class LoRATarget(Protocol):
+    """A linear layer adapters may target: inferd's `Linear` (inferd/models/linear.py) or the
+    image lane's wrapped `nn.Linear` (inferd/diffusion/lora.py). `shards` names the checkpoint
+    layers stacked along its output dim, with their rows; `lora` is the term it adds."""
+
+    in_features: int
+    out_features: int
+    shards: list[tuple[str, int]]
+    lora: LowRankTerm | None
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,7 @@ class LoRALayer:
     def __init__(
         self,
         batch: LoRABatch,
-        linear: Linear,
+        linear: LoRATarget,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
@@ -93,14 +106,11 @@ class LoRALayer:
         for _, rows in linear.shards:
             self.cols.append((start, start + rows))
             start += rows
-        width = len(self.cols) * max_rank
-        self.at_slots = torch.zeros(
-            num_slots, linear.in_features, width, dtype=dtype, device=device
-        )
-        self.bt_slots = [
-            torch.zeros(num_slots, max_rank, c1 - c0, dtype=dtype, device=device)
-            for c0, c1 in self.cols
-        ]
+        # Allocated when a grouped pass first runs: a lane that never groups never holds them.
+        self._stacked_shape = (num_slots, linear.in_features, len(self.cols) * max_rank)
+        self._dtype = dtype
+        self.at_slots = torch.empty(0)
+        self.bt_slots: list[Tensor] = []
 
     @property
     def active(self) -> bool:
@@ -117,6 +127,15 @@ class LoRALayer:
             else frozenset(self.cols.index((b.c0, b.c1)) for b in factors.blocks)
         )
         self._stale.add(slot)
+
+    def _allocate_stacked(self) -> None:
+        num_slots, _, _ = self._stacked_shape
+        self.at_slots = torch.zeros(self._stacked_shape, dtype=self._dtype, device=self.device)
+        self.bt_slots = [
+            torch.zeros(num_slots, self.max_rank, c1 - c0, dtype=self._dtype, device=self.device)
+            for c0, c1 in self.cols
+        ]
+        self._stale = set(range(num_slots))
 
     def _stack(self, slot: int) -> None:
         """Copies the slot's factors into the stacked tensors the grouped pass reads."""
@@ -147,10 +166,16 @@ class LoRALayer:
         finally:
             torch.set_num_threads(threads)
 
-    def _add(self, x: Tensor, y: Tensor) -> None:
-        if self.batch.grouped is not None:
-            self._add_grouped(x, y, self.batch.grouped)
-        for slot, rows in self.batch.segments:
+    def add_batch(self, x: Tensor, y: Tensor, batch: LoRABatch) -> None:
+        """y += the term of `batch`'s rows, a batch other than the layer's own (the image lane
+        sets one per token count: inferd/diffusion/lora.py), on the threads the caller runs."""
+        self._add(x, y, batch)
+
+    def _add(self, x: Tensor, y: Tensor, batch: LoRABatch | None = None) -> None:
+        batch = self.batch if batch is None else batch
+        if batch.grouped is not None:
+            self._add_grouped(x, y, batch.grouped)
+        for slot, rows in batch.segments:
             factors = self._factors[slot]
             if factors is None:
                 continue
@@ -172,6 +197,8 @@ class LoRALayer:
         shards = frozenset().union(*(self._shards[s] for s in g.slots))
         if not shards:
             return
+        if not self.bt_slots:
+            self._allocate_stacked()
         for slot in self._stale:
             self._stack(slot)
         self._stale.clear()

@@ -20,16 +20,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from inferd.config import LoRAConfig
 from inferd.errors import InvalidRequestError
 from inferd.lora.adapter import LoRAAdapter, ShardTarget, load_adapter
-from inferd.lora.layer import GroupedRows, LoRABatch, LoRALayer, Rows
+from inferd.lora.layer import GroupedRows, LoRABatch, LoRALayer, LoRATarget, Rows
 from inferd.lora.request import LoRARequest
-from inferd.models.linear import Linear
 
 logger = logging.getLogger("inferd.lora")
 
@@ -37,19 +36,24 @@ logger = logging.getLogger("inferd.lora")
 GROUPED_MAX_ROWS = 32
 # (adapter name or None for the base model, first row, end row) of the flat batch.
 RowRun = tuple[str | None, int, int]
+# Reads, checks and packs an adapter's files for the model's layers (adapter.py's load_adapter
+# for PEFT folders): (request, targets, max_rank, dtype) -> the adapter.
+AdapterReader = Callable[[LoRARequest, dict[str, ShardTarget], int, torch.dtype], LoRAAdapter]
 
 
 class LoRAManager:
     def __init__(
         self,
         config: LoRAConfig,
-        attach: Callable[[LoRABatch], list[tuple[str, Linear]]],
+        attach: Callable[[LoRABatch], Sequence[tuple[str, LoRATarget]]],
         dtype: torch.dtype,
         device: torch.device,
+        reader: AdapterReader = load_adapter,
     ) -> None:
         """`attach`: the model's `use_lora`, which takes the step's rows and returns its
-        LoRA-capable layers by name."""
+        LoRA-capable layers by name. `reader`: how an adapter's files are read."""
         self.config = config
+        self.reader = reader
         self.dtype = dtype
         self.device = device
         self.batch = LoRABatch()
@@ -139,7 +143,7 @@ class LoRAManager:
             # with its old failure: the folder may have been fixed since.
             request = self._known[name]
             future = self._pool.submit(
-                load_adapter, request, self.targets, self.config.max_lora_rank, self.dtype
+                self.reader, request, self.targets, self.config.max_lora_rank, self.dtype
             )
             self._loading[name] = future
         return future
@@ -190,10 +194,7 @@ class LoRAManager:
         for name, lo, hi in runs:
             if name is not None:
                 rows.setdefault(name, []).append((lo, hi))
-        needed = set(rows)
-        assert len(needed) <= len(self._slot_names), "the scheduler admits max_loras per step"
-        for adapter in rows:  # in row order: the same slots every run
-            self._to_slot(adapter, needed)
+        self.place(list(rows))
         # Adapters with few rows (decode) together, when there are enough of them that one
         # batched GEMM over every slot does less than one pair of GEMMs each.
         few = [n for n, spans in rows.items() if _count(spans) <= GROUPED_MAX_ROWS]
@@ -205,6 +206,15 @@ class LoRAManager:
             for n, spans in rows.items()
             if n not in few
         ]
+
+    def place(self, names: list[str]) -> dict[str, int]:
+        """Puts the step's adapters `names` (loaded, at most `max_loras`) in slots, keeping those
+        already in one: {name: its slot}."""
+        needed = set(names)
+        assert len(needed) <= len(self._slot_names), "the scheduler admits max_loras per step"
+        for adapter in names:  # in row order: the same slots every run
+            self._to_slot(adapter, needed)
+        return {n: self._slot_of[n] for n in names}
 
     def _grouped(self, rows: dict[str, list[tuple[int, int]]]) -> GroupedRows:
         max_rows = max(_count(spans) for spans in rows.values())
@@ -250,7 +260,7 @@ def _rows(spans: list[tuple[int, int]], device: torch.device) -> Rows:
     return torch.cat([torch.arange(lo, hi) for lo, hi in spans]).to(device)
 
 
-def _targets(linears: list[tuple[str, Linear]]) -> dict[str, ShardTarget]:
+def _targets(linears: Sequence[tuple[str, LoRATarget]]) -> dict[str, ShardTarget]:
     """Each checkpoint layer an adapter may target (`model.layers.0.self_attn.q_proj`) -> where
     it lives in the model's fused layers."""
     out: dict[str, ShardTarget] = {}
