@@ -47,7 +47,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def unet(shape: str, dtype: torch.dtype, device: str) -> Any:
     torch.manual_seed(0)
-    model: Any = UNet2DConditionModel(**SHAPES[shape])  # type: ignore[no-untyped-call]
+    model: Any = UNet2DConditionModel(**SHAPES[shape])
     return model.to(device, dtype).eval()
 
 

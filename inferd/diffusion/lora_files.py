@@ -65,7 +65,7 @@ def read_unet_lora(
         tensors, unet_config=unet_config
     )
     # diffusers' names (`lora.down`) -> PEFT's (`lora_A`); PEFT's are left as they are.
-    unet = convert_unet_state_dict_to_peft(_unet_part(state_dict, name))  # type: ignore[no-untyped-call]
+    unet = convert_unet_state_dict_to_peft(_unet_part(state_dict, name))
     config = _config(unet, alphas, metadata)
     check_config(config, name, path.name)
     pairs = _pairs(unet, name)
@@ -144,10 +144,8 @@ def _config(
     # (`attn1.processor.to_v_lora.down.weight.alpha`), which match no module: diffusers then
     # drops them with a warning when they differ from the most common alpha. Renamed like the
     # factors, each module keeps its own alpha, as kohya defines it.
-    own = convert_unet_state_dict_to_peft(own)  # type: ignore[no-untyped-call]
-    kwargs: dict[str, object] = get_peft_kwargs(  # type: ignore[no-untyped-call]
-        ranks, own or None, unet, is_unet=True
-    )
+    own = convert_unet_state_dict_to_peft(own)
+    kwargs: dict[str, object] = get_peft_kwargs(ranks, own or None, unet, is_unet=True)
     return kwargs
 
 

@@ -43,7 +43,7 @@ STYLES: dict[str, tuple[list[str], int, int, bool]] = {
 def tiny_unet() -> Any:
     """diffusers' UNet (Any: diffusers is untyped)."""
     torch.manual_seed(0)
-    unet: Any = UNet2DConditionModel(  # type: ignore[no-untyped-call]
+    unet: Any = UNet2DConditionModel(
         sample_size=8,
         in_channels=4,
         out_channels=4,
@@ -66,7 +66,7 @@ def save_style(folder: Path, targets: list[str], rank: int, alpha: int, metadata
     state = get_peft_model_state_dict(unet)
     saved = config.to_dict() if metadata else None  # type: ignore[no-untyped-call]
     if targets == ATTENTION:
-        state = convert_state_dict_to_diffusers(state)  # type: ignore[no-untyped-call]
+        state = convert_state_dict_to_diffusers(state)
     StableDiffusionPipeline.save_lora_weights(
         folder,
         unet_lora_layers=state,
@@ -93,7 +93,7 @@ def save_kohya_style(file: Path) -> Any:
     )
     unet.add_adapter(config)
     state = {f"unet.{k}": v for k, v in get_peft_model_state_dict(unet).items()}
-    kohya = convert_state_dict_to_kohya(state)  # type: ignore[no-untyped-call]
+    kohya = convert_state_dict_to_kohya(state)
     for key in kohya:
         if key.endswith(".alpha"):
             alpha = [a for module, a in KOHYA_ALPHAS.items() if module in key]
@@ -268,19 +268,19 @@ def tiny_pipeline(unet: Any, folder: Path) -> Any:
             eos_token_id=len(words) - 1,
         )
     )
-    vae: Any = AutoencoderKL(  # type: ignore[no-untyped-call]
+    vae: Any = AutoencoderKL(
         block_out_channels=(32, 64),
         down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
         latent_channels=4,
         norm_num_groups=32,
     )
-    return StableDiffusionPipeline(  # type: ignore[no-untyped-call]
+    return StableDiffusionPipeline(
         vae=vae.eval(),
         text_encoder=text_encoder.eval(),  # type: ignore[no-untyped-call]
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=DDIMScheduler(steps_offset=1, clip_sample=False),  # type: ignore[no-untyped-call]
+        scheduler=DDIMScheduler(steps_offset=1, clip_sample=False),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
