@@ -332,7 +332,9 @@ class ImageEngineCore:
             while (entry := self._queue.pop()) is not None:
                 queued.append(entry.item.request)
         for request in [*queued, *(s.request for s in self._admitted.values())]:
-            self._fail(request, error)
+            # One instance each: every stream raises its own (a shared one would share its
+            # traceback across the requests' tasks).
+            self._fail(request, type(error)(str(error)))
         self._admitted.clear()
 
 
