@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/diffusion.py                       # inferd-tiny-sd, 48 requests
     .venv/bin/python bench/diffusion.py --load 2.0 --num-requests 96
+    .venv/bin/python bench/diffusion.py --rate 6 --servers inferd,inferd   # a fixed rate, A/B
 
 Workload (seeded): Poisson arrivals, steps uniform in [10, 50], two resolutions (the model's
 native size and 1.5x it, half the requests each), guidance 7.5, one image a request. Three
@@ -200,11 +201,17 @@ def main() -> None:
     p.add_argument("--model", default="inferd-tiny-sd")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--load", type=float, default=1.5, help="arrival rate / sequential capacity")
+    p.add_argument("--rate", type=float, default=None, help="arrivals/s (instead of --load)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-rows", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--servers",
+        default="sequential,request-batching,inferd",
+        help="which servers run, comma-separated",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     import diffusers
@@ -220,11 +227,11 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with torch_threads(args.threads):
         service_s = calibrate(pipe, native)
-        rate = args.load / service_s
+        rate = args.rate or args.load / service_s
         arrivals = workload(args.num_requests, rate, native, args.seed)
         print(f"sequential service {service_s:.3f} s/request; arrivals {rate:.2f}/s")
         for r in range(args.rounds):
-            for name in ("sequential", "request-batching", "inferd"):
+            for name in args.servers.split(","):
                 if name == "inferd":
                     result = asyncio.run(run_inferd(cfg, cache, arrivals))
                 else:

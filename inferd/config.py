@@ -386,7 +386,7 @@ class ImageEngineConfig(_Frozen):
     image_model: str = Field(
         default="inferd-tiny-sd",
         min_length=1,
-        description="a diffusers pipeline folder (with model_index.json), or inferd-tiny-sd",
+        description="a diffusers folder (model_index.json), inferd-tiny-sd or inferd-tiny-sdxl",
     )
     # Set from --served-model-name when the image model is the server's MODEL; else the
     # folder's name.

@@ -35,7 +35,7 @@ from inferd.diffusion.request import (
     ImagesDone,
 )
 from inferd.diffusion.runner import ImageRunner
-from inferd.diffusion.validate import resolve
+from inferd.diffusion.validate import MAX_N, resolve
 from inferd.errors import DrainingError, InvalidRequestError
 from inferd.telemetry.stages import Stage
 
@@ -175,7 +175,7 @@ def build_core(config: ImageEngineConfig, cache_dir: Path) -> ImageEngineCore:
         default_steps=config.image_default_steps,
         max_steps=config.image_max_steps,
         max_image_size=config.max_image_size,
-        max_n=min(10, config.max_image_rows_per_step // 2),
+        max_n=min(MAX_N, config.max_image_rows_per_step // 2),
     )
     runner = ImageRunner(load_pipeline(folder, spec), config.max_image_decode_rows)
     limits = CoreLimits(

@@ -45,7 +45,7 @@ from inferd.diffusion.request import (
 )
 from inferd.diffusion.runner import ImageRunner
 from inferd.diffusion.step_scheduler import Slot, StepPolicy
-from inferd.diffusion.validate import ImageSpec
+from inferd.diffusion.validate import MAX_N, ImageSpec
 from inferd.errors import (
     DeadlineExceededError,
     DrainingError,
@@ -85,9 +85,9 @@ class ImageEngineCore:
         self._emit: Emit = _nowhere
         self._lock = threading.Condition()
         # The queue's second bound counts images (n each); the request bound is the one that
-        # binds, since no request has more than max_n images.
+        # binds, since no request has more than MAX_N images.
         self._queue: AdmissionQueue[_Queued] = AdmissionQueue(
-            limits.max_queued_requests, limits.max_queued_requests * 10
+            limits.max_queued_requests, limits.max_queued_requests * MAX_N
         )
         self._aborted: set[str] = set()
         self._admitted: dict[str, DenoiseState] = {}
@@ -332,7 +332,9 @@ class ImageEngineCore:
             while (entry := self._queue.pop()) is not None:
                 queued.append(entry.item.request)
         for request in [*queued, *(s.request for s in self._admitted.values())]:
-            self._fail(request, error)
+            # One instance each: every stream raises its own (a shared one would share its
+            # traceback across the requests' tasks).
+            self._fail(request, type(error)(str(error)))
         self._admitted.clear()
 
 

@@ -27,6 +27,7 @@ import torch
 from inferd.config import ImageScheduler
 from inferd.diffusion.request import ImageLimits
 from inferd.diffusion.tiny import BUILT_IN, ensure_tiny_sd
+from inferd.diffusion.validate import MAX_N
 from inferd.errors import ModelLoadError
 
 # component -> the (library, class) pairs it may name.
@@ -53,7 +54,6 @@ SCHEDULERS: tuple[str, ...] = get_args(ImageScheduler)
 # Components inferd never loads or runs, whatever they name.
 _IGNORED = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
 DEFAULT_GUIDANCE = 7.5  # diffusers' StableDiffusionPipeline default
-MAX_N = 10  # OpenAI's images API bound
 
 
 @dataclass(frozen=True)

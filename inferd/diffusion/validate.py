@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from inferd.diffusion.request import ImageLimits, ImageParams
 from inferd.errors import InvalidRequestError, ModelNotFoundError
 
+MAX_N = 10  # images a request, OpenAI's bound
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound
 SEED_BITS = 63  # torch.Generator.manual_seed takes any int64 >= 0
 MAX_GUIDANCE = 100.0

@@ -7,13 +7,16 @@ request alone with
 `generator=torch.Generator("cpu").manual_seed(seed)` (and `num_images_per_prompt=n`), within 3/255
 per pixel. Also: cancellation mid-denoise frees the request's slot, deadlines (queued and while
 denoising), the queue bound, bad input refused before queueing, a failing forward failing only
-its own requests, and a dead loop failing what it held. About 15 s on 2 busy cores.
+its own requests, a dead loop failing what it held, and a higher priority overtaking at a step
+boundary. About 15 s on 2 busy cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -34,7 +37,7 @@ from inferd.diffusion.request import (
     ImagesDone,
 )
 from inferd.diffusion.tiny import ensure_tiny_sd
-from inferd.diffusion.validate import resolve
+from inferd.diffusion.validate import ImageSpec, resolve
 from inferd.errors import (
     DeadlineExceededError,
     EngineDeadError,
@@ -270,6 +273,50 @@ def test_cancel_mid_denoise_frees_the_slot(cache_dir: Path) -> None:
             await engine.shutdown()
 
     run(main())
+
+
+def test_a_higher_priority_request_overtakes_at_a_step_boundary(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row budget of one guided image: the running low-priority request pauses (latents
+    kept) while the urgent one runs, then finishes its own steps. The engine holds its second
+    forward until the urgent request is queued, so the order does not depend on timing."""
+    cfg = config("DDIMScheduler", max_image_rows_per_step=2)
+
+    async def main() -> list[str]:
+        engine = await started(cfg, cache_dir)
+        core, runner = engine._core, engine._core.runner
+        queued = threading.Event()
+        add, forward = core.add, runner.unet_forward
+        forwards = itertools.count()
+
+        def add_then_signal(request: ImageRequest, spec: ImageSpec) -> None:
+            add(request, spec)
+            queued.set()
+
+        def gated(*args: Any) -> torch.Tensor:
+            if next(forwards) == 1:
+                assert queued.wait(60)
+            return forward(*args)
+
+        monkeypatch.setattr(core, "add", add_then_signal)
+        monkeypatch.setattr(runner, "unet_forward", gated)
+        finished: list[str] = []
+        try:
+            low = ImageRequest("low", ImageParams("a", num_inference_steps=8, seed=1), priority=5)
+            urgent = ImageRequest("urgent", ImageParams("b", num_inference_steps=3, seed=2))
+
+            async def one(request: ImageRequest) -> None:
+                await collect(engine, request)
+                finished.append(request.request_id)
+
+            await asyncio.gather(one(low), one(urgent))
+            assert engine.stats().denoise_steps_total == 11  # each step ran once, none lost
+            return finished
+        finally:
+            await engine.shutdown()
+
+    assert run(main()) == ["urgent", "low"]
 
 
 def test_deadlines(cache_dir: Path) -> None:

@@ -195,3 +195,11 @@ def test_tiny_tokenizer_vocabulary_is_deterministic() -> None:
     again = clip_vocab_and_merges()
     assert (vocab, merges) == again
     assert "fox</w>" in vocab and vocab["<|endoftext|>"] == len(vocab) - 1
+
+
+def test_max_image_size_rounds_down_to_the_multiple() -> None:
+    limits = derive_limits(512, 8, ImageModelSpec(max_image_size=1000, max_steps=20))
+    assert limits.max_width == limits.max_height == 1000
+    limits = derive_limits(512, 64, ImageModelSpec(max_image_size=1000, default_steps=50))
+    assert limits.max_width == 960 and limits.default_steps == 50
+    assert derive_limits(512, 8, ImageModelSpec(default_steps=50, max_steps=20)).default_steps == 20
