@@ -8,7 +8,7 @@
 
 A request's `model` names a served image model or one of its LoRA styles (`engine.styles()`);
 the style becomes `ImageParams.lora_name`. The gateway measures receive, validate,
-image_encode and stream; the engine reports text_encode through vae_decode in
+image_encode and stream; the engine reports queue through vae_decode in
 `ImagesDone.timings`, merged into the job's timeline. Each denoising step is recorded as a
 tick (the timeline's token instants, from the progress events), which the dashboard's
 waterfall draws on `denoise`.

@@ -11,7 +11,7 @@ the `timings` object of every response. `Stage` is a `StrEnum`, so a member *is*
                    -> grammar -> detokenize -> stream
     classic lane:  receive -> validate -> preprocess -> queue -> batch -> compute_input -> infer
                    -> compute_output -> postprocess -> stream
-    image lane:    receive -> validate -> text_encode -> lora_load -> queue -> denoise
+    image lane:    receive -> validate -> lora_load -> queue -> text_encode -> denoise
                    -> vae_decode -> image_encode -> stream
 
     t = StageTimings()
@@ -40,9 +40,9 @@ class Stage(StrEnum):
     VALIDATE = "validate"
     TOKENIZE = "tokenize"
     PREPROCESS = "preprocess"
-    TEXT_ENCODE = "text_encode"
     LORA_LOAD = "lora_load"
     QUEUE = "queue"
+    TEXT_ENCODE = "text_encode"
     BATCH = "batch"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -90,10 +90,10 @@ CLASSIC_STAGES: tuple[Stage, ...] = (
 IMAGE_STAGES: tuple[Stage, ...] = (
     Stage.RECEIVE,
     Stage.VALIDATE,
-    # Batched across the requests that arrive together, before they queue for denoising.
-    Stage.TEXT_ENCODE,
     Stage.LORA_LOAD,
     Stage.QUEUE,
+    # At admission, batched across the requests admitted together.
+    Stage.TEXT_ENCODE,
     Stage.DENOISE,
     Stage.VAE_DECODE,
     Stage.IMAGE_ENCODE,
