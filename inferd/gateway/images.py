@@ -77,7 +77,7 @@ def resolve_image_model(state: GatewayState, name: str | None) -> tuple[ImageEng
                 code="model_not_found",
                 reason="not_found",
             )
-        return next(iter(state.images.values())), None
+        name = next(iter(state.images))
     found = find_image_model(state, name)
     if found is None:
         raise model_not_found(name)
