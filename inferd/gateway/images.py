@@ -118,6 +118,8 @@ class ImageJob:
     # "ok" once the images were sent; else why not (see telemetry.image_metrics.IMAGE_OUTCOMES).
     outcome: str = "abort"
     finalized: bool = False
+    # A whole (non-streamed) body: when it was handed to the server to send.
+    send_started: float | None = None
 
     @property
     def params(self) -> ImageParams:
@@ -246,6 +248,8 @@ def finalize_image_job(state: GatewayState, job: ImageJob, outcome: str | None =
     job.finalized = True
     if outcome is not None:
         job.outcome = outcome
+    if job.send_started is not None:  # the send of a whole body is part of `stream`
+        job.timeline.add(Stage.STREAM, time.monotonic() - job.send_started)
     if not state.server.telemetry or state.image_metrics is None:
         return
     timeline = job.timeline
