@@ -18,10 +18,13 @@ Closing the event stream (a client that left) aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from inferd.diffusion.request import (
     DenoiseProgress,
@@ -42,10 +45,12 @@ from inferd.errors import (
 from inferd.gateway.errors import APIError, model_not_found, unavailable
 from inferd.gateway.responses import Peeked, aclose_quietly
 from inferd.gateway.state import GatewayState
-from inferd.postprocess.image_encode import ImageFormat, encode_images
+from inferd.postprocess.image_encode import ImageFormat, encode_image, encode_images
 from inferd.telemetry.stages import Stage
 from inferd.telemetry.timeline import DisabledTimeline, RequestTimeline
 
+# The dashboard's preview of an image request: its first image, at most this many pixels a side.
+THUMBNAIL_SIDE = 96
 # What the gateway measures itself; every other stage of the timeline is the engine's.
 GATEWAY_STAGES = frozenset({Stage.RECEIVE, Stage.VALIDATE, Stage.IMAGE_ENCODE, Stage.STREAM})
 
@@ -77,7 +82,7 @@ def resolve_image_model(state: GatewayState, name: str | None) -> tuple[ImageEng
                 code="model_not_found",
                 reason="not_found",
             )
-        return next(iter(state.images.values())), None
+        name = next(iter(state.images))
     found = find_image_model(state, name)
     if found is None:
         raise model_not_found(name)
@@ -113,6 +118,8 @@ class ImageJob:
     # "ok" once the images were sent; else why not (see telemetry.image_metrics.IMAGE_OUTCOMES).
     outcome: str = "abort"
     finalized: bool = False
+    # A whole (non-streamed) body: when it was handed to the server to send.
+    send_started: float | None = None
 
     @property
     def params(self) -> ImageParams:
@@ -241,13 +248,18 @@ def finalize_image_job(state: GatewayState, job: ImageJob, outcome: str | None =
     job.finalized = True
     if outcome is not None:
         job.outcome = outcome
+    if job.send_started is not None:  # the send of a whole body is part of `stream`
+        job.timeline.add(Stage.STREAM, time.monotonic() - job.send_started)
     if not state.server.telemetry or state.image_metrics is None:
         return
     timeline = job.timeline
     timeline.finish()
     images = 0 if job.done is None else len(job.done.images)
+    preview = None
+    if job.done is not None and images and state.image_metrics.request_log is not None:
+        preview = thumbnail_url(job.done.images[0])
     state.image_metrics.observe(
-        job.engine.model_name, timeline, job.outcome, job.params.lora_name, images
+        job.engine.model_name, timeline, job.outcome, job.params.lora_name, images, preview
     )
     if state.tracer is not None:
         attrs = {
@@ -271,6 +283,18 @@ async def encode(
 def size_of(pixels: Pixels) -> str:
     """`"WIDTHxHEIGHT"` of `[n, H, W, 3]` pixels."""
     return f"{pixels.shape[2]}x{pixels.shape[1]}"
+
+
+def thumbnail_url(image: Pixels, side: int = THUMBNAIL_SIDE) -> Callable[[], str]:
+    """A PNG data URL of `image` `[H, W, 3]` shrunk to at most `side` pixels a side, made when
+    called; the shrunk copy (a strided view, copied: ~12 KB) is all the closure keeps."""
+    step = max(-(-max(image.shape[:2]) // side), 1)
+    small = np.ascontiguousarray(image[::step, ::step])
+
+    def url() -> str:
+        return "data:image/png;base64," + base64.b64encode(encode_image(small, "png")).decode()
+
+    return url
 
 
 def access_fields(job: ImageJob) -> dict[str, object]:

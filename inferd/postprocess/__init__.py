@@ -1,5 +1,6 @@
-"""The LLM lane's text stages after the engine: from sampled ids to what the caller sees
-(incremental detokenization, stop strings, the text stream).
+"""The stages after the engine: the LLM lane's, from sampled ids to what the caller sees
+(incremental detokenization, stop strings, the text stream), and the image lane's image encode
+(pixels to PNG, JPEG or WebP: image_encode.py).
 
 (Classic-model postprocessing steps — softmax, pooling, NMS, labels — live in inferd/steps/.)
 """

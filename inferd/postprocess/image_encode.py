@@ -31,8 +31,9 @@ MEDIA_TYPES: dict[ImageFormat, str] = {
 # OpenAI's default `output_compression` for lossy formats is 100 (their docs); that would be
 # quality 0 here, so an absent value means this instead (Pillow's own JPEG default quality).
 DEFAULT_QUALITY = 75
-# PNG's zlib level: 1 is ~5x faster than Pillow's default 6 and barely larger on photos, and
-# encode time is on the request's critical path.
+# PNG's zlib level: 1 took 0.6x the time of Pillow's default 6 for 1.14x the bytes on a 512x512
+# gradient with grain (85 vs 145 ms, a busy 2-core box); encode time is on the request's
+# critical path, and a client that minds bytes asks for WebP or JPEG.
 _PNG_LEVEL = 1
 
 

@@ -145,9 +145,16 @@ class ImageMetrics:
         self._registry.register(ImageEngineCollector(read))
 
     def observe(
-        self, model: str, timeline: RequestTimeline, outcome: str, lora: str | None, images: int
+        self,
+        model: str,
+        timeline: RequestTimeline,
+        outcome: str,
+        lora: str | None,
+        images: int,
+        preview: Callable[[], str] | None = None,
     ) -> None:
-        """One finished request: its stages, e2e and outcome (and its dashboard record)."""
+        """One finished request: its stages, e2e and outcome (and its dashboard record, with
+        `preview`: a data URL of its first image, made when the waterfall is read)."""
         for stage, seconds in timeline.stages.seconds.items():
             hist = self.stages.get(stage)
             if hist is not None:
@@ -156,7 +163,9 @@ class ImageMetrics:
             self.e2e.labels(model).observe(timeline.e2e)
         self.requests.labels(model, outcome if outcome in IMAGE_OUTCOMES else "error").inc()
         if self.request_log is not None:
-            self.request_log.add(image_record(timeline, model, outcome, lora, images))
+            record = image_record(timeline, model, outcome, lora, images)
+            record.preview = preview
+            self.request_log.add(record)
 
 
 def image_record(

@@ -96,8 +96,10 @@ class RequestRecord:
     batch_mates: tuple[str, ...] = ()
     # LLM and image lanes: the LoRA adapter (style) it ran under; None: the base model.
     lora: str | None = None
-    # Image lane: the images it produced.
+    # Image lane: the images it produced, and a small preview of the first as a data URL, made
+    # only when the waterfall is read (the record holds a thumbnail, not the image).
     images: int = 0
+    preview: Callable[[], str] | None = field(default=None, repr=False)
     # The LLM timeline the record came from: the tracer names its trace after the record is made.
     source: RequestTimeline | None = field(default=None, repr=False)
     seq: int = -1  # order of arrival in the log (set by RequestLog.add)
@@ -136,6 +138,7 @@ class RequestRecord:
             "batch_size": self.batch_size,
             "batch_mates": list(self.batch_mates),
             "trace_id": None if self.source is None else self.source.trace_id,
+            "preview": None if self.preview is None else self.preview(),
             "stage_order": [str(s) for s in LANE_STAGES[self.lane]],
             "stages": [
                 {

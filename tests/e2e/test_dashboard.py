@@ -134,7 +134,7 @@ def test_list_filters(server: Server) -> None:
 
 def test_overview_and_its_event_stream(server: Server) -> None:
     o = _get(server, "/v1/dashboard/overview", window="300").json()
-    assert o["lanes"] == {"llm": True, "classic": True}
+    assert o["lanes"] == {"llm": True, "classic": True, "image": False}
     llm, classic = o["llm"], o["classic"]
     assert llm["requests"] >= 1 and llm["rps"] > 0 and llm["output_tps"] > 0
     assert llm["ttft"]["p50"] > 0 and llm["engine"]["kv_cache_usage"] >= 0

@@ -1,11 +1,13 @@
 """The dashboard's image lane in a real headless browser (Debian's chromium driven by Playwright):
-what a person sees after image requests to a real `inferd serve` with `inferd-tiny-sd`.
+what a person sees after image requests to a real `inferd serve` with `inferd-tiny-sd`. With
+INFERD_SCREENSHOTS=1 it also writes docs/dashboard-images.png.
 
 Skips with its reason when playwright, /usr/bin/chromium or the image engine is missing.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from conftest import Server, start_server, stop_server
+from conftest import ROOT, Server, start_server, stop_server
 from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS
 
 if TYPE_CHECKING:
@@ -92,3 +94,10 @@ def test_a_person_sees_the_image_lane_and_a_waterfall_with_steps(
     assert page.locator("#wf-svg .stage-bar[data-stage=denoise]").count() == 1
     assert page.locator("#wf-svg .token-tick").count() == STEPS
     assert f"{STEPS} steps" in page.locator("#wf-meta").inner_text()
+    # And the request's first image, small.
+    page.wait_for_function(
+        "document.querySelector('#wf-preview').naturalWidth > 0", timeout=WAIT_MS
+    )
+    assert page.locator("#wf-preview").is_visible()
+    if os.environ.get("INFERD_SCREENSHOTS") == "1":
+        page.screenshot(path=str(ROOT / "docs" / "dashboard-images.png"), full_page=True)

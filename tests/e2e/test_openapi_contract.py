@@ -30,8 +30,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MAX_EXAMPLES = 25
 # Where acceptance depends on the model and not only on the schema (input names and shapes, the
-# context window, the vocabulary), a body the schema allows may get its documented 400.
-MODEL_DEPENDENT = r"(/infer|/v1/completions|/v1/chat/completions|/v1/embeddings)$"
+# context window, the vocabulary, an image model's sizes, steps and `n`), a body the schema allows
+# may get its documented 400.
+MODEL_DEPENDENT = (
+    r"(/infer|/v1/completions|/v1/chat/completions|/v1/embeddings|/v1/images/generations)$"
+)
 CONFIG = schemathesis.Config.from_dict(
     {
         "seed": 20261122,

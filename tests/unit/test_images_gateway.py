@@ -245,6 +245,21 @@ def test_metrics_and_request_log_see_the_image_lane(last_progress: bool) -> None
     assert len(record["token_ticks"]) == 5
     assert "denoise" in [s["stage"] for s in record["stages"]]
     assert record["stage_order"][-3:] == ["vae_decode", "image_encode", "stream"]
+    # The waterfall's preview: the first image, shrunk (32x32 fits in 96 as it is).
+    prefix = "data:image/png;base64,"
+    assert record["preview"].startswith(prefix)
+    thumb = decode(base64.b64decode(record["preview"][len(prefix) :]))
+    np.testing.assert_array_equal(thumb, expected("a fox", 1234, n=2)[0])
+
+
+def test_thumbnails_keep_at_most_the_side_asked() -> None:
+    from inferd.gateway.images import thumbnail_url
+
+    image = expected("x", 1, 200, 100)[0]
+    url = thumbnail_url(image, side=64)()
+    thumb = decode(base64.b64decode(url.split(",", 1)[1]))
+    assert thumb.shape == (25, 50, 3)  # every 4th pixel: 200 / 4 = 50 <= 64
+    np.testing.assert_array_equal(thumb, image[::4, ::4])
 
 
 def test_closing_the_events_aborts_the_engine_request() -> None:

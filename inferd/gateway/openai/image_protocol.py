@@ -10,19 +10,35 @@ are the engine's to check (`ImageLimits`), before anything is queued.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictStr
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from inferd.diffusion.request import ImageParams
 from inferd.gateway.contract import OpenModel
 from inferd.gateway.errors import bad_request
-from inferd.gateway.openai.protocol import JsonInt, _Body
+from inferd.gateway.openai.protocol import JsonInt, _Body, _integral
 from inferd.postprocess.image_encode import ImageFormat
 
 _SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
 # Seeds are what torch.Generator.manual_seed takes without wrapping: a non-negative int64.
 _MAX_SEED = 2**63 - 1
+
+
+def _number(value: object) -> object:
+    """2 -> 2.0: a JSON number without a fraction is still a number (true and "2" stay refused)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+# Optional numbers with bounds: the bounds stand before the validator, so /openapi.json states
+# them as `minimum`/`maximum` (after it, pydantic writes them as keywords no validator knows).
+Steps = Annotated[StrictInt, Field(ge=1), BeforeValidator(_integral)]
+Percent = Annotated[StrictInt, Field(ge=0, le=100), BeforeValidator(_integral)]
+PartialImages = Annotated[StrictInt, Field(ge=0, le=3), BeforeValidator(_integral)]
+Seed = Annotated[StrictInt, Field(ge=0, le=_MAX_SEED), BeforeValidator(_integral)]
+Guidance = Annotated[StrictFloat, Field(ge=0), BeforeValidator(_number)]
 
 
 class ImageGenerationRequest(_Body):
@@ -36,14 +52,14 @@ class ImageGenerationRequest(_Body):
         "is refused: the server stores no images)",
     )
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: JsonInt | None = Field(default=None, ge=0, le=100)
+    output_compression: Percent | None = None
     background: Literal["auto", "opaque", "transparent"] | None = None
     stream: StrictBool = False
-    partial_images: JsonInt | None = Field(default=None, ge=0, le=3)
+    partial_images: PartialImages | None = None
     negative_prompt: StrictStr = ""
-    num_inference_steps: JsonInt | None = Field(default=None, ge=1)
-    guidance_scale: StrictFloat | JsonInt | None = Field(default=None, ge=0)
-    seed: JsonInt | None = Field(default=None, ge=0, le=_MAX_SEED)
+    num_inference_steps: Steps | None = None
+    guidance_scale: Guidance | None = None
+    seed: Seed | None = None
     priority: JsonInt = 0
 
     def dimensions(self) -> tuple[int, int]:
@@ -73,7 +89,7 @@ class ImageGenerationRequest(_Body):
             width=width,
             height=height,
             num_inference_steps=self.num_inference_steps or 0,
-            guidance_scale=None if self.guidance_scale is None else float(self.guidance_scale),
+            guidance_scale=self.guidance_scale,
             seed=self.seed,
             lora_name=lora_name,
             partial_images=(self.partial_images or 0) if self.stream else 0,

@@ -97,9 +97,12 @@ async def generate_images(body: ImageGenerationRequest, request: Request) -> Res
     assert job.done is not None
     files = await encode(job, job.done.images, fmt, body.output_compression)
     if file_format is not None:
+        content, media_type = files[0], MEDIA_TYPES[fmt]
         job.outcome = "ok"
-        return FinalizingResponse(files[0], done, media_type=MEDIA_TYPES[fmt])
-    return FinalizingResponse(_json_body(job, files, fmt), done, media_type="application/json")
+    else:
+        content, media_type = _json_body(job, files, fmt), "application/json"
+    job.send_started = time.monotonic()
+    return FinalizingResponse(content, done, media_type=media_type)
 
 
 def _file_format(body: ImageGenerationRequest, accept: str) -> ImageFormat | None:

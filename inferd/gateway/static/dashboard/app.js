@@ -261,6 +261,9 @@ async function openRequest(id) {
     a.addEventListener("click", (ev) => { ev.preventDefault(); openRequest(mate); });
     mates.append(...(i ? [", ", a] : [a]));
   });
+  const preview = $("#wf-preview");  // image requests: a thumbnail of the first image
+  preview.hidden = !doc.preview;
+  if (doc.preview) preview.src = doc.preview; else preview.removeAttribute("src");
   const err = $("#wf-error");
   err.hidden = !doc.error;
   err.textContent = doc.error ? "error: " + doc.error : "";
