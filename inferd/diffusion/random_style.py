@@ -1,6 +1,6 @@
 """Random-weight LoRA styles for an image model's UNet, for tests, benchmarks and demos (no hub).
 
-    write_random_style(model_dir, out_dir, rank=4, seed=1)
+    write_random_style(model_dir, out_dir, rank=4, seed=1)   # or a UNet module for model_dir
 
 writes `out_dir/pytorch_lora_weights.safetensors` through diffusers' own
 `StableDiffusionPipeline.save_lora_weights`, as its training scripts do (PEFT's `lora_A` /
@@ -24,7 +24,7 @@ DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.
 
 
 def write_random_style(
-    model_dir: Path,
+    model: Path | nn.Module,
     out_dir: Path,
     *,
     rank: int = 4,
@@ -32,11 +32,10 @@ def write_random_style(
     seed: int = 0,
     strength: float = 0.3,
 ) -> Path:
-    """A seeded random style for the UNet of the diffusers folder `model_dir`; returns
-    `out_dir`. `targets`: module-name endings (every `nn.Linear` whose name ends with one)."""
-    config = UNet2DConditionModel.load_config(str(model_dir / "unet"))
-    with torch.device("meta"):  # the layers' names and shapes only, no weights
-        unet = UNet2DConditionModel.from_config(config)
+    """A seeded random style for `model` (a diffusers folder, whose UNet's layers are read from
+    its config, or the UNet itself); returns `out_dir`. `targets`: module-name endings (every
+    `nn.Linear` whose name ends with one)."""
+    unet = model if isinstance(model, nn.Module) else _layers_of(model)
     g = torch.Generator().manual_seed(seed)
     layers: dict[str, torch.Tensor] = {}
     for name, module in unet.named_modules():
@@ -46,7 +45,15 @@ def write_random_style(
             b = torch.randn(n_out, rank, generator=g) * (strength / rank**0.5)
             layers[f"{name}.lora_B.weight"] = b
     if not layers:
-        raise ValueError(f"no linear layer of {model_dir}'s UNet ends with any of {targets}")
+        raise ValueError(f"no linear layer of the UNet ends with any of {targets}")
     out_dir.mkdir(parents=True, exist_ok=True)
     StableDiffusionPipeline.save_lora_weights(str(out_dir), unet_lora_layers=layers)
     return out_dir
+
+
+def _layers_of(model_dir: Path) -> nn.Module:
+    """The folder's UNet on the meta device: its layers' names and shapes, no weights."""
+    config = UNet2DConditionModel.load_config(str(model_dir / "unet"))
+    with torch.device("meta"):
+        unet: nn.Module = UNet2DConditionModel.from_config(config)
+    return unet
