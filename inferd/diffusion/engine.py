@@ -237,9 +237,7 @@ class ImageEngineCore:
 
     def _has_work(self) -> bool:
         """Caller holds the lock. Style waits are work once a read ended."""
-        if self._admitted or self._calls:
-            return True
-        if any(w.read.done() for w in self._style_waits.values()):
+        if self._admitted or self._calls or any(w.read.done() for w in self._style_waits.values()):
             return True
         return len(self._queue) > 0 and len(self._style_waits) < self.limits.max_admitted
 
@@ -278,9 +276,13 @@ class ImageEngineCore:
             self._queued_styles = queued
         for fn, future in calls:
             try:
-                future.set_result(fn(styles))
+                result = fn(styles)
             except Exception as e:
+                self.style_names = self._known_styles()
                 future.set_exception(e)
+            else:  # the names first: whoever waits on the call may read them at once
+                self.style_names = self._known_styles()
+                future.set_result(result)
         in_use = {s.spec.lora_name for s in self._admitted.values()} | set(queued.values())
         in_use |= {w.item.spec.lora_name for w in self._style_waits.values()}
         styles.take_loaded(in_use=[name for name in in_use if name is not None])
@@ -295,12 +297,14 @@ class ImageEngineCore:
         styles = self.styles
         if styles is None:
             return popped  # no request names a style: validate.py refused them
-        ready = [q for q in popped if q.spec.lora_name is None]
+        ready = []
         for q in popped:
             name = q.spec.lora_name
-            if name is None:
-                continue
-            if styles.get(name) is None and not styles.is_loaded(name):
+            if name is None or styles.is_loaded(name):
+                if name is not None:
+                    styles.load(name)  # marks it recently used
+                ready.append(q)
+            elif styles.get(name) is None:
                 self._fail(q.request, ModelNotFoundError(f"the style {name!r} is not served now"))
             else:
                 read = styles.load(name)
