@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/diffusion.py                       # inferd-tiny-sd, 48 requests
     .venv/bin/python bench/diffusion.py --load 2.0 --num-requests 96
-    .venv/bin/python bench/diffusion.py --rate 6 --servers inferd,inferd   # a fixed rate, A/B
+    .venv/bin/python bench/diffusion.py --rate 6 --servers inferd inferd   # a fixed rate, A/B
 
 Workload (seeded): Poisson arrivals, steps uniform in [10, 50], two resolutions (the model's
-native size and 1.5x it, half the requests each), guidance 7.5, one image a request. Three
-servers, each on the same model in this process, taking turns:
+native size and 1.5x it, half the requests each), guidance 7.5, one image a request. Four
+servers, each on the same model in this process, taking turns (`--servers` picks some):
 
 - `sequential`: one `StableDiffusionPipeline` call per request, FIFO, one at a time (the shape of
   diffusers' example server);
@@ -14,7 +14,11 @@ servers, each on the same model in this process, taking turns:
   every other waiting one with the same size and step count (up to `--max-batch`) into one
   pipeline call, each with its own seeded generator (the shape of Triton's and SGLang's dynamic
   batching: a batch must share its shape and schedule);
-- `inferd`: the image engine (step-level batching, `--max-rows` rows a forward).
+- `inferd`: the image engine (step-level batching, `--max-rows` rows a forward);
+- `inferd-styles`: the same engine with `--styles` random LoRA styles (rank `--style-rank`,
+  inferd/diffusion/random_style.py) and every request naming one, in turn: the same
+  arrivals, so its images/s over `inferd`'s, run beside it, is what serving many styles in one
+  batch costs (issue 38's target: >= 0.8). `--styles 0` leaves it out.
 
 The three run in-process (no HTTP: the transport costs the same for each, and this isolates
 the scheduling). The arrival rate is `--load` times what `sequential` can serve, calibrated
@@ -28,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +46,10 @@ from typing import Any
 import torch
 from common import DEFAULT_CACHE_DIR, save_result, torch_threads
 
-from inferd.config import ImageEngineConfig
+from inferd.config import ImageEngineConfig, LoRAConfig, LoRAModule
 from inferd.diffusion.client import AsyncImageEngine
 from inferd.diffusion.loader import resolve_image_model
+from inferd.diffusion.random_style import write_random_style
 from inferd.diffusion.request import ImageParams, ImageRequest, ImagesDone
 
 
@@ -196,6 +203,38 @@ def calibrate(pipe: Any, native: int) -> float:
     return statistics.mean(times)
 
 
+SERVERS = ("sequential", "request-batching", "inferd", "inferd-styles")
+
+
+def with_styles(
+    cfg: ImageEngineConfig, folder: Path, root: Path, count: int, rank: int
+) -> ImageEngineConfig:
+    """`cfg` serving `count` random styles written under `root` (all in one forward's slots)."""
+    modules = [
+        LoRAModule(
+            name=f"style-{i}",
+            path=str(write_random_style(folder, root / f"s{i}", rank=rank, seed=i)),
+        )
+        for i in range(count)
+    ]
+    lora = LoRAConfig(
+        enable_lora=True,
+        lora_modules=tuple(modules),
+        max_loras=max(1, count),
+        max_lora_rank=max(16, rank),
+    )
+    return cfg.model_copy(update={"lora": lora})
+
+
+def styles_ratio(runs: list[dict[str, Any]], round_: int) -> None:
+    """Prints (and records in the styled run) its images/s over the no-style run of the round."""
+    by_server = {run["server"]: run for run in runs if run["round"] == round_}
+    if "inferd" in by_server and "inferd-styles" in by_server:
+        styled = by_server["inferd-styles"]
+        styled["ratio_to_inferd"] = styled["images_per_s"] / by_server["inferd"]["images_per_s"]
+        print(f"inferd-styles / inferd: {styled['ratio_to_inferd']:.2f}x images/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="inferd-tiny-sd")
@@ -207,10 +246,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--styles", type=int, default=8, help="styles of the inferd-styles run")
+    p.add_argument("--style-rank", type=int, default=8)
     p.add_argument(
         "--servers",
-        default="sequential,request-batching,inferd",
-        help="which servers run, comma-separated",
+        nargs="+",
+        default=list(SERVERS),
+        choices=SERVERS,
+        help="the servers to run (default: all)",
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -224,16 +267,28 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
     native = int(pipe.unet.config.sample_size) * pipe.vae_scale_factor
     cfg = ImageEngineConfig(image_model=args.model, max_image_rows_per_step=args.max_rows)
+    styles_dir = tempfile.TemporaryDirectory(prefix="inferd-styles-")
+    styled = with_styles(cfg, folder, Path(styles_dir.name), args.styles, args.style_rank)
+    servers = [s for s in args.servers if s != "inferd-styles" or args.styles > 0]
     runs: list[dict[str, Any]] = []
-    with torch_threads(args.threads):
+    with torch_threads(args.threads), styles_dir:
         service_s = calibrate(pipe, native)
         rate = args.rate or args.load / service_s
         arrivals = workload(args.num_requests, rate, native, args.seed)
         print(f"sequential service {service_s:.3f} s/request; arrivals {rate:.2f}/s")
         for r in range(args.rounds):
-            for name in args.servers.split(","):
+            for name in servers:
                 if name == "inferd":
                     result = asyncio.run(run_inferd(cfg, cache, arrivals))
+                elif name == "inferd-styles":
+                    names = [m.name for m in styled.lora.lora_modules]
+                    mixed = [
+                        dataclasses.replace(
+                            a, params=dataclasses.replace(a.params, lora_name=names[i % len(names)])
+                        )
+                        for i, a in enumerate(arrivals)
+                    ]
+                    result = asyncio.run(run_inferd(styled, cache, mixed))
                 else:
                     batch = 1 if name == "sequential" else args.max_batch
                     result = asyncio.run(run_pipeline(pipe, batch, arrivals))
@@ -242,6 +297,7 @@ def main() -> None:
                     f"{name:17s} {result['images_per_s']:6.2f} images/s  "
                     f"p50 {result['p50_s']:6.2f} s  p99 {result['p99_s']:6.2f} s"
                 )
+            styles_ratio(runs, r)
     save_result(
         args.out,
         "diffusion",

@@ -13,7 +13,7 @@ at its own timestep, 64x64 latents by default (a 512x512 image). Cases, taking t
 - `styles-N`: items spread over N styles (`--styles`, default 8), in runs of equal length.
 
 Styles are random rank-`--rank` factors on the attention and feed-forward layers
-(to_q/to_k/to_v/to_out.0, ff.net.0.proj, ff.net.2), written in PEFT's key naming. Reported: the
+(to_q/to_k/to_v/to_out.0, ff.net.0.proj, ff.net.2; inferd/diffusion/random_style.py). Reported: the
 median forward time of each case and its ratio to the `base` forward run beside it, by wall
 time and by the process's CPU seconds.
 Prints a table and writes JSON (command, machine, every run) to bench/results/.
@@ -31,12 +31,11 @@ from typing import Any
 import torch
 from common import save_result, synchronize
 from diffusers import UNet2DConditionModel
-from safetensors.torch import save_file
 
 from inferd.config import LoRAConfig, LoRAModule
 from inferd.diffusion.lora import UNetStyles
+from inferd.diffusion.random_style import write_random_style
 
-TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
 SHAPES: dict[str, dict[str, Any]] = {
     # The SD 1.x layout at 0.3x its widths, for CPUs.
     "small": {"block_out_channels": (96, 192, 384, 384), "cross_attention_dim": 192},
@@ -49,19 +48,6 @@ def unet(shape: str, dtype: torch.dtype, device: str) -> Any:
     torch.manual_seed(0)
     model: Any = UNet2DConditionModel(**SHAPES[shape])
     return model.to(device, dtype).eval()
-
-
-def write_style(model: Any, file: Path, rank: int, seed: int) -> None:
-    """Random factors for every targeted layer, as `unet.<module>.lora_A/B.weight`."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(TARGETS):
-            a = torch.randn(rank, module.in_features, generator=g) / module.in_features**0.5
-            tensors[f"unet.{name}.lora_A.weight"] = a
-            tensors[f"unet.{name}.lora_B.weight"] = torch.randn(module.out_features, rank) * 0.01
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(file))
 
 
 def forward_s(model: Any, inputs: tuple[torch.Tensor, ...], device: str) -> tuple[float, float]:
@@ -91,7 +77,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="inferd-styles-"))
     names = [f"s{i}" for i in range(args.styles)]
     for i, name in enumerate(names):
-        write_style(styled, root / name / "pytorch_lora_weights.safetensors", args.rank, i)
+        write_random_style(styled, root / name, rank=args.rank, seed=i)
     modules = tuple(LoRAModule(name=n, path=str(root / n)) for n in names)
     config = LoRAConfig(
         enable_lora=True, lora_modules=modules, max_loras=args.styles, max_lora_rank=args.rank

@@ -21,6 +21,7 @@ from inferd.config import (
     EngineConfig,
     Environment,
     ImageEngineConfig,
+    LoRAConfig,
     RepositoryConfig,
     ServeConfig,
     ServerConfig,
@@ -34,6 +35,7 @@ from inferd.engine_args import (
     parse_bytes,
 )
 from inferd.errors import InferdError
+from inferd.lora.flags import split_lora_modules
 from inferd.postprocess.tool_parsers import TOOL_PARSERS
 from inferd.router.command import add_data_parallel_args, add_router_parser, serve_data_parallel
 
@@ -102,6 +104,8 @@ def serve_config(args: argparse.Namespace, env: Environment) -> ServeConfig:
     # With a model repository or an image model and no LLM named, the server serves only those.
     serves_llm = model is not None or (args.model_repository is None and image is None)
     engine = {**engine_kwargs(args), "model": model or DEFAULT_MODEL}
+    if image is not None:
+        image = _with_styles(image, engine, serves_llm)
     return ServeConfig(
         env=env,
         engine=EngineConfig.from_kwargs(**engine) if serves_llm else None,
@@ -127,6 +131,20 @@ def _image_config(args: argparse.Namespace, model: str | None) -> ImageEngineCon
     if args.image_model is None:
         return None
     return ImageEngineConfig.model_validate(given)
+
+
+def _with_styles(
+    image: ImageEngineConfig, engine: dict[str, object], serves_llm: bool
+) -> ImageEngineConfig:
+    """The image model gets the LoRA flags and the `--lora-modules` that are UNet styles (the
+    rest stay in `engine`, the LLM's): inferd/lora/flags.py's rule."""
+    modules = engine.get("lora_modules") or ()
+    assert isinstance(modules, list | tuple)
+    llm, styles = split_lora_modules(modules, serves_llm, serves_images=True)
+    engine["lora_modules"] = llm or None
+    lora = {f: engine[f] for f in LoRAConfig.model_fields if engine.get(f) is not None}
+    lora["lora_modules"] = styles
+    return ImageEngineConfig.model_validate({**image.model_dump(), "lora": lora})
 
 
 # Config field -> the flag's argparse dest, where the two names differ.

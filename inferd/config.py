@@ -420,6 +420,10 @@ class ImageEngineConfig(_Frozen):
     max_image_size: int | None = Field(
         default=None, gt=0, description="longest image side in pixels (default: twice native)"
     )
+    # The LLM's LoRA flags, for the UNet's styles (inferd/diffusion/lora.py): `--lora-modules`
+    # entries whose folder holds a diffusers or kohya LoRA file (inferd/lora/flags.py's
+    # `adapter_lane`), the other flags as given.
+    lora: LoRAConfig = LoRAConfig()
 
 
 class ServeConfig(_Frozen):

@@ -75,7 +75,7 @@ _FORMS: dict[str, FlagForm] = {
 # Fields with no flag: prefills have always been chunked, and no flag has turned that off; the
 # image model's served name is --served-model-name's when it is the server's MODEL, and
 # --image-model has no default (add_image_args).
-_NO_FLAG = frozenset({"enable_chunked_prefill", "served_model_name", "image_model"})
+_NO_FLAG = frozenset({"enable_chunked_prefill", "served_model_name", "image_model", "lora"})
 
 SECTIONS: tuple[type[BaseModel], ...] = (
     ModelConfig,

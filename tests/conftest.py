@@ -94,3 +94,33 @@ def panel_path(request: pytest.FixtureRequest, native_kernels: NativeKernels) ->
         if request.param == "amx" and not on:
             pytest.skip("no AMX on this CPU (or the kernel was not granted the tiles)")
         yield request.param
+
+
+# -- the image lane's tests on inferd-tiny-sd (a module asks for `one_thread` with
+#    `pytestmark = pytest.mark.usefixtures("one_thread")`) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """The tiny UNet's ops are too small to split: on a shared 2-core machine two OpenMP threads
+    ran a step 50x slower than one (spinning against other processes)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's own inferd cache folder."""
+    return tmp_path_factory.mktemp("inferd-cache")
+
+
+@pytest.fixture(scope="module")
+def folder(cache_dir: Path) -> Path:
+    """inferd-tiny-sd, built in the module's cache folder."""
+    from inferd.diffusion.tiny import ensure_tiny_sd
+
+    return ensure_tiny_sd(cache_dir)

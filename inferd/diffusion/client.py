@@ -4,6 +4,8 @@
     async for event in engine.generate(ImageRequest("img-1", ImageParams("a red fox"))):
         ...
     await engine.drain(30.0); await engine.shutdown()
+    await engine.add_style("ink", "/styles/ink")   # LoRA on: returns once read (400 if refused)
+    await engine.remove_style("ink")               # False for an unknown name
 
 `generate` checks the request against the model's limits on the event loop (InvalidRequestError
 before anything is queued), queues it (QueueFullError with Retry-After at the bound) and then
@@ -22,11 +24,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from inferd.admission.timeouts import deadline_at
 from inferd.config import ImageEngineConfig
-from inferd.diffusion.engine import CoreLimits, ImageEngineCore
+from inferd.diffusion.engine import CoreLimits, ImageEngineCore, StyleCall
 from inferd.diffusion.loader import ImageModelSpec, load_pipeline, resolve_image_model
+from inferd.diffusion.lora import UNetStyles
 from inferd.diffusion.request import (
     ImageEngineStats,
     ImageEvent,
@@ -37,6 +41,7 @@ from inferd.diffusion.request import (
 from inferd.diffusion.runner import ImageRunner
 from inferd.diffusion.validate import MAX_N, resolve
 from inferd.errors import DrainingError, InvalidRequestError
+from inferd.lora.request import LoRARequest
 from inferd.telemetry.stages import Stage
 
 _Item = ImageEvent | BaseException
@@ -91,7 +96,24 @@ class AsyncImageEngine:
         return self._core.runner.parts.limits
 
     def styles(self) -> list[str]:
-        return []
+        return list(self._core.style_names)
+
+    async def add_style(self, name: str, path: str) -> None:
+        ids = (r.lora_int_id for r in await self._on_engine(lambda st: st.known()))
+        request = LoRARequest(name, max(ids, default=0) + 1, path)
+        await self._on_engine(lambda st: st.register(request))
+        try:
+            await asyncio.wrap_future(await self._on_engine(lambda st: st.load(name)))
+        except Exception:
+            await self._on_engine(lambda st: st.unregister(name))  # republishes the names
+            raise
+
+    async def remove_style(self, name: str) -> bool:
+        removed: bool = await self._on_engine(lambda st: st.unregister(name))
+        return removed
+
+    async def _on_engine(self, fn: StyleCall) -> Any:
+        return await asyncio.wrap_future(self._core.call(fn))
 
     def ready(self) -> bool:
         return not self._draining and self._thread is not None and self._thread.is_alive()
@@ -177,14 +199,16 @@ def build_core(config: ImageEngineConfig, cache_dir: Path) -> ImageEngineCore:
         max_image_size=config.max_image_size,
         max_n=min(MAX_N, config.max_image_rows_per_step // 2),
     )
-    runner = ImageRunner(load_pipeline(folder, spec), config.max_image_decode_rows)
+    parts = load_pipeline(folder, spec)
+    runner = ImageRunner(parts, config.max_image_decode_rows)
     limits = CoreLimits(
         max_rows_per_step=config.max_image_rows_per_step,
         max_admitted=config.max_admitted_image_requests,
         max_queued_requests=config.max_queued_image_requests,
         max_decode_rows=config.max_image_decode_rows,
     )
-    return ImageEngineCore(runner, limits)
+    styles = UNetStyles(parts.unet, config.lora) if config.lora.enable_lora else None
+    return ImageEngineCore(runner, limits, styles)
 
 
 def _earliest(a: float | None, b: float | None) -> float | None:

@@ -1,18 +1,24 @@
 """The image engine's step loop, on its own thread in the server process.
 
-    core = ImageEngineCore(runner, limits)
+    core = ImageEngineCore(runner, limits, styles)  # styles: UNetStyles, None without LoRA
     core.set_emit(emit)                            # emit(request_id, event or error)
     core.add(request, spec)                        # QueueFullError (429) at the queue's bound
     threading.Thread(target=core.run).start()
     core.abort(request_id)                         # a client went away
+    core.call(lambda styles: styles.register(r))   # any thread: runs on the engine thread
 
 One step, and the whole loop is this:
 
+    styles  (LoRA on) the calls other threads queued on the styles run; finished style reads
+            go into host memory (`take_loaded`, pinning the styles of unfinished requests)
     drop    requests aborted or past their deadline (queued or admitted; their latents go)
     admit   pop the admission queue (priority, then arrival) while fewer than `max_admitted`
-            requests are admitted; their prompts go through the text encoder in one batch
-    plan    the step policy (step_scheduler.py) picks one resolution bucket and its rows
-    denoise one UNet forward over those rows, each request at its own timestep; progress events
+            requests are admitted (one whose style is being read waits aside, its `lora_load`
+            time; a refused file fails it, 400); prompts go through the text encoder together
+    plan    the step policy (step_scheduler.py) picks one bucket and its rows (<= max_loras
+            distinct styles)
+    denoise one UNet forward over those rows, each request at its own timestep and style
+            (`set_rows`: a request's uncond and cond rows both run its style); progress events
     finish  requests past their last step: VAE decode in batches of `max_decode_rows`
 
 A failure inside a stage fails only the requests that stage ran (each gets an `InferdError`),
@@ -23,6 +29,7 @@ else belongs to the engine thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -30,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,10 +59,16 @@ from inferd.errors import (
     DrainingError,
     EngineDeadError,
     InferdError,
+    InvalidRequestError,
+    ModelNotFoundError,
     QueueFullError,
     QueueTimeoutError,
 )
 from inferd.telemetry.stages import Stage
+
+if TYPE_CHECKING:
+    from inferd.diffusion.lora import UNetStyles
+    from inferd.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger("inferd.diffusion")
 
@@ -77,11 +91,36 @@ class _Queued:
     enqueued_at: float
 
 
+@dataclass
+class _StyleWait:
+    """A popped request whose style is being read into host memory."""
+
+    item: _Queued
+    read: concurrent.futures.Future[LoRAAdapter]
+    since: float
+
+
+StyleCall = Callable[["UNetStyles"], Any]
+
+
 class ImageEngineCore:
-    def __init__(self, runner: ImageRunner, limits: CoreLimits) -> None:
+    def __init__(
+        self, runner: ImageRunner, limits: CoreLimits, styles: UNetStyles | None = None
+    ) -> None:
         self.runner = runner
         self.limits = limits
-        self.policy = StepPolicy(limits.max_rows_per_step)
+        self.styles = styles
+        self.policy = StepPolicy(
+            limits.max_rows_per_step, None if styles is None else styles.max_loras
+        )
+        # The served style names, republished by the engine thread after every change (so
+        # other threads read them without touching the styles).
+        self.style_names: tuple[str, ...] = self._known_styles()
+        self._calls: list[tuple[StyleCall, concurrent.futures.Future[Any]]] = []
+        self._style_waits: dict[str, _StyleWait] = {}
+        # The styles of queued requests (by request id; pruned each step): a style unloaded
+        # while requests of it wait in the queue stays in host memory for them.
+        self._queued_styles: dict[str, str] = {}
         self._emit: Emit = _nowhere
         self._lock = threading.Condition()
         # The queue's second bound counts images (n each); the request bound is the one that
@@ -122,7 +161,22 @@ class ImageEngineCore:
             except QueueFullError as e:
                 e.retry_after = self._completions.retry_after(len(self._queue))
                 raise
+            if spec.lora_name is not None:
+                self._queued_styles[request.request_id] = spec.lora_name
             self._lock.notify()
+
+    def call(self, fn: StyleCall) -> concurrent.futures.Future[Any]:
+        """Runs `fn(styles)` on the engine thread at its next step boundary (the styles belong
+        to that thread); the future holds what it returned or raised."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self.styles is None:
+                raise InvalidRequestError("this image model serves no styles (--enable-lora)")
+            if self._closed is not None:
+                raise self._closed
+            self._calls.append((fn, future))
+            self._lock.notify()
+        return future
 
     def abort(self, request_id: str) -> None:
         """The request leaves at the next step boundary (at once if it is still queued)."""
@@ -136,11 +190,15 @@ class ImageEngineCore:
             self._stopping = True
             self._lock.notify()
 
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify()
+
     def stats(self) -> ImageEngineStats:
         c = self._counts
         return ImageEngineStats(
             running=len(self._admitted),
-            waiting=len(self._queue),
+            waiting=len(self._queue) + len(self._style_waits),
             images_total=c["images"],
             requests_total=c["requests"],
             unet_forwards_total=c["forwards"],
@@ -150,7 +208,7 @@ class ImageEngineCore:
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._admitted and len(self._queue) == 0
+            return not self._admitted and not self._style_waits and len(self._queue) == 0
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -171,14 +229,21 @@ class ImageEngineCore:
 
     def _wait_for_work(self) -> bool:
         with self._lock:
-            while not self._stopping and not self._admitted and len(self._queue) == 0:
+            while not self._stopping and not self._has_work():
                 wait = self._queue.time_to_next_deadline(time.monotonic())
                 self._lock.wait(timeout=None if math.isinf(wait) else wait)
                 self._expire_queued(time.monotonic())
             return not self._stopping
 
+    def _has_work(self) -> bool:
+        """Caller holds the lock. Style waits are work once a read ended."""
+        if self._admitted or self._calls or any(w.read.done() for w in self._style_waits.values()):
+            return True
+        return len(self._queue) > 0 and len(self._style_waits) < self.limits.max_admitted
+
     def step(self) -> None:
         now = time.monotonic()
+        self._update_styles()
         self._drop(now)
         self._admit(now)
         plan = self.policy.plan(self._slots())
@@ -188,17 +253,89 @@ class ImageEngineCore:
 
     def _slots(self) -> list[Slot]:
         return [
-            Slot(rid, (s.spec.width, s.spec.height), s.rows, s.request.priority, s.seq)
+            Slot(
+                rid,
+                (s.spec.width, s.spec.height),
+                s.rows,
+                s.request.priority,
+                s.seq,
+                s.spec.lora_name,
+            )
             for rid, s in self._admitted.items()
         ]
+
+    # -- styles --------------------------------------------------------------------------------
+
+    def _update_styles(self) -> None:
+        styles = self.styles
+        if styles is None:
+            return
+        with self._lock:
+            calls, self._calls = self._calls, []
+            queued = {r: s for r, s in self._queued_styles.items() if r in self._queue}
+            self._queued_styles = queued
+        for fn, future in calls:
+            try:
+                result = fn(styles)
+            except Exception as e:
+                self.style_names = self._known_styles()
+                future.set_exception(e)
+            else:  # the names first: whoever waits on the call may read them at once
+                self.style_names = self._known_styles()
+                future.set_result(result)
+        in_use = {s.spec.lora_name for s in self._admitted.values()} | set(queued.values())
+        in_use |= {w.item.spec.lora_name for w in self._style_waits.values()}
+        styles.take_loaded(in_use=[name for name in in_use if name is not None])
+        self.style_names = self._known_styles()
+
+    def _known_styles(self) -> tuple[str, ...]:
+        return () if self.styles is None else tuple(r.lora_name for r in self.styles.known())
+
+    def _ready(self, popped: list[_Queued], now: float) -> list[_Queued]:
+        """The popped requests whose style is in host memory, and those whose read just
+        finished; the others wait aside while theirs is read (a refused file fails them)."""
+        styles = self.styles
+        if styles is None:
+            return popped  # no request names a style: validate.py refused them
+        ready = []
+        for q in popped:
+            name = q.spec.lora_name
+            if name is None or styles.is_loaded(name):
+                if name is not None:
+                    styles.load(name)  # marks it recently used
+                ready.append(q)
+            elif styles.get(name) is None:
+                self._fail(q.request, ModelNotFoundError(f"the style {name!r} is not served now"))
+            else:
+                read = styles.load(name)
+                self._style_waits[q.request.request_id] = _StyleWait(q, read, now)
+                read.add_done_callback(lambda _: self._wake())
+        for rid, wait in list(self._style_waits.items()):
+            name = wait.item.spec.lora_name
+            assert name is not None
+            error = wait.read.exception() if wait.read.done() else None
+            if error is None and not styles.is_loaded(name):
+                continue  # still reading, or read but not yet taken into host memory
+            del self._style_waits[rid]
+            if error is not None:
+                self.style_names = self._known_styles()  # a refused style is unregistered
+                self._fail(wait.item.request, error)
+                continue
+            wait.item.request.timings.add(Stage.LORA_LOAD, now - wait.since, wait.since)
+            ready.append(wait.item)
+        return ready
 
     def _drop(self, now: float) -> None:
         with self._lock:
             aborted, self._aborted = self._aborted, set()
             self._expire_queued(now)
         for rid in aborted:
-            if self._admitted.pop(rid, None) is not None:
+            if (self._admitted.pop(rid, None) or self._style_waits.pop(rid, None)) is not None:
                 self._count_finish(0)
+        for rid, wait in list(self._style_waits.items()):
+            if (deadline := wait.item.request.deadline) is not None and deadline <= now:
+                del self._style_waits[rid]
+                self._fail(wait.item.request, QueueTimeoutError("it waited past its deadline"))
         for rid, state in list(self._admitted.items()):
             deadline = state.request.deadline
             if deadline is not None and deadline <= now:
@@ -219,15 +356,16 @@ class ImageEngineCore:
             )
 
     def _admit(self, now: float) -> None:
-        room = self.limits.max_admitted - len(self._admitted)
+        room = self.limits.max_admitted - len(self._admitted) - len(self._style_waits)
         popped: list[_Queued] = []
         with self._lock:
             while len(popped) < room and (entry := self._queue.pop()) is not None:
                 popped.append(entry.item)
-        if not popped:
-            return
         for item in popped:
             item.request.timings.add(Stage.QUEUE, now - item.enqueued_at, item.enqueued_at)
+        popped = self._ready(popped, now)
+        if not popped:
+            return
         t0 = time.monotonic()
         try:
             states = start_states(self.runner, [(q.request, q.spec, q.seq) for q in popped])
@@ -250,6 +388,8 @@ class ImageEngineCore:
                 # Admitted but not yet picked (the budget was full): that wait is queueing too.
                 s.request.timings.add(Stage.QUEUE, t0 - s.admitted_at)
         try:
+            if self.styles is not None:
+                self.styles.set_rows([(s.spec.lora_name, s.rows) for s in states])
             denoise_step(self.runner, states)
         except Exception as e:
             logger.exception("a denoising step failed")
@@ -331,11 +471,17 @@ class ImageEngineCore:
             queued = []
             while (entry := self._queue.pop()) is not None:
                 queued.append(entry.item.request)
-        for request in [*queued, *(s.request for s in self._admitted.values())]:
+        waits = [w.item.request for w in self._style_waits.values()]
+        for request in [*queued, *waits, *(s.request for s in self._admitted.values())]:
             # One instance each: every stream raises its own (a shared one would share its
             # traceback across the requests' tasks).
             self._fail(request, type(error)(str(error)))
         self._admitted.clear()
+        self._style_waits.clear()
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(error)
 
 
 def _decode_groups(states: list[DenoiseState], max_rows: int) -> list[list[DenoiseState]]:

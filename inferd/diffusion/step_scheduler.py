@@ -1,7 +1,7 @@
 """Which admitted requests run the next UNet forward (pure Python, no torch).
 
-    policy = StepPolicy(max_rows=32)
-    plan = policy.plan([Slot("a", (512, 512), rows=2, priority=0, seq=0), ...])
+    policy = StepPolicy(max_rows=32, max_loras=8)
+    plan = policy.plan([Slot("a", (512, 512), rows=2, priority=0, seq=0, style="ink"), ...])
     plan.bucket, plan.request_ids          # one resolution, the rows that run this step
 
 Every engine step runs ONE UNet forward over requests of ONE resolution (a bucket: the latents of
@@ -18,6 +18,11 @@ one forward share a shape), each request at its own denoising step. The rule:
    engine refuses requests larger than the budget, so it fits). A request left out simply
    waits at its step boundary with its latents: that is preemption, at no cost but time, and
    it is how a later higher-priority request overtakes.
+3. **Styles**: a forward runs at most `max_loras` distinct LoRA styles (the slots of the batched
+   LoRA layer, `--max-loras`); requests without a style never count. A request whose style
+   would be one too many is skipped like one whose rows do not fit, and later ones of styles
+   already in the forward may still join; it runs once the styles ahead of it in (priority,
+   arrival) order leave (the first request always runs, so none waits forever). None: no bound.
 
 Previews: a request asking for k partial images gets them after k steps spread evenly before its
 last (`preview_steps`).
@@ -43,6 +48,7 @@ class Slot:
     rows: int  # UNet rows a step: n, or 2n with classifier-free guidance
     priority: int  # lower runs first
     seq: int  # arrival order, the tie-break within one priority
+    style: str | None = None  # its LoRA style; None runs the base UNet
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +61,13 @@ class StepPlan:
 class StepPolicy:
     """The step rule above; remembers when each bucket last ran (its only state)."""
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int, max_loras: int | None = None) -> None:
         if max_rows < 1:
             raise ValueError("max_rows must be >= 1")
+        if max_loras is not None and max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
         self.max_rows = max_rows
+        self.max_loras = max_loras
         self._last_run: dict[Bucket, int] = {}
         self._iteration = 0
 
@@ -83,10 +92,17 @@ class StepPolicy:
     def _fill(self, ordered: list[Slot]) -> list[Slot]:
         chosen = [ordered[0]]
         rows = ordered[0].rows
+        styles = {ordered[0].style} - {None}
         for slot in ordered[1:]:
-            if rows + slot.rows <= self.max_rows:
-                chosen.append(slot)
-                rows += slot.rows
+            if rows + slot.rows > self.max_rows:
+                continue
+            new_style = slot.style is not None and slot.style not in styles
+            if new_style and self.max_loras is not None and len(styles) >= self.max_loras:
+                continue
+            chosen.append(slot)
+            rows += slot.rows
+            if slot.style is not None:
+                styles.add(slot.style)
         return chosen
 
 

@@ -18,7 +18,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,26 +56,7 @@ SCHEDULERS = {
 }
 TOLERANCE = 3  # levels of 255
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The tiny UNet's ops are too small to split: on a shared 2-core machine two OpenMP threads
-    ran a step 50x slower than one (spinning against other processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("inferd-cache")
-
-
-@pytest.fixture(scope="module")
-def folder(cache_dir: Path) -> Path:
-    return ensure_tiny_sd(cache_dir)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @functools.cache

@@ -93,6 +93,17 @@ class FakeImageEngine:
     def styles(self) -> list[str]:
         return list(self._styles)
 
+    async def add_style(self, name: str, path: str) -> None:
+        if name in self._styles:
+            raise InvalidRequestError(f"the style {name!r} is already served", "lora_name")
+        self._styles.append(name)
+
+    async def remove_style(self, name: str) -> bool:
+        if name not in self._styles:
+            return False
+        self._styles.remove(name)
+        return True
+
     def ready(self) -> bool:
         return True
 

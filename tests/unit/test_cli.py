@@ -146,5 +146,28 @@ def test_image_flags_are_the_config_fields() -> None:
     groups = {g.title: g for g in sub.choices["serve"]._action_groups}
     flags = {a.dest: a for a in groups["ImageEngineConfig"]._group_actions}
     for name, field in ImageEngineConfig.model_fields.items():
-        if name != "served_model_name":  # --served-model-name's, when MODEL is the image model
+        # --served-model-name's when MODEL is the image model; `lora`: the LoRA flags' section
+        if name not in ("served_model_name", "lora"):
             assert field.description and field.description in flags[name].help
+
+
+def test_lora_modules_go_to_the_lane_their_files_are_for(tmp_path: Path) -> None:
+    """diffusers / kohya files: the image model's styles; PEFT folders: the LLM's adapters. The
+    other LoRA flags apply to both; with one lane served, every module is its."""
+    (tmp_path / "ink").mkdir()
+    (tmp_path / "ink" / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    (tmp_path / "sketch.safetensors").write_bytes(b"")
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "sql" / "adapter_config.json").write_text("{}")
+    (tmp_path / "sql" / "adapter_model.safetensors").write_bytes(b"")
+    modules = [f"{n}={tmp_path / p}" for n, p in [("ink", "ink"), ("sk", "sketch.safetensors")]]
+    flags = ("--enable-lora", "--max-loras", "2", "--lora-modules", *modules, f"sql={tmp_path}/sql")
+    both = config("m", "--image-model", "inferd-tiny-sd", *flags)
+    assert both.engine is not None and both.image is not None
+    assert [m.name for m in both.engine.lora.lora_modules] == ["sql"]
+    assert [m.name for m in both.image.lora.lora_modules] == ["ink", "sk"]
+    assert both.image.lora.enable_lora and both.image.lora.max_loras == 2
+    only_images = config("inferd-tiny-sd", *flags).image
+    assert only_images is not None
+    assert [m.name for m in only_images.lora.lora_modules] == ["ink", "sk", "sql"]
+    assert config("inferd-tiny-sd").image == ImageEngineConfig(image_model="inferd-tiny-sd")

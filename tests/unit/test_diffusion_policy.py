@@ -62,6 +62,30 @@ def test_a_bucket_with_a_more_urgent_request_runs_first() -> None:
     assert [p.bucket for p in plans if p is not None] == [B, B, B]
 
 
+def test_at_most_max_loras_styles_a_forward_and_unstyled_rows_never_count() -> None:
+    policy = StepPolicy(16, max_loras=2)
+    slots = [
+        Slot("ink-1", A, 2, 0, 0, "ink"),
+        Slot("oil", A, 2, 0, 1, "oil"),
+        Slot("pastel", A, 2, 0, 2, "pastel"),  # a third style: waits
+        Slot("base", A, 2, 0, 3),
+        Slot("ink-2", A, 2, 0, 4, "ink"),  # a style already in the forward: joins
+    ]
+    plan = policy.plan(slots)
+    assert plan is not None and plan.request_ids == ("ink-1", "oil", "base", "ink-2")
+    # Once "oil" leaves, "pastel" takes its slot.
+    plan = policy.plan([s for s in slots if s.request_id != "oil"])
+    assert plan is not None and plan.request_ids == ("ink-1", "pastel", "base", "ink-2")
+
+
+def test_the_first_request_runs_whatever_its_style() -> None:
+    policy = StepPolicy(8, max_loras=1)
+    plan = policy.plan([Slot("a", A, 2, 0, 0, "ink"), Slot("b", A, 2, 0, 1, "oil")])
+    assert plan is not None and plan.request_ids == ("a",)
+    with pytest.raises(ValueError, match="max_loras"):
+        StepPolicy(8, max_loras=0)
+
+
 slots_strategy = st.lists(
     st.builds(
         Slot,
@@ -70,6 +94,7 @@ slots_strategy = st.lists(
         rows=st.integers(1, 8),
         priority=st.integers(0, 2),
         seq=st.integers(0, 100),
+        style=st.sampled_from([None, "ink", "oil", "pastel"]),
     ),
     max_size=12,
     unique_by=lambda s: s.request_id,
@@ -77,11 +102,12 @@ slots_strategy = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(slots_strategy, st.integers(8, 16))
-def test_plan_invariants(slots: list[Slot], budget: int) -> None:
-    """One bucket, within budget, never empty, and the most urgent request of the chosen bucket
-    always runs; every bucket runs within (number of buckets) steps when priorities are equal."""
-    policy = StepPolicy(budget)
+@given(slots_strategy, st.integers(8, 16), st.integers(1, 3))
+def test_plan_invariants(slots: list[Slot], budget: int, max_loras: int) -> None:
+    """One bucket, within budget and `max_loras` styles, never empty, and the most urgent
+    request of the chosen bucket always runs; every bucket runs within (number of buckets)
+    steps when priorities are equal."""
+    policy = StepPolicy(budget, max_loras)
     plan = policy.plan(slots)
     if not slots:
         assert plan is None
@@ -90,11 +116,12 @@ def test_plan_invariants(slots: list[Slot], budget: int) -> None:
     chosen = [s for s in slots if s.request_id in plan.request_ids]
     assert {s.bucket for s in chosen} == {plan.bucket}
     assert plan.rows == sum(s.rows for s in chosen) <= budget
+    assert len({s.style for s in chosen} - {None}) <= max_loras
     in_bucket = [s for s in slots if s.bucket == plan.bucket]
     first = min(in_bucket, key=lambda s: (s.priority, s.seq))
     assert first.request_id in plan.request_ids
     assert min(s.priority for s in in_bucket) == min(s.priority for s in slots)
-    flat = [Slot(s.request_id, s.bucket, s.rows, 0, s.seq) for s in slots]
+    flat = [Slot(s.request_id, s.bucket, s.rows, 0, s.seq, s.style) for s in slots]
     buckets = {s.bucket for s in flat}
     seen = set()
     for _ in range(len(buckets)):

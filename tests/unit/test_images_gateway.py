@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -352,3 +353,26 @@ def test_a_server_without_image_models_says_so() -> None:
     r = client.post(URL, json={"prompt": "x"})
     assert r.status_code == 404 and "no image model" in r.json()["error"]["message"]
     assert client.post("/v2/models/tiny-sd/infer", json={"inputs": []}).status_code == 404
+
+
+def test_styles_load_and_unload_through_the_adapter_routes(tmp_path: Path) -> None:
+    """On a server without an LLM every path is the image model's (no file is read here: the
+    fake engine takes any path)."""
+    fake = FakeImageEngine("tiny-sd", styles=["ink"])
+    app = create_app(None, ServerConfig(access_log=False), lora_updates=True)
+    app.state.gateway.serves_llm = False
+    set_image_engines(app, {fake.model_name: fake})
+    client = TestClient(app, raise_server_exceptions=False)
+    load = {"lora_name": "oil", "lora_path": str(tmp_path)}
+    r = client.post("/v1/load_lora_adapter", json=load)
+    assert r.status_code == 200 and "added successfully" in r.text
+    cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert cards["oil"]["parent"] == "tiny-sd"
+    taken = client.post("/v1/load_lora_adapter", json={**load, "lora_name": "ink"})
+    assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "oil"}).status_code == 200
+    again = client.post("/v1/unload_lora_adapter", json={"lora_name": "oil"})
+    assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+    assert fake.styles() == ["ink"]
+    off, _ = make()  # without the environment's runtime-update gate: no such routes
+    assert off.post("/v1/load_lora_adapter", json=load).status_code == 404

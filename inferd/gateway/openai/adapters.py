@@ -10,6 +10,10 @@
   (INFERD_ALLOW_RUNTIME_LORA_UPDATING=1 or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; otherwise the
   routes do not exist: 404), and only to admin keys (gateway/middleware.py). Success is a 200
   with a plain-text message (vLLM's); a bad adapter is a 400 with the engine's reason.
+- The same two routes load and unload an image model's LoRA styles: a `lora_path` whose files
+  are a diffusers or kohya LoRA (inferd/lora/flags.py's `adapter_lane`), or any path when the
+  server serves no LLM, goes to the image model; unloading finds the name among the image
+  models' styles first, then the LLM's adapters. vLLM's body has no field naming the lane.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.responses import PlainTextResponse, Response
 
+from inferd.diffusion.request import ImageEngine
 from inferd.gateway.contract import openai_errors
 from inferd.gateway.errors import APIError, bad_request, model_not_found
+from inferd.gateway.images import find_image_model
 from inferd.gateway.openai.protocol import _Body
 from inferd.gateway.state import GatewayState, gateway
+from inferd.lora.flags import adapter_lane
 from inferd.lora.request import LoRARequest
 
 router = APIRouter()
@@ -73,11 +80,18 @@ class UnloadLoRAAdapterRequest(_Body):
     responses=openai_errors(400, 403, 503),
 )
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
-    """Loads a PEFT folder as the adapter `lora_name` (returns once it has loaded)."""
+    """Loads a PEFT folder as the adapter `lora_name`, or a diffusers / kohya LoRA as an image
+    model's style (returns once it has loaded)."""
     state = gateway(request)
     state.admitting()
-    llm = state.engine()
     name = body.lora_name
+    images = _style_lane(state, body.lora_path)
+    if images is not None:
+        if find_image_model(state, name) is not None or _llm_knows(state, name):
+            raise bad_request(f"The lora adapter {name!r} has already been loaded", "lora_name")
+        await images.add_style(name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    llm = state.engine()
     if name == state.model_name:
         raise bad_request(f"{name!r} is the served model's name", "lora_name")
     known = llm.lora(name)
@@ -98,9 +112,14 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
     """Unregisters `lora_name` at once; requests already using it finish first."""
     state = gateway(request)
-    llm = state.engine()
     name = body.lora_name
-    if llm.lora(name) is None or not await llm.remove_lora(name):
+    found = find_image_model(state, name)
+    if found is not None and found[1] is not None:
+        removed = await found[0].remove_style(name)
+    else:
+        removed = state.serves_llm and _llm_knows(state, name)
+        removed = removed and await state.engine().remove_lora(name)
+    if not removed:
         raise APIError(
             404,
             f"The lora adapter {name!r} cannot be found",
@@ -110,3 +129,15 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
             reason="not_found",
         )
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _style_lane(state: GatewayState, path: str) -> ImageEngine | None:
+    """The image engine a loaded `path` is a style of (the module docstring's rule); None: an
+    LLM adapter."""
+    if not state.images or (state.serves_llm and adapter_lane(path) != "image"):
+        return None
+    return next(iter(state.images.values()))
+
+
+def _llm_knows(state: GatewayState, name: str) -> bool:
+    return state.serves_llm and (name == state.model_name or state.engine().lora(name) is not None)
