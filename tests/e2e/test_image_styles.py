@@ -2,8 +2,8 @@
 inferd-tiny-sd --enable-lora --lora-modules ink=DIR sql=PEFT_DIR`: each module goes to the lane
 its files are for, the `model` field picks the style, /v1/models lists styles with their parent,
 an unknown style is OpenAI's 404, KServe v2 serves a style under its name, and styles load
-and unload at run time (the runtime-update
-environment gate on) through the LLM adapters' routes. About 20 s on 2 busy cores.
+and unload at run time (the runtime-update environment gate on) through the LLM adapters'
+routes. About 25 s on 2 busy cores, most of it the server's start.
 """
 
 from __future__ import annotations
