@@ -15,8 +15,7 @@ One step, and the whole loop is this:
     admit   pop the admission queue (priority, then arrival) while fewer than `max_admitted`
             requests are admitted (one whose style is being read waits aside, its `lora_load`
             time; a refused file fails it, 400); prompts go through the text encoder together
-    plan    the step policy (step_scheduler.py) picks one bucket and its rows (<= max_loras
-            distinct styles)
+    plan    the step policy (step_scheduler.py) picks one bucket and its rows (<= max_loras styles)
     denoise one UNet forward over those rows, each request at its own timestep and style
             (`set_rows`: a request's uncond and cond rows both run its style); progress events
     finish  requests past their last step: VAE decode in batches of `max_decode_rows`
@@ -110,9 +109,8 @@ class ImageEngineCore:
         self.runner = runner
         self.limits = limits
         self.styles = styles
-        self.policy = StepPolicy(
-            limits.max_rows_per_step, None if styles is None else styles.max_loras
-        )
+        max_loras = None if styles is None else styles.max_loras
+        self.policy = StepPolicy(limits.max_rows_per_step, max_loras)
         # The served style names, republished by the engine thread after every change (so
         # other threads read them without touching the styles).
         self.style_names: tuple[str, ...] = self._known_styles()
@@ -166,8 +164,7 @@ class ImageEngineCore:
             self._lock.notify()
 
     def call(self, fn: StyleCall) -> concurrent.futures.Future[Any]:
-        """Runs `fn(styles)` on the engine thread at its next step boundary (the styles belong
-        to that thread); the future holds what it returned or raised."""
+        """Runs `fn(styles)` on the engine thread (whose the styles are) at its next step."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.styles is None:
@@ -468,6 +465,7 @@ class ImageEngineCore:
 
     def _fail_all(self, error: InferdError) -> None:
         with self._lock:
+            calls, self._calls = self._calls, []
             queued = []
             while (entry := self._queue.pop()) is not None:
                 queued.append(entry.item.request)
@@ -478,8 +476,6 @@ class ImageEngineCore:
             self._fail(request, type(error)(str(error)))
         self._admitted.clear()
         self._style_waits.clear()
-        with self._lock:
-            calls, self._calls = self._calls, []
         for _, future in calls:
             future.set_exception(error)
 

@@ -1,8 +1,9 @@
 """LoRA styles of an image model over a real `inferd serve inferd-tiny --image-model
 inferd-tiny-sd --enable-lora --lora-modules ink=DIR sql=PEFT_DIR`: each module goes to the lane
 its files are for, the `model` field picks the style, /v1/models lists styles with their parent,
-an unknown style is OpenAI's 404, and styles load and unload at run time (the runtime-update
-environment gate on) through the LLM adapters' routes. About 20 s on 2 busy cores.
+an unknown style is OpenAI's 404, KServe v2 serves a style under its name, and styles load
+and unload at run time (the runtime-update environment gate on) through the LLM adapters'
+routes. About 25 s on 2 busy cores, most of it the server's start.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, styles: Path) -> Iterator[S
     modules = [f"ink={styles / 'ink'}", f"sql={styles / 'sql'}"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("INFERD_ALLOW_RUNTIME_LORA_UPDATING", "1")
+        # One torch thread for the tiny UNet (two spin against each other on a shared CPU).
+        env.setenv("OMP_NUM_THREADS", "1")
         s = start_server(
             tmp_path_factory.mktemp("styles-server"),
             *("inferd-tiny", "--image-model", MODEL, "--enable-lora", "--lora-modules", *modules),
@@ -91,6 +94,14 @@ def test_the_model_field_picks_the_style(server: Server) -> None:
     base, ink = pixels(image(server, MODEL)), pixels(image(server, "ink"))
     assert np.abs(base - ink).max() > 3  # the style changes the image, same seed
     assert np.abs(pixels(image(server, "ink")) - ink).max() <= 3  # and it is reproducible
+    # KServe v2 serves the style as a model of its name: the same image for the same request.
+    inputs = [{"name": "prompt", "shape": [1], "datatype": "BYTES", "data": ["a fox"]}]
+    for name, value in (("steps", 3), ("seed", 7), ("width", 64), ("height", 64)):
+        inputs.append({"name": name, "shape": [1], "datatype": "INT64", "data": [value]})
+    kserve = httpx.post(f"{server.url}/v2/models/ink/infer", json={"inputs": inputs}, timeout=120)
+    assert kserve.status_code == 200, kserve.text
+    out = kserve.json()["outputs"][0]
+    assert np.abs(np.asarray(out["data"]).reshape(out["shape"])[0] - ink).max() <= 3
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     with c, pytest.raises(openai.NotFoundError) as e:
         c.images.generate(prompt="a fox", model="no-such-style", size="64x64")
