@@ -417,6 +417,11 @@ class ImageEngineConfig(_Frozen):
         default=50, gt=0, description="denoising steps when a request names none"
     )
     image_max_steps: int = Field(default=150, gt=0, description="the most steps a request may ask")
+    # torch's intra-op pool belongs to the process: the image engine runs in the server's,
+    # beside the classic models' PyTorch backends (the LLM engine has a process of its own).
+    image_threads: int | None = Field(
+        default=None, gt=0, description="torch threads of the image engine (default: one a core)"
+    )
     max_image_size: int | None = Field(
         default=None, gt=0, description="longest image side in pixels (default: twice native)"
     )

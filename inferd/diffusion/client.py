@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from inferd.admission.timeouts import deadline_at
 from inferd.config import ImageEngineConfig
 from inferd.diffusion.engine import CoreLimits, ImageEngineCore, StyleCall
@@ -189,6 +191,8 @@ class AsyncImageEngine:
 
 def build_core(config: ImageEngineConfig, cache_dir: Path) -> ImageEngineCore:
     """Resolves, loads and wraps one image model (blocking: seconds for a real model)."""
+    if config.image_threads is not None:
+        torch.set_num_threads(config.image_threads)
     folder = resolve_image_model(config.image_model, cache_dir)
     spec = ImageModelSpec(
         scheduler=config.image_scheduler,

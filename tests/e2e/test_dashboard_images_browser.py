@@ -33,7 +33,7 @@ STEPS = 4
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
         pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)")
-    extra = ("inferd-tiny", "--image-model", MODEL, "--grpc-port", "-1")
+    extra = ("inferd-tiny", "--image-model", MODEL, "--image-threads", "1", "--grpc-port", "-1")
     s = start_server(tmp_path_factory.mktemp("image-browser"), *extra, timeout_s=300)
     yield s
     stop_server(s)

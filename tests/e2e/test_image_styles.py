@@ -51,11 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, styles: Path) -> Iterator[S
     modules = [f"ink={styles / 'ink'}", f"sql={styles / 'sql'}"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("INFERD_ALLOW_RUNTIME_LORA_UPDATING", "1")
-        # One torch thread for the tiny UNet (two spin against each other on a shared CPU).
-        env.setenv("OMP_NUM_THREADS", "1")
         s = start_server(
             tmp_path_factory.mktemp("styles-server"),
-            *("inferd-tiny", "--image-model", MODEL, "--enable-lora", "--lora-modules", *modules),
+            *("inferd-tiny", "--image-model", MODEL, "--image-threads", "1"),
+            *("--enable-lora", "--lora-modules", *modules),
             timeout_s=300,
         )
     yield s

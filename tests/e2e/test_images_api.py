@@ -37,7 +37,8 @@ SETTLE_S = 120.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    extra = ("inferd-tiny", "--image-model", MODEL, "--grpc-port", "0")
+    # One torch thread for the tiny UNet: two spin against each other on a shared CPU.
+    extra = ("inferd-tiny", "--image-model", MODEL, "--image-threads", "1", "--grpc-port", "0")
     s = start_server(tmp_path_factory.mktemp("images"), *extra, timeout_s=300)
     yield s
     stop_server(s)
