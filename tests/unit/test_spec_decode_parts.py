@@ -1,5 +1,6 @@
 """Speculative decoding's parts on their own: the n-gram rule, the adaptive k rule, the draft
-verification's output distribution (chi-square), the scheduler's draft budget, the config."""
+verification's output distribution (chi-square), the scheduler's draft budget, the config, the
+counters on /metrics and the dashboard."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Histogram
 from scipy.stats import chisquare
 from test_scheduler import make_request, make_scheduler
 
@@ -20,6 +22,9 @@ from inferd.scheduler.output import ScheduledChunk
 from inferd.scheduler.scheduler import Scheduler
 from inferd.spec_decode.ngram import NgramProposer
 from inferd.spec_decode.policy import AdaptiveK, expected_tokens
+from inferd.telemetry.metrics import EngineGauges, ServerMetrics, parse_samples
+from inferd.telemetry.overview import BatchTotals, HistogramTotals, overview
+from inferd.telemetry.request_log import RequestLog
 from inferd.types import ModelRunnerOutput
 
 # -- n-gram rule -------------------------------------------------------------------------------
@@ -214,3 +219,29 @@ def test_flag_takes_a_json_object() -> None:
     for bad in ("{oops", "[1, 2]"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_json_object(bad)
+
+
+# -- telemetry -----------------------------------------------------------------------------------
+
+
+def test_counters_are_exported_and_the_overview_has_the_acceptance() -> None:
+    gauges = EngineGauges(
+        spec_decode_num_drafts_total=4,
+        spec_decode_num_draft_tokens_total=10,
+        spec_decode_num_accepted_tokens_total=6,
+        spec_decode_accepted_per_pos=(4, 2, 0),
+    )
+    samples = parse_samples(ServerMetrics(lambda: gauges).render().decode())
+    assert samples["inferd_spec_decode_num_drafts_total"] == 4
+    assert samples["inferd_spec_decode_num_draft_tokens_total"] == 10
+    assert samples["inferd_spec_decode_num_accepted_tokens_total"] == 6
+    assert samples['inferd_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == 2
+    llm = overview(RequestLog(), 60.0, gauges, (_no_batches(), None), "tiny")["llm"]
+    assert isinstance(llm, dict) and llm["engine"]["spec_decode_acceptance_rate"] == 0.6
+    off = overview(RequestLog(), 60.0, EngineGauges(), (_no_batches(), None), "tiny")["llm"]
+    assert isinstance(off, dict) and off["engine"]["spec_decode_acceptance_rate"] is None
+
+
+def _no_batches() -> BatchTotals:
+    empty = HistogramTotals.read(Histogram("h", "h", ["model"], registry=CollectorRegistry()))
+    return BatchTotals(0.0, empty, empty)

@@ -17,19 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from hf_cases import save_checkpoint
 from safetensors.torch import load_file, save_file
-from test_engine_vs_hf import BLOCK_SIZE, CONFIGS, NUM_BLOCKS
+from test_engine_vs_hf import CONFIGS
+from test_engine_vs_hf import _engine as engine_vs_hf_engine
 
 from inferd import LLMEngine, RequestOutput, SamplingParams
-from inferd.config import EngineConfig
 from inferd.errors import ModelLoadError
-from inferd.executor.kv_pool import kv_bytes_per_block
-from inferd.models.config import ArchConfig
 
 NGRAM = {
     "method": "ngram",
@@ -52,19 +49,9 @@ def _cycling_checkpoint(name: str, root: Path) -> Path:
     return path
 
 
-def _engine(path: Path, spec: dict[str, Any] | None, **overrides: Any) -> LLMEngine:
-    arch = ArchConfig.from_json(path / "config.json")
-    config = EngineConfig.from_kwargs(
-        **{"dtype": "float32", "device": "cpu", **overrides},
-        model=str(path),
-        tokenizer="inferd-tiny",
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(arch, BLOCK_SIZE, torch.float32),
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        speculative_config=spec,
-    )
-    return LLMEngine(config)
+def _engine(path: Path, spec: dict[str, Any] | None) -> LLMEngine:
+    """test_engine_vs_hf's engine (4-token blocks, 40 of them, 32-token steps) with `spec`."""
+    return engine_vs_hf_engine(path, speculative_config=spec)
 
 
 def _workload() -> list[list[int]]:
@@ -139,7 +126,7 @@ def test_sampled_outputs_equal_without_speculation(tmp_path: Path) -> None:
         seed=11,
         n=2,
         logprobs=2,
-        max_tokens=60,
+        max_tokens=40,
         ignore_eos=True,
     )
     plain = _run(_engine(path, None), prompts, params)
