@@ -54,6 +54,8 @@ class Request:
     # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next step
     # that schedules the request (the scheduler takes them, then clears this); not outputs.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Its drafts' acceptance rate so far (a running average, spec_decode/policy.py); None: none.
+    draft_acceptance: float | None = None
     # prompt + output, kept as one list so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 

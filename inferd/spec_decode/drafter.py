@@ -5,8 +5,9 @@
     drafter.observe(sched, runner_out)               # acceptance counters and the k policy
 
 A request drafts when it is in steady decode (one known token to compute) and has no grammar
-(structured outputs run without speculation). k for the step comes from `AdaptiveK`
-(policy.py); the scheduler may verify fewer drafts than proposed (budget, max_tokens).
+(structured outputs run without speculation). Its k comes from `AdaptiveK` (policy.py), from
+its own measured acceptance; the scheduler may verify fewer drafts than proposed (budget,
+max_tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from inferd.config import SpeculativeConfig
 from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request
 from inferd.spec_decode.ngram import NgramProposer
-from inferd.spec_decode.policy import AdaptiveK
+from inferd.spec_decode.policy import AdaptiveK, recovered_acceptance, updated_acceptance
 from inferd.types import ModelRunnerOutput
 
 
@@ -43,15 +44,16 @@ class Drafter:
         self.policy = AdaptiveK(config.num_speculative_tokens, config.adaptive)
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
 
-    def propose(self, running: Sequence[Request]) -> int:
-        """Sets each decoding request's drafts for the next step; returns the step's k."""
+    def propose(self, running: Sequence[Request]) -> None:
+        """Sets each decoding request's drafts for the next step (policy.py chooses its k)."""
         decoding = [
             r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.grammar is None
         ]
-        k = self.policy.choose(len(decoding))
         for r in decoding:
+            k = self.policy.choose(r.draft_acceptance, len(decoding))
             r.draft_token_ids = self.proposer.propose(r.all_token_ids, k) if k else []
-        return k
+            if not r.draft_token_ids:
+                r.draft_acceptance = recovered_acceptance(r.draft_acceptance)
 
     def observe(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> tuple[int, int]:
         """Counts the step's verified and accepted drafts; returns (drafts, accepted)."""
@@ -63,6 +65,8 @@ class Drafter:
             if not chunk.num_drafts or new is None:
                 continue
             n = len(new) - 1  # the last new token was sampled, not drafted
+            r = chunk.request
+            r.draft_acceptance = updated_acceptance(r.draft_acceptance, chunk.num_drafts, n)
             c.num_drafts += 1
             proposed += chunk.num_drafts
             accepted += n
@@ -70,5 +74,4 @@ class Drafter:
                 c.accepted_per_pos[pos] += 1
         c.num_draft_tokens += proposed
         c.num_accepted_tokens += accepted
-        self.policy.observe_acceptance(proposed, accepted)
         return proposed, accepted

@@ -21,7 +21,12 @@ from inferd.sampling.sampler import Sampler, make_generator
 from inferd.scheduler.output import ScheduledChunk
 from inferd.scheduler.scheduler import Scheduler
 from inferd.spec_decode.ngram import NgramProposer
-from inferd.spec_decode.policy import AdaptiveK, expected_tokens
+from inferd.spec_decode.policy import (
+    AdaptiveK,
+    expected_tokens,
+    recovered_acceptance,
+    updated_acceptance,
+)
 from inferd.telemetry.metrics import EngineGauges, ServerMetrics, parse_samples
 from inferd.telemetry.overview import BatchTotals, HistogramTotals, overview
 from inferd.telemetry.request_log import RequestLog
@@ -58,30 +63,35 @@ def test_expected_tokens() -> None:
 
 def test_single_stream_speculates_and_a_full_batch_does_not() -> None:
     k = AdaptiveK(k_max=4)
-    assert k.choose(1) == 0, "the first step measures a step without drafts"
+    assert k.choose(None, 1) == 0, "the first step measures a step without drafts"
     k.observe_step(draft_rows=0, seconds=0.010)
-    assert k.choose(1) == 4, "c unmeasured: try k_max"
-    # A weight-bound step: 4 more rows cost 0.4 ms beside a 10 ms step.
+    assert k.choose(None, 1) == 4, "c unmeasured: try k_max"
+    # A weight-bound step: 4 more rows cost 0.4 ms beside a 10 ms step (N c / D = 0.01).
     k.observe_step(draft_rows=4, seconds=0.0104)
-    k.observe_acceptance(proposed=40, accepted=30)
-    assert k.choose(1) == 4
-    # 64 streams: a row costs as much as a token (compute-bound), D = 0.1 s.
-    full = AdaptiveK(k_max=4, acceptance=0.6, decode_s=0.1, row_s=0.0016)
-    assert full.choose(64) == 0
+    assert k.choose(0.8, 1) == 4
+    assert k.choose(0.05, 1) == 1  # 0.05 > 0.01 but 0.05^2 < 0.01
+    assert k.choose(0.005, 1) == 0
+    # 64 streams: a row costs as much as a token (compute-bound): N c / D = 1.
+    full = AdaptiveK(k_max=4, decode_s=0.1, row_s=0.0016)
+    assert full.choose(0.9, 64) == 0
+    # 16 streams: N c / D = 0.256; 0.5 > 0.256 > 0.5^2.
+    assert full.choose(0.5, 16) == 1
 
 
-def test_low_acceptance_turns_speculation_off_then_retries() -> None:
+def test_a_request_that_stopped_drafting_tries_again() -> None:
     k = AdaptiveK(k_max=3, decode_s=0.01, row_s=0.001)
-    for _ in range(10):
-        k.observe_acceptance(proposed=10, accepted=0)
-    assert k.choose(1) == 0
-    for _ in range(200):  # steps without drafts: acceptance drifts back to the prior
-        k.observe_step(draft_rows=0, seconds=0.01)
-    assert k.choose(1) > 0
+    a: float | None = None
+    for _ in range(5):
+        a = updated_acceptance(a, proposed=3, accepted=0)
+    assert a is not None and k.choose(a, 1) == 0
+    for _ in range(40):  # steps without drafts: its acceptance drifts back to the prior
+        a = recovered_acceptance(a)
+    assert k.choose(a, 1) > 0
+    assert recovered_acceptance(None) is None
 
 
 def test_fixed_k_when_not_adaptive() -> None:
-    assert AdaptiveK(k_max=2, adaptive=False).choose(500) == 2
+    assert AdaptiveK(k_max=2, adaptive=False).choose(0.0, 500) == 2
 
 
 # -- verification: lossless ----------------------------------------------------------------------
