@@ -18,6 +18,11 @@ Per variant: output tokens/s, the speed-up over `off` of the same round, the acc
 per step over the mean step of `off`: the draft cost relative to the target step), and the ideal
 speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) for the variant's k, and achieved / ideal.
 
+`--mixed`: instead, bench/peers.py's mixed workload (96 requests on llama-32m, prompts 16-256,
+outputs 16-128, greedy, all at once) with speculation `off` and `adaptive` taking turns for
+`--rounds`: output tokens/s of each and adaptive / off per round (issue target >= 0.97: a batch
+must not pay for speculation), also by the process's CPU seconds per token.
+
 Prints a table and writes JSON (command, machine, every run) to bench/results/.
 """
 
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from common import DEFAULT_CACHE_DIR, ensure_model_folder, save_result
-from peers import SHAPES
+from peers import MIXED_REQUESTS, SHAPES, mixed_workload
 
 if TYPE_CHECKING:
     from inferd.engine.llm_engine import LLMEngine
@@ -163,6 +168,42 @@ def summarize(rounds: list[dict[str, Run]]) -> list[dict[str, float | str]]:
     return rows
 
 
+def run_mixed(engine: LLMEngine, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The mixed workload, all requests at once, under variant `name`."""
+    from inferd import SamplingParams
+
+    set_variant(engine, VARIANTS[name])
+    reqs = mixed_workload(SHAPES[args.shape], MIXED_REQUESTS.get(args.shape, 32), args.seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, r in enumerate(reqs):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"{name}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in engine.run_to_completion() if o.finished)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    drafter = engine.drafter
+    drafted = drafter.counters.num_draft_tokens if drafter else 0
+    return {"tok_s": tokens / wall, "cpu_s_per_token": cpu / tokens, "draft_tokens": drafted}
+
+
+def main_mixed(engine: LLMEngine, args: argparse.Namespace) -> None:
+    rounds = []
+    for i in range(args.rounds):
+        order = ["off", "adaptive"] if i % 2 == 0 else ["adaptive", "off"]
+        rounds.append({n: run_mixed(engine, n, args) for n in order})
+    ratios = [r["adaptive"]["tok_s"] / r["off"]["tok_s"] for r in rounds]
+    cpu = [r["off"]["cpu_s_per_token"] / r["adaptive"]["cpu_s_per_token"] for r in rounds]
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.shape}, mixed workload")
+    for r, ratio, c in zip(rounds, ratios, cpu, strict=True):
+        off, ada = r["off"], r["adaptive"]
+        print(
+            f"off {off['tok_s']:7.1f} tok/s  adaptive {ada['tok_s']:7.1f} tok/s "
+            f"({ada['draft_tokens']} drafts)  ratio {ratio:.3f}  by CPU time {c:.3f}"
+        )
+    print(f"median adaptive / off: {statistics.median(ratios):.3f}")
+    fields = {"args": vars(args), "ratios": ratios, "cpu_ratios": cpu, "rounds": rounds}
+    save_result(args.out, "spec-mixed", args.shape, fields)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-32m")
@@ -174,6 +215,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 prompts x 96 tokens, 1 round")
+    p.add_argument("--mixed", action="store_true", help="the 96-request mixed workload instead")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
@@ -186,6 +228,9 @@ def main() -> None:
 
     args = parse_args()
     engine = build_engine(args)
+    if args.mixed:
+        main_mixed(engine, args)
+        return
     rng = random.Random(args.seed)
     vocab = engine.arch.vocab_size
     prompts = [
