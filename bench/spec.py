@@ -1,15 +1,18 @@
 """Speculative decoding (n-gram drafts), one stream: acceptance, k, speed-up and the ideal.
 
-    .venv/bin/python bench/spec.py             # llama-32m, 4 prompts x 192 tokens, 3 rounds
+    .venv/bin/python bench/spec.py             # llama-32m, 4 prompts x 128 tokens, 3 rounds
     .venv/bin/python bench/spec.py --quick     # 2 prompts x 96 tokens, 1 round
+    .venv/bin/python bench/spec.py --mixed     # the 96-request mixed workload, adaptive vs off
 
 One engine (llama-32m shape, float32, random weights, `load_format="dummy"`), offline, one
 request at a time, greedy. Random weights answer nothing, let alone quote, so the model is made
 to repeat itself: its token embeddings are scaled x`--embed-scale` after load (30 by default).
 The residual stream is then mostly the current token's embedding, the model is close to a fixed
-map from one token to the next, and its output falls into a cycle after a few dozen tokens,
-which n-gram drafts predict; before that, they mostly miss. The acceptance rate is measured, not
-assumed, and the ideal below is computed from it.
+map from one token to the next, and its output falls into a cycle (of ~100 tokens over an
+8,192-token vocabulary). Each prompt is a random start followed by the model's own first
+`--lead` tokens from it, so the answer continues text the prompt holds and quotes it, as an edit
+of a file or an extraction does. The acceptance rate is measured, not assumed, and the ideal
+below is computed from it.
 
 Variants, taking turns in each round (the order rotates, so a slow spell of a shared machine hits
 all alike): `off` (no drafter), fixed k = 1, 2, 4 (`adaptive: false`), and `adaptive` (k_max 4).
@@ -134,6 +137,18 @@ def run_variant(engine: LLMEngine, name: str, prompts: list[list[int]], max_toke
     )
 
 
+def leads(engine: LLMEngine, starts: list[list[int]], n: int) -> list[list[int]]:
+    """The model's own greedy continuation (`n` tokens) of each start, without drafts."""
+    from inferd import SamplingParams
+
+    set_variant(engine, None)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, start in enumerate(starts):
+        engine.add_request(f"lead-{i}", {"prompt_token_ids": start}, params)
+    outs = {o.request_id: o for o in engine.run_to_completion() if o.finished}
+    return [outs[f"lead-{i}"].outputs[0].token_ids for i in range(len(starts))]
+
+
 def ideal_speedup(a: float, k: float, c: float) -> float:
     """(1 - a^(k+1)) / ((1 - a)(k c + 1)): tokens per target step over its cost, in steps."""
     gain = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
@@ -208,8 +223,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-32m")
     p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--prompt-len", type=int, default=32, help="random start of each prompt")
+    p.add_argument("--lead", type=int, default=320, help="the model's own tokens after it")
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--embed-scale", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=2)
@@ -233,9 +249,11 @@ def main() -> None:
         return
     rng = random.Random(args.seed)
     vocab = engine.arch.vocab_size
-    prompts = [
+    starts = [
         [rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)
     ]
+    lead = leads(engine, starts, args.lead)
+    prompts = [start + tail for start, tail in zip(starts, lead, strict=True)]
     run_variant(engine, "k=4", prompts[:1], 32)  # warm-up: kernels, first verify shapes
     names = list(VARIANTS)
     rounds = []
