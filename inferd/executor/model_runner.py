@@ -169,8 +169,9 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """`forward()` -> the hidden states of the sampling rows (`chunks`', num_drafts + 1
         each: spec_verify.py); the lm_head is timed with it as the forward stage (on a GPU by
-        CUDA events: _charge_device_time), then the rows are sampled and the drafts verified. A plain greedy batch the greedy screen takes skips the full lm_head
-        and the sampler: the screen gives the same tokens (kernels/greedy.py)."""
+        CUDA events: _charge_device_time), then the rows are sampled and the drafts verified.
+        A plain greedy batch the greedy screen takes skips the full lm_head and the sampler: the
+        screen gives the same tokens (kernels/greedy.py)."""
         with timed(stat, "sample"):
             rows = [r for c in chunks for r in draft_rows(self._sampling_row(c), c)]
             meta = SamplingMetadata.build(rows, self.arch.vocab_size, self.device)
