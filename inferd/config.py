@@ -165,8 +165,9 @@ class SpeculativeConfig(_Frozen):
     "ngram" (prompt lookup) proposes the tokens that followed the latest earlier occurrence of
     the longest suffix n-gram, n in [lookup_min, lookup_max] (one bound given: both are it;
     none: [1, 4]); "draft_model" is refused at load for now. `adaptive` (inferd's own key):
-    the engine chooses each step's k in [0, num_speculative_tokens] from the measured
-    acceptance and step cost (spec_decode/policy.py); false: always num_speculative_tokens.
+    the engine chooses each request's k per step in [0, num_speculative_tokens] from its
+    measured acceptance and the step's cost (spec_decode/policy.py); false: always
+    num_speculative_tokens.
     """
 
     method: Literal["ngram", "draft_model"] = "ngram"
