@@ -5,6 +5,9 @@ Values derived at run time (number of KV blocks, EOS ids, the resolved `max_mode
 runtime objects, not here. This is also the only module that reads the environment.
 """
 
+# Over 500 lines because it is the one tree: every section's fields beside their descriptions,
+# which the flags (engine_args.py) and --help are derived from.
+
 from __future__ import annotations
 
 import os
@@ -159,6 +162,58 @@ class StructuredOutputsConfig(_Frozen):
     )
 
 
+class SpeculativeConfig(_Frozen):
+    """`--speculative-config` (vLLM's keys): how drafts are proposed (inferd/spec_decode).
+
+    "ngram" (prompt lookup) proposes the tokens that followed the latest earlier occurrence of
+    the longest suffix n-gram, n in [lookup_min, lookup_max] (one bound given: both are it;
+    none: [1, 4]); "draft_model" is refused at load for now. `adaptive` (inferd's own key):
+    the engine chooses each request's k per step in [0, num_speculative_tokens] from its
+    measured acceptance and the step's cost (spec_decode/policy.py); false: always
+    num_speculative_tokens.
+    """
+
+    method: Literal["ngram", "draft_model"] = "ngram"
+    num_speculative_tokens: int = Field(gt=0, le=16)
+    prompt_lookup_min: int | None = Field(default=None, gt=0)
+    prompt_lookup_max: int | None = Field(default=None, gt=0)
+    model: str | None = None
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("method ngram takes no draft model")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("method draft_model needs `model` (a draft model folder)")
+        if self.lookup_max < self.lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.lookup_max}) must be >= prompt_lookup_min "
+                f"({self.lookup_min})"
+            )
+        return self
+
+    @property
+    def lookup_min(self) -> int:
+        """Shortest n-gram matched: prompt_lookup_min, else prompt_lookup_max, else 1."""
+        return self.prompt_lookup_min or self.prompt_lookup_max or 1
+
+    @property
+    def lookup_max(self) -> int:
+        """Longest n-gram matched: prompt_lookup_max, else prompt_lookup_min, else 4."""
+        return self.prompt_lookup_max or self.prompt_lookup_min or 4
+
+
+class SpeculativeSection(_Frozen):
+    """Speculative decoding: drafts verified in one forward of the model (inferd/spec_decode)."""
+
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None,
+        description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}; off by default',
+    )
+
+
 class LoRAModule(_Frozen):
     """An adapter served from start-up (`--lora-modules name=path`)."""
 
@@ -219,6 +274,7 @@ class EngineConfig(_Frozen):
     device: DeviceConfig = DeviceConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig = LoRAConfig()
+    speculative: SpeculativeSection = SpeculativeSection()
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -241,6 +297,7 @@ _SECTIONS: dict[str, type[_Frozen]] = {
     "device": DeviceConfig,
     "structured_outputs": StructuredOutputsConfig,
     "lora": LoRAConfig,
+    "speculative": SpeculativeSection,
 }
 _FIELD_TO_SECTION = {f: s for s, cls in _SECTIONS.items() for f in cls.model_fields}
 

@@ -15,6 +15,7 @@ The argparse dest is always the field's name, so `engine_kwargs` hands the flags
 from __future__ import annotations
 
 import argparse
+import json
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from inferd.config import (
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeSection,
     StructuredOutputsConfig,
 )
 from inferd.lora.flags import parse_lora_module
@@ -48,6 +50,18 @@ def parse_bytes(text: str) -> int:
         if low.endswith(suffix):
             return int(float(low[: -len(suffix)]) * mult)
     return int(low)
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag (`--speculative-config '{"method": "ngram", ...}'`); its keys are
+    checked by the config section it fills."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,7 @@ _FORMS: dict[str, FlagForm] = {
     "lora_modules": FlagForm(
         type=parse_lora_module, nargs="+", action="extend", metavar="NAME=PATH"
     ),
+    "speculative_config": FlagForm(type=parse_json_object, metavar="JSON"),
 }
 # Fields with no flag: prefills have always been chunked, and no flag has turned that off; the
 # image model's served name is --served-model-name's when it is the server's MODEL, and
@@ -84,6 +99,7 @@ SECTIONS: tuple[type[BaseModel], ...] = (
     DeviceConfig,
     StructuredOutputsConfig,
     LoRAConfig,
+    SpeculativeSection,
 )
 # The argparse dests, named like the fields (engine_kwargs passes them on as they are).
 ENGINE_ARGS = tuple(

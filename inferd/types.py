@@ -59,12 +59,13 @@ SampleLogprobs = dict[int, Logprob]
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token per chunk that samples, in the order of SchedulerOutput.chunks."""
+    """The new tokens of each chunk that samples, in the order of SchedulerOutput.chunks: one
+    sampled token, after the drafts it accepted when the chunk verified drafts."""
 
     req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    # Aligned with req_ids; None where the request asked for no logprobs.
-    logprobs: list[SampleLogprobs | None] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Aligned with req_ids, one per new token; None where the request asked for no logprobs.
+    logprobs: list[list[SampleLogprobs] | None] = field(default_factory=list)
 
 
 @dataclass

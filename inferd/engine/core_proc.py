@@ -50,6 +50,7 @@ from inferd.engine.messages import (
 from inferd.engine.output_processor import OutputKind
 from inferd.errors import InvalidRequestError
 from inferd.heap import freeze_startup_heap
+from inferd.spec_decode.drafter import SpecDecodeCounters
 from inferd.types import RequestOutput
 
 logger = logging.getLogger("inferd.engine.core")
@@ -222,6 +223,7 @@ class EngineCore:
     def stats(self) -> CoreStats:
         engine = self.engine
         last = engine.step_stats.steps[-1] if engine.step_stats.steps else None
+        spec = engine.drafter.counters if engine.drafter else SpecDecodeCounters()
         return CoreStats(
             num_running=engine.scheduler.num_running,
             num_waiting=engine.scheduler.num_waiting,
@@ -236,6 +238,10 @@ class EngineCore:
             prefix_cache_hits_tokens_total=engine.scheduler.prefix_cache.hits,
             grammar_cache_hits_total=engine.grammar_cache_counts[0],
             grammar_cache_misses_total=engine.grammar_cache_counts[1],
+            spec_decode_num_drafts_total=spec.num_drafts,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens,
+            spec_decode_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
 

@@ -56,5 +56,11 @@ class EngineStats:
     prefix_cache_hits_tokens_total: int = 0
     grammar_cache_hits_total: int = 0
     grammar_cache_misses_total: int = 0
+    # Speculative decoding (vLLM's spec_decode_*): chunks that verified drafts, their draft
+    # tokens, the drafts accepted, and accepted drafts by position (0 = the first draft).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
     # EngineInfo.cache_config_labels(); () until the engine has loaded.
     cache_config: tuple[tuple[str, str], ...] = ()

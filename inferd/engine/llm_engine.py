@@ -51,6 +51,7 @@ from inferd.sampling.params import SamplingParams
 from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
+from inferd.spec_decode.drafter import Drafter
 from inferd.telemetry.step_stats import StepStat, StepStats, timed
 from inferd.types import RequestOutput
 
@@ -139,6 +140,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer.hf)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
         self.step_stats = StepStats()
+        self.drafter = self._drafter()
         self._aborted: list[str] = []
         # Structured outputs: the compiler (made with the first constrained request, so xgrammar
         # loads only when used). Requests waiting for their grammar or adapter, and those refused
@@ -171,6 +173,16 @@ class LLMEngine:
             self.device,
             self.max_model_len,
         )
+
+    def _drafter(self) -> Drafter | None:
+        spec = self.config.speculative.speculative_config
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise ModelLoadError(
+                f"speculative method {spec.method!r} is not supported yet; use 'ngram'"
+            )
+        return Drafter(spec)
 
     def _max_model_len(self, kv_capacity_tokens: int) -> int:
         # How far rope reaches (scaled); a sliding window limits what a layer attends to, not this.
@@ -406,6 +418,8 @@ class LLMEngine:
         outputs = self.outputs.drain_aborted(self._aborted)
         self._aborted = []
         with timed(stat, "schedule"):
+            if self.drafter is not None:
+                self.drafter.propose(self.scheduler.running_requests())
             sched = self.scheduler.schedule()
         if sched.is_empty and self._waits and not outputs:
             # Nothing to run until a grammar or adapter is ready: wait for one, and schedule
@@ -420,6 +434,10 @@ class LLMEngine:
         self.num_preemptions_total += len(sched.preempted_ids)
         runner_out = self.runner.execute(sched, stat)
         stat.expert_rows = self.model.expert_rows()
+        if self.drafter is not None:
+            stat.num_draft_tokens, stat.num_accepted_tokens = self.drafter.observe(
+                sched, runner_out
+            )
         with timed(stat, "schedule"):
             updated = self.scheduler.update_from_output(sched, runner_out)
         if stat.grammar:
@@ -435,10 +453,20 @@ class LLMEngine:
         stat.num_batched_tokens = sched.num_batched_tokens
         stat.total = time.perf_counter() - t0
         self.step_stats.record(stat)
-        self.scheduler.step_budget.observe(stat.num_prefill_tokens, stat.total)
+        self._observe_timing(sched, stat)
         if self.kv_events is not None:
             self.kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs + new_outputs
+
+    def _observe_timing(self, sched: SchedulerOutput, stat: StepStat) -> None:
+        """The step's time to the step budget's cost model, or (a step that verified drafts)
+        to the speculation policy's; verified rows are not prompt tokens."""
+        verify_rows = sum(c.num_tokens for c in sched.chunks if c.num_drafts)
+        prompt_tokens = stat.num_prefill_tokens - verify_rows
+        if stat.num_draft_tokens == 0:
+            self.scheduler.step_budget.observe(prompt_tokens, stat.total)
+        if self.drafter is not None and prompt_tokens == 0:
+            self.drafter.policy.observe_step(stat.num_draft_tokens, stat.total)
 
     def _charge_grammar(self, sched: SchedulerOutput, seconds: float) -> None:
         """Shares the step's mask work evenly among its constrained rows' requests."""

@@ -113,6 +113,12 @@ class CoreStats(msgspec.Struct, frozen=True):
     # Structured outputs: grammar lookups that found the spec compiled (or compiling), and not.
     grammar_cache_hits_total: int = 0
     grammar_cache_misses_total: int = 0
+    # Speculative decoding (vLLM's spec_decode_*): chunks that verified drafts, their draft
+    # tokens, the drafts accepted, and accepted drafts by position (0 = the first draft).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
 
 
 class RejectedRequest(msgspec.Struct, frozen=True):

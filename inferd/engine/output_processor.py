@@ -121,7 +121,7 @@ class OutputProcessor:
                 entry[0].first_scheduled_time = now
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, SampleLogprobs | None]
+        self, updated: list[Request], logprobs: dict[str, list[SampleLogprobs] | None]
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns outputs for callers and the child ids a stop string has finished."""
         now = time.monotonic()
@@ -177,22 +177,34 @@ class OutputProcessor:
         states = [self.states[r] for r in dict.fromkeys(request_ids) if r in self.states]
         return self._emit(states, time.monotonic())
 
-    def _advance(self, choice: Choice, req: Request, lp: SampleLogprobs | None) -> bool:
+    def _advance(self, choice: Choice, req: Request, lps: list[SampleLogprobs] | None) -> bool:
+        """Takes the request's new tokens (more than one after a speculative step). A stop
+        string is looked for after each token, as without speculation; the tokens after the one
+        that completed it are dropped from the request."""
         if choice.finish_reason is not None:
             return False
         new_ids = req.output_token_ids[choice.num_seen_tokens :]
-        choice.num_seen_tokens = len(req.output_token_ids)
-        choice.pending_ids.extend(new_ids)
-        if choice.logprobs is not None and lp is not None:
-            choice.logprobs.append(lp)
-        delta = choice.stream.push(new_ids)
-        self._append_text(choice, delta.text)
-        if delta.stop is not None:
-            self._finish(choice, RequestStatus.FINISHED_STOPPED, delta.stop)
-            return True
+        if choice.logprobs is not None and lps is not None:
+            choice.logprobs.extend(lps[: len(new_ids)])
+        for i in range(len(new_ids)):
+            delta = choice.stream.push(new_ids[i : i + 1])
+            self._append_text(choice, delta.text)
+            if delta.stop is not None:
+                req.discard_outputs_after(choice.num_seen_tokens + i + 1)
+                if choice.logprobs is not None:
+                    del choice.logprobs[req.num_output_tokens :]
+                self._take_ids(choice, new_ids[: i + 1])
+                self._finish(choice, RequestStatus.FINISHED_STOPPED, delta.stop)
+                return True
+        self._take_ids(choice, new_ids)
         if req.status.finished:
             self._finish(choice, req.status, req.stop_reason)
         return False
+
+    @staticmethod
+    def _take_ids(choice: Choice, ids: list[int]) -> None:
+        choice.num_seen_tokens += len(ids)
+        choice.pending_ids.extend(ids)
 
     def _finish(
         self, choice: Choice, status: RequestStatus, stop_reason: int | str | None = None

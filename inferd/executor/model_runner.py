@@ -21,6 +21,7 @@ from torch import Tensor
 from inferd.config import CacheConfig, LoRAConfig
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.executor.kv_pool import kv_cache_dtype, num_kv_blocks, zeroed_pool
+from inferd.executor.spec_verify import Rewind, accept, draft_rows
 from inferd.lora.manager import LoRAManager
 from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
@@ -50,7 +51,8 @@ class ModelInput:
     positions: Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: Tensor  # [N] rows of the flat batch that sample
-    sampling_chunks: list[ScheduledChunk]  # aligned with logits_indices
+    # The chunks that sample; chunk i owns its num_drafts + 1 rows of logits_indices, in order.
+    sampling_chunks: list[ScheduledChunk]
 
 
 class ModelRunner:
@@ -165,13 +167,15 @@ class ModelRunner:
     def _forward_and_sample(
         self, stat: StepStat, chunks: list[ScheduledChunk], forward: Callable[[], Tensor]
     ) -> ModelRunnerOutput:
-        """`forward()` -> the hidden states of the sampling rows (`chunks`'); the lm_head is
-        timed with it as the forward stage (on a GPU by CUDA events: _charge_device_time), then
-        the rows are sampled. A plain greedy batch the greedy screen takes skips the full lm_head
-        and the sampler: the screen gives the same tokens (kernels/greedy.py)."""
+        """`forward()` -> the hidden states of the sampling rows (`chunks`', num_drafts + 1
+        each: spec_verify.py); the lm_head is timed with it as the forward stage (on a GPU by
+        CUDA events: _charge_device_time), then the rows are sampled and the drafts verified.
+        A plain greedy batch the greedy screen takes skips the full lm_head and the sampler: the
+        screen gives the same tokens (kernels/greedy.py)."""
         with timed(stat, "sample"):
-            rows = [self._sampling_row(c) for c in chunks]
+            rows = [r for c in chunks for r in draft_rows(self._sampling_row(c), c)]
             meta = SamplingMetadata.build(rows, self.arch.vocab_size, self.device)
+            rewind = Rewind.of(chunks, rows, self.arch.vocab_size)
         with timed(stat, "forward"):
             start = _device_event(self.device)
             hidden = forward()
@@ -180,7 +184,13 @@ class ModelRunner:
                 tokens = self.greedy_head(hidden)
             logits = None if tokens is not None else self.model.compute_logits(hidden, False)
             end = _device_event(self.device)
-        grammars = [(i, c.request.grammar) for i, c in enumerate(chunks) if c.request.grammar]
+        # Grammar requests verify no drafts (the engine proposes none): one row each.
+        first_rows = np.cumsum([0] + [c.num_drafts + 1 for c in chunks])
+        grammars = [
+            (int(first_rows[i]), c.request.grammar)
+            for i, c in enumerate(chunks)
+            if c.request.grammar
+        ]
         if meta.constrained and logits is not None:
             with timed(stat, "grammar"):
                 logits = self._mask(logits, grammars)
@@ -191,6 +201,10 @@ class ModelRunner:
                 assert tokens is not None
                 out = SamplerOutput(token_ids=tokens)
             token_ids: list[int] = out.token_ids.tolist()
+            new_tokens, logprobs = accept(
+                chunks, token_ids, out.to_sample_logprobs(rows, token_ids)
+            )
+            rewind(chunks, new_tokens)
         if grammars:
             with timed(stat, "grammar"):
                 for row, grammar in grammars:
@@ -198,8 +212,8 @@ class ModelRunner:
         _charge_device_time(stat, start, end)
         return ModelRunnerOutput(
             req_ids=[c.request.request_id for c in chunks],
-            sampled_token_ids=token_ids,
-            logprobs=out.to_sample_logprobs(rows, token_ids),
+            sampled_token_ids=new_tokens,
+            logprobs=logprobs,
         )
 
     def _mask(self, logits: Tensor, grammars: list[tuple[int, TokenConstraint]]) -> Tensor:
@@ -244,7 +258,7 @@ class ModelRunner:
             span = self._prefill_span(c, len(ids), slots)
             if span is not None:
                 meta.prefills.append(span)
-            ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
+            ids.extend(c.token_ids())
             positions.extend(range(c.start, c.start + c.num_tokens))
         chunks = decode + prefill
         sampling_rows: list[int] = []
@@ -253,7 +267,8 @@ class ModelRunner:
         for c in chunks:
             row += c.num_tokens
             if c.samples:
-                sampling_rows.append(row - 1)
+                # The last known token's row, then one row per draft.
+                sampling_rows.extend(range(row - 1 - c.num_drafts, row))
                 sampling_chunks.append(c)
         meta.slot_mapping = self._tensor(slots)
         return ModelInput(
@@ -317,15 +332,20 @@ class ModelRunner:
             q_len=torch.from_numpy(q_len),
             ctx_len=torch.from_numpy(ctx),
         )
-        samples = np.array([c.samples for c in chunks])
-        n = int(samples.sum())
+        # Rows per chunk that sample: its last known token's and its drafts'.
+        rows = np.array([c.num_drafts + 1 if c.samples else 0 for c in chunks], dtype=np.int64)
+        n = int(rows.sum())
         if n == int(q_len.sum()):
             return paged, None  # every row samples
+        owner = np.repeat(np.arange(len(chunks)), rows)
+        # A sampling row's context ends at its own position: the chunk's end minus the rows
+        # after it.
+        after = np.cumsum(rows)[owner] - 1 - np.arange(n)
         sampled = kernels.PagedBatch(
-            block_tables=torch.from_numpy(np.ascontiguousarray(table[samples])),
+            block_tables=torch.from_numpy(np.ascontiguousarray(table[owner])),
             q_start=torch.from_numpy(np.arange(n, dtype=np.int32)),
             q_len=torch.from_numpy(np.ones(n, dtype=np.int32)),
-            ctx_len=torch.from_numpy(ctx[samples]),
+            ctx_len=torch.from_numpy((ctx[owner] - after).astype(np.int32)),
         )
         return paged, sampled
 

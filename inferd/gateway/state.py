@@ -179,5 +179,9 @@ def gauges_from_stats(s: EngineStats) -> EngineGauges:
         prefix_cache_hits_tokens_total=s.prefix_cache_hits_tokens_total,
         grammar_cache_hits_total=s.grammar_cache_hits_total,
         grammar_cache_misses_total=s.grammar_cache_misses_total,
+        spec_decode_num_drafts_total=s.spec_decode_num_drafts_total,
+        spec_decode_num_draft_tokens_total=s.spec_decode_num_draft_tokens_total,
+        spec_decode_num_accepted_tokens_total=s.spec_decode_num_accepted_tokens_total,
+        spec_decode_accepted_per_pos=s.spec_decode_accepted_per_pos,
         cache_config=s.cache_config,
     )

@@ -178,6 +178,24 @@ class BlockManager:
             table.append(self._take_free())
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Frees the request's blocks past its first `num_tokens` tokens, tail first.
+
+        Speculative decoding's rollback: blocks allocated for draft tokens that were rejected.
+        Only blocks never registered (no full computed block lies past the accepted tokens) are
+        trimmed, so they go back to the never-cached stack."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            assert self._ref[block_id] == 1 and not self._prefix.is_cached(block_id), (
+                f"trimmed block {block_id} is shared or cached"
+            )
+            self._ref[block_id] = 0
+            self._free.append(block_id)
+
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
     ) -> None:

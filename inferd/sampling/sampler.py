@@ -235,6 +235,17 @@ def inverse_cdf(
     return idx.clamp_max_(cdf.shape[1] - 1)
 
 
+def skip_draws(gen: torch.Generator, num_rows: int, vocab_size: int) -> None:
+    """Advances a seeded row's generator as `num_rows` sampled rows would: exactly the draws of
+    `exponential_race` on CUDA, of `inverse_cdf` elsewhere (keep the three in step). Speculative
+    decoding rewinds a generator to before its verified rows, then replays the rows it kept."""
+    for _ in range(num_rows):
+        if gen.device.type == "cuda":
+            torch.empty(vocab_size, device=gen.device).exponential_(generator=gen)
+        else:
+            torch.rand(1, generator=gen, dtype=torch.float32)
+
+
 def gather_logprobs(raw_logprobs: Tensor, token_ids: Tensor, k: int) -> LogprobsTensors:
     """Top-k logprobs of each row, and the sampled token's logprob and rank."""
     k = min(k, raw_logprobs.shape[-1])

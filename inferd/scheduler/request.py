@@ -51,6 +51,11 @@ class Request:
     grammar: TokenConstraint | None = None
     # The LoRA adapter it runs under (its name); None: the base model.
     lora_name: str | None = None
+    # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next step
+    # that schedules the request (the scheduler takes them, then clears this); not outputs.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # Its drafts' acceptance rate so far (a running average, spec_decode/policy.py); None: none.
+    draft_acceptance: float | None = None
     # prompt + output, kept as one list so the hot path never concatenates.
     all_token_ids: list[int] = field(init=False)
 
@@ -76,3 +81,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def discard_outputs_after(self, num_output_tokens: int) -> None:
+        """Drops the output tokens past the first `num_output_tokens`: a stop string matched
+        within tokens one speculative step appended together. Only for a request that ends."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]

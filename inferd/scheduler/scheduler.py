@@ -94,6 +94,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    def running_requests(self) -> list[Request]:
+        """The running requests, in admission order (a copy)."""
+        return list(self._running)
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -153,7 +157,8 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepPlan) -> None:
         # Iterate over a snapshot: preemption removes victims from self._running as we go.
-        for request in list(self._running):
+        running = list(self._running)
+        for i, request in enumerate(running):
             if step.budget == 0:
                 return
             if request.status is not RequestStatus.RUNNING:
@@ -161,9 +166,26 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
             if num_new == 0:
                 continue
-            if not self._allocate_running(request, num_new, step):
+            # Drafts take only budget no later running request needs for its own next token.
+            drafts = self._drafts(request, num_new, step.budget - (len(running) - i - 1))
+            if not self._allocate_running(request, num_new + len(drafts), step):
                 return  # the request itself was the victim
-            step.add(request, num_new, self.block_manager.block_table(request.request_id))
+            blocks = self.block_manager.block_table(request.request_id)
+            step.add(request, num_new + len(drafts), blocks, drafts)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts this step verifies: only in steady decode (one known token to
+        compute), within `budget` and so that every accepted draft is an output the request may
+        still have (max_tokens, max_model_len). Takes them off the request."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        limit = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return drafts[: max(0, limit)]
 
     def _allocate_running(self, request: Request, num_new: int, step: _StepPlan) -> bool:
         """Allocates, preempting victims until it fits; False when `request` itself was one."""
@@ -252,6 +274,7 @@ class Scheduler:
         self.block_manager.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.num_preemptions += 1
         self._waiting.push_front(victim)
         step.drop(victim)
@@ -272,31 +295,44 @@ class Scheduler:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            samples = chunk.samples  # read before the new token changes num_tokens
-            self._advance(request, chunk)
-            if samples:
-                token = sampled.get(request.request_id)
-                assert token is not None, f"no sampled token for {request.request_id}"
-                request.append_output_token(token)
-                updated.append(request)
-                self._apply_stop(request)
+            if not chunk.samples:  # read before new tokens change num_tokens
+                self._advance(request, chunk, chunk.start + chunk.num_tokens)
+                continue
+            tokens = sampled.get(request.request_id)
+            assert tokens, f"no sampled token for {request.request_id}"
+            stop = self._append(request, tokens)
+            # The last appended token is not computed yet; accepted drafts before it are.
+            self._advance(request, chunk, request.num_tokens - 1)
+            updated.append(request)
+            if stop is not None:
+                request.stop_reason = stop[1]
+                self._release(request, stop[0])
+            elif chunk.draft_token_ids:
+                # Rejected drafts' blocks go back; stale K/V left in a kept block lies past
+                # num_computed_tokens, so it is rewritten before anything reads it.
+                self.block_manager.trim(request.request_id, request.num_tokens)
         if any(r.is_finished for r in updated):
             self._running = [r for r in self._running if not r.is_finished]
         return updated
 
-    def _advance(self, request: Request, chunk: ScheduledChunk) -> None:
+    def _advance(self, request: Request, chunk: ScheduledChunk, num_computed: int) -> None:
         assert chunk.start == request.num_computed_tokens, "update_from_output applied twice?"
-        request.num_computed_tokens = chunk.start + chunk.num_tokens
+        request.num_computed_tokens = num_computed
         self.block_manager.cache_full_blocks(
             request.request_id, request.all_token_ids, request.num_computed_tokens
         )
 
-    def _apply_stop(self, request: Request) -> None:
-        stop = check_stop(request, self.max_model_len)
-        if stop is not None:
-            status, stop_reason = stop
-            request.stop_reason = stop_reason
-            self._release(request, status)
+    def _append(
+        self, request: Request, tokens: list[int]
+    ) -> tuple[RequestStatus, int | None] | None:
+        """Appends the step's tokens (accepted drafts, then the sampled one) up to the first that
+        ends the request (EOS, stop ids, length); the rest are discarded. Returns that stop."""
+        for token in tokens:
+            request.append_output_token(token)
+            stop = check_stop(request, self.max_model_len)
+            if stop is not None:
+                return stop
+        return None
 
     # -- finish from outside -------------------------------------------------------------------
 
@@ -411,9 +447,18 @@ class _StepPlan:
     chunks: dict[str, ScheduledChunk] = field(default_factory=dict)
     preempted_ids: list[str] = field(default_factory=list)
 
-    def add(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+    def add(
+        self,
+        request: Request,
+        num_tokens: int,
+        block_ids: list[int],
+        drafts: list[int] | None = None,
+    ) -> None:
+        """`num_tokens` includes the `drafts` verified with the request's last token."""
         assert request.request_id not in self.chunks, "a request is scheduled once per step"
-        chunk = ScheduledChunk(request, request.num_computed_tokens, num_tokens, block_ids)
+        chunk = ScheduledChunk(
+            request, request.num_computed_tokens, num_tokens, block_ids, drafts or []
+        )
         self.chunks[request.request_id] = chunk
         self.budget -= num_tokens
 

@@ -147,6 +147,12 @@ class EngineGauges:
     prefix_cache_hits_tokens_total: int = 0
     grammar_cache_hits_total: int = 0
     grammar_cache_misses_total: int = 0
+    # Speculative decoding (vLLM's spec_decode_*): chunks that verified drafts, their draft
+    # tokens, the drafts accepted, and accepted drafts by position (0 = the first draft).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
     # (label, value) pairs of the KV cache's settings; () until the engine has loaded.
     cache_config: tuple[tuple[str, str], ...] = ()
 
@@ -200,6 +206,21 @@ _ENGINE_COUNTERS = (
         "Structured-output requests whose grammar had to be compiled",
         "grammar_cache_misses_total",
     ),
+    (
+        "inferd_spec_decode_num_drafts",
+        "Speculative decoding: requests' steps that verified draft tokens",
+        "spec_decode_num_drafts_total",
+    ),
+    (
+        "inferd_spec_decode_num_draft_tokens",
+        "Speculative decoding: draft tokens verified",
+        "spec_decode_num_draft_tokens_total",
+    ),
+    (
+        "inferd_spec_decode_num_accepted_tokens",
+        "Speculative decoding: draft tokens accepted (acceptance = rate(accepted) / rate(draft))",
+        "spec_decode_num_accepted_tokens_total",
+    ),
 )
 
 
@@ -217,6 +238,14 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc)
             counter.add_metric([], getattr(g, attr))
             yield counter
+        per_pos = CounterMetricFamily(
+            "inferd_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0 = first)",
+            labels=["position"],
+        )
+        for pos, n in enumerate(g.spec_decode_accepted_per_pos):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
         yield from _cache_config_info(g)
 
     def describe(self) -> Iterable[Metric]:

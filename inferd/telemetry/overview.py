@@ -290,8 +290,16 @@ def _engine(g: EngineGauges, newest: BatchTotals, oldest: BatchTotals | None) ->
         "queue_depth": g.waiting + g.queued,
         "kv_cache_usage": round(g.kv_cache_usage, 4),
         "preemptions_total": g.preemptions_total,
+        "spec_decode_acceptance_rate": _acceptance(g),
         "prefix_cache_hit_rate": _hit_rate(newest, oldest),
     }
+
+
+def _acceptance(g: EngineGauges) -> float | None:
+    """Speculative decoding's draft tokens accepted / verified since start; None (the page's
+    "n/a") before any draft, and without speculation."""
+    drafted = g.spec_decode_num_draft_tokens_total
+    return None if drafted == 0 else round(g.spec_decode_num_accepted_tokens_total / drafted, 4)
 
 
 def _hit_rate(newest: BatchTotals, oldest: BatchTotals | None) -> float | None:

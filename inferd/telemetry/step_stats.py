@@ -27,6 +27,9 @@ class StepStat:
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Speculative decoding: draft tokens verified, and accepted (acceptance = their ratio).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     schedule: float = 0.0
     prepare_inputs: float = 0.0
     forward: float = 0.0

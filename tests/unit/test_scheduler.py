@@ -76,7 +76,7 @@ def step(s: Scheduler, token: TokenFn = fake_token) -> tuple[SchedulerOutput, li
     sampling = [c for c in out.chunks if c.samples]
     runner_out = ModelRunnerOutput(
         req_ids=[c.request.request_id for c in sampling],
-        sampled_token_ids=[token(c.request, c.request.num_tokens) for c in sampling],
+        sampled_token_ids=[[token(c.request, c.request.num_tokens)] for c in sampling],
     )
     s.block_manager.check_invariants()
     return out, s.update_from_output(out, runner_out)
@@ -154,7 +154,7 @@ def test_num_computed_tokens_advances_only_in_update() -> None:
     s.add_request(a)
     out = s.schedule()
     assert a.num_computed_tokens == 0 and out.chunks[0].start == 0
-    s.update_from_output(out, ModelRunnerOutput(["a"], [7]))
+    s.update_from_output(out, ModelRunnerOutput(["a"], [[7]]))
     assert a.num_computed_tokens == 6 and a.output_token_ids == [7]
 
 
@@ -346,7 +346,7 @@ def test_abort_between_schedule_and_update_is_skipped() -> None:
     s.add_request(b)
     out = s.schedule()
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    updated = s.update_from_output(out, ModelRunnerOutput(["a", "b"], [7, 8]))
+    updated = s.update_from_output(out, ModelRunnerOutput(["a", "b"], [[7], [8]]))
     assert updated == [b] and a.output_token_ids == [] and b.output_token_ids == [8]
     run_to_completion(s)
     assert_all_free(s)

@@ -7,6 +7,12 @@ wrong block, or a block reused while still referenced shows up as a wrong "K/V" 
 run under random LoRA adapters (or the base model), whose K/V differ for the same tokens: the slot
 holds the adapter too, so a prefix hit across adapters is a wrong read as well, and no step runs
 more than `max_loras` distinct adapters.
+
+Speculative decoding: in workloads with `draft_len`, every decoding request gets drafts before
+each step, right up to a position that varies by request and step and wrong after it. The fake
+runner writes the drafts' K/V too and accepts the drafts that equal the model's tokens, so K/V of
+rejected drafts left in the cache, a block cached with them, or a block leaked by the rollback
+shows up as a wrong read, a wrong output or a leak.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from hypothesis import strategies as st
 from inferd.config import SchedulerConfig
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.sampling.params import SamplingParams
-from inferd.scheduler.output import SchedulerOutput
+from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
 from inferd.scheduler.step_budget import StepBudget
@@ -63,6 +69,8 @@ class Workload:
     specs: tuple[Spec, ...]
     # Distinct adapters a step may run; None: LoRA off.
     max_loras: int | None = None
+    # Drafts proposed per decoding request and step (speculative decoding); 0: none.
+    draft_len: int = 0
 
 
 def expected(spec: Spec, seed: int) -> tuple[list[int], RequestStatus, int | None]:
@@ -122,6 +130,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         seconds_per_token=draw(st.none() | st.floats(1e-4, 0.1)),
         specs=reqs,
         max_loras=draw(st.none() | st.integers(1, 2)),
+        draft_len=draw(st.sampled_from([0, 0, 1, 3])),
     )
 
 
@@ -138,24 +147,42 @@ class FakeRunner:
         bs = self.bm.block_size
         # Every chunk's K/V are written before any chunk reads, as within one layer of the runner.
         for c in out.chunks:
-            tokens = c.request.all_token_ids
+            tokens = c.request.all_token_ids[: c.start] + c.token_ids()
             for p in range(c.start, c.start + c.num_tokens):
                 block = c.block_ids[p // bs]
                 assert self.bm.ref_count(block) == 1, "writing into a shared block"
                 self.slots[(block, p % bs)] = (c.request.lora_name, tuple(tokens[: p + 1]))
         for c in out.chunks:
-            tokens = c.request.all_token_ids
+            tokens = c.request.all_token_ids[: c.start] + c.token_ids()
             for p in range(c.start + c.num_tokens):
                 got = self.slots.get((c.block_ids[p // bs], p % bs))
                 want = (c.request.lora_name, tuple(tokens[: p + 1]))
                 assert got == want, f"wrong K/V at {p} for {c.request}"
-        sampling = [c.request for c in out.chunks if c.samples]
+        sampling = [c for c in out.chunks if c.samples]
         return ModelRunnerOutput(
-            req_ids=[r.request_id for r in sampling],
-            sampled_token_ids=[
-                model_token(self.seeds[r.request_id], r.num_tokens) for r in sampling
-            ],
+            req_ids=[c.request.request_id for c in sampling],
+            sampled_token_ids=[self.verify(c) for c in sampling],
         )
+
+    def verify(self, c: ScheduledChunk) -> list[int]:
+        """The drafts equal to the model's tokens at their positions, then the model's token."""
+        seed, first = self.seeds[c.request.request_id], c.request.num_tokens
+        out = []
+        for i, draft in enumerate([*c.draft_token_ids, None]):
+            token = model_token(seed, first + i)
+            out.append(token)
+            if draft != token:
+                return out
+        raise AssertionError("unreachable: the last row has no draft")
+
+    def propose(self, s: Scheduler, draft_len: int, step: int) -> None:
+        """Drafts for each decoding request: the model's tokens, wrong from a varying index."""
+        for r in s.running_requests():
+            seed, first = self.seeds[r.request_id], r.num_tokens
+            right = (seed + step) % (draft_len + 1)
+            r.draft_token_ids = [
+                model_token(seed, first + i) + (0 if i < right else 1) for i in range(draft_len)
+            ]
 
 
 def make_request(i: int, spec: Spec) -> Request:
@@ -188,7 +215,8 @@ def check_step(w: Workload, s: Scheduler, out: SchedulerOutput) -> None:
     assert w.max_loras is None or len(adapters) <= w.max_loras
     for c in out.chunks:
         assert c.num_tokens >= 1 and c.start == c.request.num_computed_tokens
-        assert c.start + c.num_tokens <= c.request.num_tokens
+        assert c.start + c.num_tokens <= c.request.num_tokens + c.num_drafts
+        assert not c.num_drafts or c.samples, "drafts on a chunk that does not sample"
         assert len(c.block_ids) * bm.block_size >= c.start + c.num_tokens
         assert c.block_ids == bm.block_table(c.request.request_id)
         assert w.chunked or c.samples, "a prefill was chunked with chunked prefill off"
@@ -225,13 +253,20 @@ def run(w: Workload) -> tuple[list[Request], BlockManager]:
         s.finish_requests(
             [rid for rid, after_run in due if not after_run], RequestStatus.FINISHED_ABORTED
         )
+        if w.draft_len:
+            runner.propose(s, w.draft_len, t)
         out = s.schedule()
         check_step(w, s, out)
         runner_out = runner.execute(out)
         s.finish_requests(late, RequestStatus.FINISHED_ABORTED)
         updated = s.update_from_output(out, runner_out)
         assert all(r.status is not RequestStatus.FINISHED_ABORTED for r in updated)
-        prompt = sum(c.num_tokens for c in out.chunks if not c.samples or c.num_tokens > 1)
+        for r in s.running_requests():
+            held = len(bm.block_table(r.request_id))
+            assert held <= bm.num_blocks_for(r.num_tokens), "rejected drafts' blocks kept"
+        prompt = sum(
+            c.num_tokens for c in out.chunks if not c.samples or c.num_tokens > 1 + c.num_drafts
+        )
         s.step_budget.observe(prompt, 0.01 + prompt * (w.seconds_per_token or 0.0))
         bm.check_invariants()
     raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")

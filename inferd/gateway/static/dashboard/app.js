@@ -127,6 +127,8 @@ function drawLLM(l, t) {
   card(c, "llm-kv", "KV cache used", pct(e.kv_cache_usage), e.kv_cache_usage, t);
   card(c, "llm-prefix", "prefix-cache hits", pct(e.prefix_cache_hit_rate), e.prefix_cache_hit_rate, t);
   card(c, "llm-preempt", "preemptions (total)", num(e.preemptions_total, 0), e.preemptions_total, t);
+  const acc = e.spec_decode_acceptance_rate;
+  card(c, "llm-spec", "draft tokens accepted", pct(acc), acc, t);
   card(c, "llm-failed", "failed (window)", num(l.failed, 0), l.failed, t);
   $("#llm-bound").textContent = verdict(l.stage_seconds, ["queue", "prefill", "decode"]);
 }

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, the adaptive choice of k, and acceptance counters."""
