@@ -7,8 +7,9 @@ products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 w
 (`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does.
 `Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
 by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
-AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, so the linear layers
-send it all of them. Inputs are checked here; the C side trusts them.
+AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, and the linear
+layers' plan (models/linear.py) sends it larger batches too, 128 rows a call into one output
+(`out`). Inputs are checked here; the C side trusts them.
 """
 
 from __future__ import annotations
