@@ -6,12 +6,13 @@
 
 Exports `inferd/` at `--base` (git archive) beside the working tree's, then runs bench/peers.py's
 mixed workload (its requests, its random weights: 96 requests for llama-32m, 32 for the Qwen2-0.5B
-shape; prompts 16-256, outputs 16-128, greedy, ignore_eos) through `LLM.generate` in a fresh
-process per tree and round, the trees taking turns (base first in even rounds, the working tree
-first in odd ones), so a slow spell of a shared machine hits both alike. Each process warms up on
-two requests, then runs every `--seed`. Prints output tok/s and the engine's decode and prefill
-steps' seconds (its own step timings) per run, and the working tree's totals over the base's;
-writes JSON to bench/results/.
+shape; prompts 16-256, outputs 16-128, greedy, ignore_eos) or, with `--workload single`, one
+stream (a 32-token prompt, 256 output tokens), `--quantization int8` for the int8 path, through
+`LLM.generate` in a fresh process per tree and round, the trees taking turns (base first in even
+rounds, the working tree first in odd ones), so a slow spell of a shared machine hits both alike.
+Each process warms up on two requests, then runs every `--seed`. Prints output tok/s and the
+engine's decode and prefill steps' seconds (its own step timings) per run, and the working tree's
+totals over the base's; writes JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -27,21 +28,30 @@ from pathlib import Path
 from typing import Any
 
 from common import DEFAULT_CACHE_DIR, REPO_ROOT, save_result
-from peers import MIXED_REQUESTS, SHAPES, mixed_workload, weights_folder
+from peers import MIXED_REQUESTS, SHAPES, mixed_workload, single_workload, weights_folder
+
+# A single stream's output tokens (bench/peers.py's `--single-tokens`).
+SINGLE_TOKENS = 256
 
 
-def child(shape_name: str, dtype: str, seeds: list[int], threads: int) -> None:
+def child(
+    shape_name: str, dtype: str, seeds: list[int], threads: int, workload: str, quantization: str
+) -> None:
     """Runs in the tree on PYTHONPATH: one JSON line per seed."""
     from inferd import LLM, SamplingParams
     from inferd.engine.llm_engine import TokensPrompt
 
     shape = SHAPES[shape_name]
     folder = weights_folder(shape, DEFAULT_CACHE_DIR)
-    llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, seed=0)
+    q = quantization or None
+    llm = LLM(model=str(folder), dtype=dtype, num_threads=threads, seed=0, quantization=q)
     stats = llm.llm_engine.step_stats
 
     def run(n: int, seed: int) -> dict[str, float]:
-        reqs = mixed_workload(shape, n, seed)
+        if workload == "single" and n > 2:
+            reqs = single_workload(shape, SINGLE_TOKENS, seed)
+        else:
+            reqs = mixed_workload(shape, n, seed)
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in reqs]
         params = [
             SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in reqs
@@ -66,7 +76,8 @@ def child(shape_name: str, dtype: str, seeds: list[int], threads: int) -> None:
 
 def run_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, float]]:
     cmd = [sys.executable, __file__, "--child", "--shape", args.shape, "--dtype", args.dtype]
-    cmd += ["--seeds", args.seeds, "--threads", str(args.threads)]
+    cmd += ["--seeds", args.seeds, "--threads", str(args.threads), "--workload", args.workload]
+    cmd += ["--quantization", args.quantization]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -89,12 +100,14 @@ def main() -> None:
     p.add_argument("--seeds", default="1,2,3", help="workload seeds, comma-separated")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workload", choices=["mixed", "single"], default="mixed")
+    p.add_argument("--quantization", choices=["", "int8"], default="")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.child:
-        child(args.shape, args.dtype, seeds, args.threads)
+        child(args.shape, args.dtype, seeds, args.threads, args.workload, args.quantization)
         return
     if args.base is None:
         p.error("--base is required")
@@ -121,7 +134,9 @@ def main() -> None:
         f"decode s {totals['decode_s']:.3f}x  prefill s {totals['prefill_s']:.3f}x"
     )
     fields = {"base": args.base, "shape": args.shape, "dtype": args.dtype, "runs": runs}
-    save_result(args.out, "engine_ab", f"{args.shape}-{args.dtype}", {**fields, "ratios": totals})
+    fields |= {"workload": args.workload, "quantization": args.quantization}
+    tag = f"{args.shape}-{args.dtype}{'-' + args.quantization if args.quantization else ''}"
+    save_result(args.out, "engine_ab", f"{tag}-{args.workload}", {**fields, "ratios": totals})
 
 
 if __name__ == "__main__":

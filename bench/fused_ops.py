@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     llm = LLM(
         model=str(folder),
         dtype=dtype,
-        small_batch_gemv="on",
+        native_linear="on",
         quantization=args.quantization,
         load_format="dummy",
         num_threads=args.threads,
@@ -83,7 +83,8 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     native = kernels.load(read_environment().cache_dir)
     model = runner.model
     assert isinstance(model, torch.nn.Module)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # native_linear "on" keeps oneDNN's (fbgemm's) copy: the plans' last route runs on it.
+    plans = {m: m.plan for m in model.modules() if isinstance(m, Linear)}
     variants: dict[str, tuple[FusedOps | None, Gemv | None, DecodeLayers | None]] = {
         "native": (native.ops, native.gemv, native.decode),
         "layers": (native.ops, native.gemv, None),
@@ -101,9 +102,9 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.rounds):
             for name, (ops, gemv, decode) in variants.items():
-                for m in linears:
-                    m.use_gemv(gemv)
-                model.use_fused_ops(ops, decode)  # after use_gemv: the decode step reads it
+                for m, plan in plans.items():  # without the GEMV: the plan's oneDNN/fbgemm route
+                    m.plan = plan if gemv is not None else plan[-1:]
+                model.use_fused_ops(ops, decode)
                 c0, t0 = time.process_time(), time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -111,8 +112,8 @@ def measure(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
                 tok_s, cpu_ms = n / wall, cpu / n * 1e3
                 old = best.get(name, (0.0, float("inf")))
                 best[name] = (max(old[0], tok_s), min(old[1], cpu_ms))
-        for m in linears:
-            m.use_gemv(native.gemv)
+        for m, plan in plans.items():
+            m.plan = plan
         model.use_fused_ops(native.ops, native.decode)
         results[kind] = {name: {"tok_s": t, "cpu_ms_per_token": c} for name, (t, c) in best.items()}
         a, y, f, e = best["native"], best["layers"], best["no_gemv"], best["eager"]

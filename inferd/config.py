@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,7 +29,7 @@ AttentionBackend = Literal["auto", "cpu_kernel", "torch"]
 # "auto": weights prepacked for oneDNN on CPU, F.linear elsewhere (inferd/models/linear.py).
 LinearBackend = Literal["auto", "onednn", "dense"]
 # Linear layers of 1-2 rows on the plain weight, kept beside the packed one (models/linear.py).
-SmallBatchGemv = Literal["auto", "on", "off"]
+NativeLinearMode = Literal["auto", "on", "off"]
 GreedyScreen = Literal["auto", "off"]
 Quantization = Literal["int8"]
 
@@ -124,6 +124,16 @@ class SchedulerConfig(_Frozen):
 class DeviceConfig(_Frozen):
     """Where the model runs and which kernels run its layers."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """`small_batch_gemv`, native_linear's name before it also took large batches."""
+        if isinstance(data, dict) and "small_batch_gemv" in data:
+            data = {k: v for k, v in data.items() if k != "small_batch_gemv"} | {
+                "native_linear": data["small_batch_gemv"]
+            }
+        return data
+
     device: Device = Field(default="auto", description="auto: cuda when available, else cpu")
     # None keeps torch's default (one per physical core).
     num_threads: int | None = Field(default=None, gt=0, description="CPU threads for torch")
@@ -133,11 +143,11 @@ class DeviceConfig(_Frozen):
         default="auto",
         description="auto: oneDNN with prepacked weights on CPU; dense: F.linear (reference)",
     )
-    # Panels in float32, bfloat16 on AVX512_BF16, else the plain weight for the GEMV; auto: when the
-    # native kernels run and the copies take at most a quarter of RAM.
-    small_batch_gemv: SmallBatchGemv = Field(
+    # models/linear.py's dispatch plan: panel GEMM (float32; bfloat16 on AVX512_BF16), int8 GEMV.
+    native_linear: NativeLinearMode = Field(
         default="auto",
-        description="<= 128 rows on native kernels over a weight copy; auto: if it fits RAM/4",
+        description="linear layers on native kernels, each weight held once; on: also second"
+        " layouts (oneDNN's past 128 rows, int8's GEMV copy); off: oneDNN/fbgemm",
     )
     # The same tokens as the whole lm_head (kernels/greedy.py).
     greedy_screen: GreedyScreen = Field(
@@ -300,6 +310,7 @@ _SECTIONS: dict[str, type[_Frozen]] = {
     "speculative": SpeculativeSection,
 }
 _FIELD_TO_SECTION = {f: s for s, cls in _SECTIONS.items() for f in cls.model_fields}
+_FIELD_TO_SECTION["small_batch_gemv"] = "device"  # native_linear's old name
 
 
 class Environment(_Frozen):

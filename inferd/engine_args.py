@@ -74,12 +74,15 @@ class FlagForm:
     nargs: str | None = None
     action: str | None = None
     metavar: str | None = None
+    # Older names the flag still answers to.
+    aliases: tuple[str, ...] = ()
 
 
 _FORMS: dict[str, FlagForm] = {
     "policy": FlagForm(name="--scheduling-policy"),
     "grammar_compile_timeout_s": FlagForm(name="--grammar-compile-timeout"),
     "kv_cache_memory": FlagForm(type=parse_bytes),
+    "native_linear": FlagForm(aliases=("--small-batch-gemv",)),
     "reasoning_parser": FlagForm(choices=sorted(REASONING_PARSERS)),
     # One or more entries per use, and the flag may be repeated (vLLM's form).
     "lora_modules": FlagForm(
@@ -163,7 +166,7 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, form:
     # A choice field's help names its default ("auto: ..."): the line stays one line.
     if kwargs["default"] is not None and "choices" not in kwargs:
         help_text += f" (default: {kwargs['default']})"
-    group.add_argument(flag, dest=name, help=help_text, **kwargs)
+    group.add_argument(flag, *form.aliases, dest=name, help=help_text, **kwargs)
 
 
 def _typed(name: str, annotation: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from inferd.errors import InvalidRequestError, ModelLoadError
 from inferd.executor.device import (
     configure_threads,
     keep_freed_memory,
+    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -41,9 +42,9 @@ from inferd.models import kernels
 from inferd.models.config import ArchConfig
 from inferd.models.linear import (
     checkpoint_quantization,
+    native_linear,
     prepare_linears,
     resolve_linear_kind,
-    small_batch_gemv,
 )
 from inferd.models.loader import load_model, resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
@@ -99,11 +100,10 @@ class LLMEngine:
         native = kernels.select(
             config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
         )
-        gemv = small_batch_gemv(
-            config.device.small_batch_gemv, kind, native.gemv if native else None, self.model
-        )
         float_kind = resolve_linear_kind(backend, None, self.device, dtype)
-        prepare_linears(self.model, kind, gemv, float_kind)
+        gemv = native.gemv if native else None
+        on_native = native_linear(config.device.native_linear, kind, gemv, self.model, float_kind)
+        prepare_linears(self.model, kind, on_native, float_kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.tokenizer_path = tok_path
         self.runner = ModelRunner(
@@ -115,6 +115,7 @@ class LLMEngine:
             native,
             greedy_screen=config.device.greedy_screen != "off",
         )
+        release_freed_memory(self.device)
         self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
         # (Not for MoE: the grouped GEMMs read each expert's row count on the host.)
         if self.device.type == "cuda" and not config.device.enforce_eager and self.arch.moe is None:

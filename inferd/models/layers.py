@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from inferd.models.attention import AttentionMetadata, PagedAttention
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.fused import FusedOps, padded_empty
+from inferd.models.kernels.gemv import PanelWeight
 from inferd.models.linear import Linear
 from inferd.models.moe import SparseMoE
 from inferd.models.rope import RopeCosSin, RotaryEmbedding, apply_rotary
@@ -89,9 +90,16 @@ class Embedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim, dtype=dtype), False)
         self.scale = float(torch.tensor(dim**0.5).to(dtype)) if scale else None
+        # Tied to an lm_head that holds its weight only in panels (models/linear.py).
+        self._panel: PanelWeight | None = None
+
+    def read_rows_from(self, panel: PanelWeight) -> None:
+        """Rows come from the tied lm_head's panel copy; the dense weight is dropped."""
+        self._panel = panel
+        self.weight = nn.Parameter(self.weight.detach().new_empty((0, panel.in_features)), False)
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows = F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight) if self._panel is None else self._panel.rows(ids)
         return rows if self.scale is None else rows * self.scale
 
 

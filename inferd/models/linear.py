@@ -1,63 +1,122 @@
-"""How a linear layer multiplies, decided once after its weights are loaded.
+"""Which kernel multiplies a linear layer's batch, and which copies of its weight are held.
 
     y = x W^T + b        x: [T, in]   W: [out, in]   b: [out]   y: [T, out]
 
-The loader fills each `Linear.weight` densely, in the model dtype. `prepare_linears(model, kind)`
-then turns every weight into the form the chosen kernel reads, once:
+The loader fills each `Linear.weight` densely, in the model dtype. `prepare_linears` then gives
+every layer its dispatch plan, `Linear.plan`: an ordered tuple of `Route(max_rows, kernel)`; a
+batch of T rows runs the first route with T <= max_rows (the last takes any count). `forward`,
+the one-call decode step (`gemv_weight`) and the memory accounting (`layout_bytes`) all read it.
+The plan, by the layer's kind (`resolve_linear_kind`), dtype and CPU:
 
-- `dense`: `F.linear` on the dense weight. CUDA (cuBLAS needs nothing more), and the fallback.
-- `onednn`: the weight reordered once into oneDNN's blocked layout (CPU, float32 or bfloat16).
-  `F.linear` re-packs panels of the weight on every call; prepacked, the same GEMM is 1.5-2.6x
-  faster on decode-sized batches (docs/benchmarks.md), as vLLM's CPU backend and inductor find.
-- `int8`: weights quantized to int8 with one symmetric scale per output channel, prepacked for
-  fbgemm; activations are quantized to 8 bits per call from their own range (dynamic), and the
-  dot products run on integer units (AVX512-VNNI where present). Like llama.cpp's Q8_0, which also
-  quantizes activations, this trades a small, stated logit error for 4x fewer weight bytes.
+    kind     dtype / CPU                                plan (rows -> kernel)
+    dense    CUDA, float16, --linear-backend dense      any -> dense
+    onednn   float32; bfloat16 with AVX512_BF16         any -> panel          (native kernels)
+             the same with --native-linear on           <=128 -> panel, any -> onednn
+             bfloat16 without AVX512_BF16, odd `in`,    any -> onednn
+             no native kernels, --native-linear off
+    int8     AVX512-VNNI / AVX-VNNI                     any -> int8
+             the same with the int8 GEMV copy kept      <=2 -> gemv_int8, any -> int8
 
-Only the kernel's own copy of the weight is kept: the dense `weight` parameter is freed (an empty
-tensor of the same dtype) unless another module shares it (tied embeddings), or unless the native
-GEMV serves the few-row batches:
+The kernels, each on its own copy of the weight:
+- `dense`: `F.linear` on the dense weight (cuBLAS on CUDA; the reference).
+- `panel`: kernels/panel_gemm.cpp on the weight packed in panels of 64 output columns
+  (`PanelWeight`), 128 rows a call (larger batches in 128-row slices). At 1-128 rows it beats the
+  GEMV and oneDNN's GEMM (bench/NOTES.md); on AMX CPUs bfloat16 runs on its tiles.
+- `onednn`: the weight reordered once into oneDNN's blocked layout, rows padded to a bounded set
+  of counts (models/gemm.py). `F.linear` would re-pack it on every call.
+- `int8`: fbgemm's dynamic int8 GEMM on a prepacked per-channel int8 copy (models/gemm.py).
+- `gemv_int8`: kernels/gemv.cpp's int8 GEMV on a row-major int8 copy (`Int8Weight`).
 
-- small-batch GEMV (`onednn` and `int8`, `DeviceConfig.small_batch_gemv`): batches of at most
-  `GEMV_MAX_ROWS` rows (a single stream's decode step, two streams) run the native kernel of
-  `kernels/gemv.cpp` on a plain row-major weight, which streams it from memory faster than
-  oneDNN's GEMM on the packed one (1.1-1.25x at one or two rows; docs/benchmarks.md). Where the
-  panel GEMM below is built, it takes these rows too.
-  It needs the plain weight kept beside the packed one: one more copy of every linear weight (for
-  `int8` an int8 copy, a byte per weight; the kernel quantizes the rows of x from their own range,
-  as fbgemm's dynamic GEMM does, and runs the dot products on VNNI). `auto` keeps it when that copy
-  is at most a quarter of the machine's memory.
-- panel GEMM (`onednn` float32 and bfloat16 weights with the small-batch GEMV; bfloat16 where
-  the CPU has AVX512_BF16): batches of up to `Gemv.panel_rows` (128) rows, the GEMV's included,
-  run `kernels/panel_gemm.cpp` on a copy of the weight packed in panels of 64 output columns,
-  each thread streaming its own range of them; on AMX CPUs bfloat16 runs on its tiles
-  (kernels/amx.h). It beats the GEMV and oneDNN's GEMM at every row count it takes
-  (docs/benchmarks.md), so it takes them all, and the plain weight is then freed (unless
-  shared): two copies in all, oneDNN's and the panels. The panel copy counts toward `auto`'s
-  quarter of memory.
+Each weight is held once: in the layout of the plan's first-layout kernel (panel, onednn, int8
+or dense); the dense weight is freed unless another module reads it (tied embeddings read the
+panel copy instead where they can, `PanelRows`). A second layout (oneDNN's copy for prefill
+batches beside the panels, the int8 GEMV's copy beside fbgemm's) is kept only with
+`--native-linear on`, or under `auto` when all of them together take at most a quarter of the
+weights' bytes (`SECOND_LAYOUT_SHARE`, the 1.25x of docs/benchmarks.md's memory bound).
+`prepare_linears` logs the decision in one line with the bytes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import warnings
-from collections.abc import Callable
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from inferd.config import LinearBackend, Quantization, SmallBatchGemv
+from inferd.config import LinearBackend, NativeLinearMode, Quantization
 from inferd.errors import ModelLoadError
+from inferd.models.gemm import BF16_ROW_BUCKETS as BF16_ROW_BUCKETS
+from inferd.models.gemm import ROW_BUCKETS as ROW_BUCKETS
+from inferd.models.gemm import LinearFn, int8_gemm, onednn_gemm, row_buckets
+from inferd.models.gemm import LinearKind as LinearKind
+from inferd.models.gemm import padded_rows as padded_rows
+from inferd.models.gemm import quantize_int8 as quantize_int8
 from inferd.models.kernels.decode import GemvWeight
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
 
 logger = logging.getLogger("inferd.models")
 
-LinearKind = Literal["dense", "onednn", "int8"]
-LinearFn = Callable[[Tensor], Tensor]
+KernelName = Literal["dense", "panel", "onednn", "int8", "gemv_int8"]
+# A route's max_rows that takes any row count.
+ANY_ROWS = 2**62
+# The most rows the int8 GEMV takes in the plan (it measured no faster than fbgemm at four).
+GEMV_MAX_ROWS = 2
+# The kinds that run native kernels on a copy of their own (both pack their weights).
+GEMV_KINDS = ("onednn", "int8")
+# Second layouts are kept under `auto` while they take at most this share of the weights' bytes.
+SECOND_LAYOUT_SHARE = 0.25
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Route:
+    """Batches of up to `max_rows` rows (not taken by an earlier route) run `kernel`."""
+
+    max_rows: int
+    kernel: KernelName
+
+
+Plan = tuple[Route, ...]
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """The native kernels the linear layers run (`native_linear` decides), and whether they
+    keep the second layouts the plan adds."""
+
+    gemv: Gemv
+    second_layouts: bool
+
+
+def plan_for(
+    kind: LinearKind, dtype: torch.dtype, in_features: int, native: NativeLinear | None
+) -> Plan:
+    """The module docstring's table."""
+    if kind == "dense":
+        return (Route(ANY_ROWS, "dense"),)
+    if native is None:
+        return (Route(ANY_ROWS, kind),)
+    if kind == "int8":
+        if not native.second_layouts:
+            return (Route(ANY_ROWS, "int8"),)
+        return Route(GEMV_MAX_ROWS, "gemv_int8"), Route(ANY_ROWS, "int8")
+    panel_rows = native.gemv.panel_rows.get(dtype, 0)
+    if not (panel_rows and PanelWeight.padded_out((1, in_features), dtype)):
+        return (Route(ANY_ROWS, "onednn"),)
+    if native.second_layouts:
+        return Route(panel_rows, "panel"), Route(ANY_ROWS, "onednn")
+    return (Route(ANY_ROWS, "panel"),)
+
+
+@runtime_checkable
+class PanelRows(Protocol):
+    """A module that shares a Linear's weight and can read its rows from the panel copy
+    instead (models/layers.py's Embedding), so the dense weight can be freed."""
+
+    def read_rows_from(self, panel: PanelWeight) -> None: ...
 
 
 class LowRankRows(Protocol):
@@ -89,20 +148,11 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(self.out_features, dtype=dtype), False) if bias else None
         )
         self.kind: LinearKind = "dense"
-        # Set by prepare(); None: F.linear on the dense weight.
-        self._fn: LinearFn | None = None
-        # Set by use_gemv(): batches of at most `_gemv_rows` rows on the kept plain weight.
-        self._gemv: Gemv | None = None
-        self._gemv_rows = 0
-        # Set by use_gemv() for float32 and bfloat16 (on AVX512_BF16) weights: batches of up to
-        # `_panel_rows` rows (all the GEMV's and more) on the weight packed in panels (built on
-        # first use, kept across use_gemv calls).
+        # Set by prepare(): the dispatch plan and each of its kernels over its copy.
+        self.plan: Plan = (Route(ANY_ROWS, "dense"),)
+        self._run: dict[KernelName, LinearFn] = {}
         self._panel: PanelWeight | None = None
-        self._panel_rows = 0
-        # The int8 kind's plain weight for the GEMV (prepare(..., keep_plain=True)).
         self._w8: Int8Weight | None = None
-        # prepare(keep_dense=True): another module shares the dense weight, never freed here.
-        self._weight_shared = False
         # A checkpoint already quantized to int8 (models/quantized.py): its integers [out, in] and
         # per-channel scales [out, 1], filled by the loader (expect_int8) and taken by the int8
         # kind as they are; released by prepare(). None for a float checkpoint.
@@ -119,17 +169,15 @@ class Linear(nn.Module):
             self.lora.add_to(x, y)
         return y
 
+    def route(self, rows: int) -> Route:
+        """The route a batch of `rows` rows takes (an empty one: the last, which takes any)."""
+        return next((r for r in self.plan if 0 < rows <= r.max_rows), self.plan[-1])
+
     def _base(self, x: Tensor) -> Tensor:
-        if self._panel is not None and 0 < x.shape[0] <= self._panel_rows:
-            assert self._gemv is not None
-            return self._gemv.panel(x, self._panel)
-        if self._gemv is not None and 0 < x.shape[0] <= self._gemv_rows:
-            if self._w8 is not None:
-                return self._gemv.int8(x, self._w8)
-            return self._gemv(x, self.weight, self.bias)
-        if self._fn is None:
+        route = self.route(x.shape[0])
+        if route.kernel == "dense":
             return F.linear(x, self.weight, self.bias)
-        return self._fn(x)
+        return self._run[route.kernel](x)
 
     def expect_int8(self) -> None:
         """The checkpoint holds this layer as int8 weights and per-channel scales."""
@@ -148,199 +196,236 @@ class Linear(nn.Module):
         with torch.no_grad():
             self.weight.copy_(self.qweight.float() * self.weight_scale)
 
-    def prepare(self, kind: LinearKind, keep_dense: bool, keep_plain: bool = False) -> None:
-        """Builds the kernel's copy of the weight; frees the dense one unless `keep_dense`.
-        `keep_plain`: also keep the plain weight the small-batch GEMV reads (the dense one for
-        `onednn`, an int8 row-major copy for `int8`)."""
-        self._gemv = None
-        self._w8 = None
-        self._panel, self._panel_rows = None, 0
-        self._weight_shared = keep_dense
+    def prepare(
+        self, kind: LinearKind, keep_dense: bool, native: NativeLinear | None = None
+    ) -> None:
+        """Gives the layer its plan (`plan_for`) and builds each of its kernels' copies; frees
+        the dense weight unless `keep_dense` (another module reads it) or the plan runs it."""
         loaded = None
         if self.qweight is not None and self.weight_scale is not None:
             loaded = self.qweight.detach(), self.weight_scale.detach()[:, 0].contiguous()
             self.qweight = self.weight_scale = None
-        if kind == "dense":
-            self._fn, self.kind = None, kind
-            return
-        weight = self.weight.detach()
-        bias = self._bias_or_none()
-        if kind == "int8":
-            q, scale = loaded or quantize_int8(weight)
-            self._fn = _int8(q, scale, bias)
-            if keep_plain:
-                self._w8 = Int8Weight.of(q, scale, bias)
-        else:
-            self._fn = _onednn(weight, bias)
-            keep_dense = keep_dense or keep_plain
         self.kind = kind
-        if not keep_dense:
-            self._free_dense()
+        self.plan = plan_for(kind, self.weight.dtype, self.in_features, native)
+        self._run, self._panel, self._w8 = {}, None, None
+        weight, bias = self.weight.detach(), self._bias_or_none()
+        kernels = {r.kernel for r in self.plan}
+        if kernels & {"int8", "gemv_int8"}:
+            q, scale = loaded or quantize_int8(weight)
+            if "int8" in kernels:
+                self._run["int8"] = int8_gemm(q, scale, bias)
+            if "gemv_int8" in kernels:
+                assert native is not None
+                self._w8 = w8 = Int8Weight.of(q, scale, bias)
+                self._run["gemv_int8"] = lambda x: native.gemv.int8(x, w8)
+        if "onednn" in kernels:
+            self._run["onednn"] = onednn_gemm(weight, bias)
+        if "panel" in kernels:
+            assert native is not None
+            self._panel = PanelWeight.of(weight, bias)
+            assert self._panel is not None, "plan_for gives panels only to weights it takes"
+            self._run["panel"] = _panel_gemm(native.gemv, self._panel)
+        if not keep_dense and "dense" not in kernels:
+            self.free_dense()
 
-    def _free_dense(self) -> None:
+    def free_dense(self) -> None:
+        """Drops the dense weight (its kernels read their own copies)."""
         self.weight = nn.Parameter(self.weight.detach().new_empty((0, self.in_features)), False)
-
-    @property
-    def _has_plain(self) -> bool:
-        """Whether the dense weight is still held (not freed by prepare or use_gemv)."""
-        return self.weight.shape[0] == self.out_features
 
     def _bias_or_none(self) -> Tensor | None:
         return None if self.bias is None else self.bias.detach()
 
-    def use_gemv(self, gemv: Gemv | None) -> None:
-        """Few-row batches on `gemv` (None: on the prepared kernel). Needs the plain weight kept
-        (prepare(kind, ..., keep_plain=True)); once the panel copy takes every row count the GEMV
-        would, the plain weight is freed (unless shared) and the panel copy stands in for it."""
-        if self.kind == "int8":
-            plain = self._w8 is not None
-        else:
-            plain = self._has_plain or self._panel is not None
-        if gemv is not None and not plain:
-            raise ValueError("use_gemv needs the plain weight: prepare(kind, ..., keep_plain=True)")
-        self._gemv = gemv
-        self._gemv_rows = 0 if gemv is None else GEMV_MAX_ROWS
-        self._panel_rows = 0
-        if gemv is None or self._w8 is not None:
-            return
-        if self.weight.dtype == torch.bfloat16:
-            # bfloat16 on dot products: faster than oneDNN's GEMM up to bf16_dot_rows rows.
-            self._gemv_rows = max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
-        # The panel GEMM, where the CPU has it for this dtype, beats both at every row count it
-        # takes (1-128; bench/gemv_rows.py, docs/benchmarks.md), so it takes all of them.
-        panel_rows = gemv.panel_rows.get(self.weight.dtype, 0)
-        if panel_rows and self.kind == "onednn":
-            if self._panel is None:
-                self._panel = PanelWeight.of(self.weight.detach(), self._bias_or_none())
-            self._panel_rows = panel_rows if self._panel is not None else 0
-        if not self._has_plain and self._panel_rows < self._gemv_rows:
-            raise ValueError("the plain weight was freed for a panel copy this GEMV does not run")
-        if self._panel_rows >= self._gemv_rows and not self._weight_shared:
-            # Every row count the GEMV would take runs on the panel copy: the plain weight, a
-            # third copy beside oneDNN's and the panels, would only take memory.
-            self._free_dense()
-
     def padded_rows(self, rows: int) -> int:
-        """The rows an input of `rows` rows is padded to before this layer multiplies (the module
-        function below; the GEMV takes any count it takes)."""
-        if self._gemv is not None and rows <= max(self._gemv_rows, self._panel_rows):
+        """The rows an input of `rows` rows is padded to before this layer multiplies (oneDNN's
+        row counts, gemm.padded_rows; the native kernels take any count)."""
+        if next(r for r in self.plan if rows <= r.max_rows).kernel != "onednn":
             return rows
         return padded_rows(self.kind, rows, self.weight.dtype)
 
     def panel_copy(self) -> PanelWeight | None:
         """The panel copy batches of up to `Gemv.panel_rows` rows run on, or None."""
-        return self._panel if self._panel_rows else None
+        return self._panel
 
     def plain_weight(self) -> Tensor | None:
         """The dense row-major weight [out, in], where it is still held (shared, or kept)."""
-        return self.weight.detach() if self._has_plain else None
+        return self.weight.detach() if self.weight.shape[0] == self.out_features else None
 
     def gemv_weight(self) -> GemvWeight | None:
-        """The plain weight few-row batches run the GEMV on; None when they do not."""
-        if self._gemv is None:
-            return None
+        """The weight the one-call decode step reads (its panel copy, or the int8 GEMV's);
+        None when the plan runs no native kernel on few rows."""
+        if self._panel is not None:
+            return GemvWeight(self.plain_weight(), self.bias, self._panel)
         if self._w8 is not None:
             return GemvWeight(self._w8, None)
-        return GemvWeight(self.plain_weight(), self.bias, self.panel_copy())
+        return None
 
 
-# oneDNN builds (JIT-compiles) a primitive per input shape and caches it. Most shapes cost little,
-# but some row counts cost ~12 MiB each here (measured: 270 odd counts from 129 to 2048 grew the
-# process by 3.2 GiB), so a server that met every count up to max_num_batched_tokens would grow by
-# GBs. Rows are therefore padded to a bounded set of counts: up to 128, one of `row_buckets(dtype)`;
-# above, the next multiple of 128 (measured: those 31 counts to 4096 together 32 MiB for one weight
-# shape), in chunks of at most _ONEDNN_CHUNK rows. `warm_up` builds the small buckets at start
-# (decode steps meet them all within seconds); the large ones are built on first use, a few ms.
-# One call over all rows instead of 128-row chunks and a concatenation: 26.3 vs 28.6 ms at 2048
-# rows of the tiny model's gate/up projection (2 threads).
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
-# bfloat16 GEMMs take time in proportion to their rows from ~8 rows up (AVX512_BF16 dot products
-# make them compute-bound sooner): padding 17 rows to 24 cost the Qwen2-0.5B shape's decode layers
-# 12-25 % (2 threads). The finer counts below 64 run its 32-request mix 2-7 % faster offline,
-# llama-32m's 1-2 %, for 13-58 MiB more of oneDNN primitives. float32 keeps the coarser set: the
-# finer one measured 3-6 % slower on llama-32m (docs/benchmarks.md, "Finer row counts for
-# bfloat16 oneDNN GEMMs").
-BF16_ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
-# The most rows the small-batch GEMV takes (it measured no faster than oneDNN at four); bfloat16
-# weights more where the CPU has AVX512_BF16 (Gemv.bf16_dot_rows).
-GEMV_MAX_ROWS = 2
-# The kinds whose few-row batches the GEMV takes (both pack their weights for their own GEMM).
-GEMV_KINDS = ("onednn", "int8")
-_LARGE_STEP = 128
-_ONEDNN_CHUNK = 2048
-
-
-def row_buckets(dtype: torch.dtype) -> tuple[int, ...]:
-    """The row counts up to 128 that oneDNN GEMMs of weights in `dtype` run."""
-    return BF16_ROW_BUCKETS if dtype == torch.bfloat16 else ROW_BUCKETS
-
-
-def _row_bucket(rows: int, buckets: tuple[int, ...]) -> int:
-    if rows > buckets[-1]:
-        return -(-rows // _LARGE_STEP) * _LARGE_STEP
-    return next(b for b in buckets if b >= rows)
-
-
-def padded_rows(kind: LinearKind, rows: int, dtype: torch.dtype = torch.float32) -> int:
-    """Rows an input of `rows` rows is padded to before this kind's GEMM on `dtype` weights (if
-    it fits one chunk).
-
-    A caller that produces its activations with this many rows (extra rows zeroed) saves the
-    linear layer its pad copy; it slices the first `rows` rows of the result."""
-    if kind != "onednn" or rows > _ONEDNN_CHUNK:
-        return rows
-    return _row_bucket(rows, row_buckets(dtype))
-
-
-def _onednn(weight: Tensor, bias: Tensor | None) -> LinearFn:
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    op = torch.ops.mkldnn._linear_pointwise.default
-    out_features = weight.shape[0]
-    buckets = row_buckets(weight.dtype)
-
-    def chunk(x: Tensor) -> Tensor:
-        rows = x.shape[0]
-        pad = _row_bucket(rows, buckets) - rows
-        if pad == 0:
-            return op(x, packed, bias, "none", [], "")
-        return op(F.pad(x, (0, 0, 0, pad)), packed, bias, "none", [], "")[:rows]
+def _panel_gemm(gemv: Gemv, panel: PanelWeight) -> LinearFn:
+    """The panel GEMM over any row count: `panel_rows` rows a call, into one output."""
+    step = gemv.panel_rows[panel.packed.dtype]
 
     def run(x: Tensor) -> Tensor:
         rows = x.shape[0]
-        if rows <= _ONEDNN_CHUNK:
-            return chunk(x) if rows else x.new_empty((0, out_features))
-        return torch.cat([chunk(x[i : i + _ONEDNN_CHUNK]) for i in range(0, rows, _ONEDNN_CHUNK)])
+        if 0 < rows <= step:
+            return gemv.panel(x, panel)
+        y = x.new_empty((rows, panel.out_features))
+        for i in range(0, rows, step):
+            gemv.panel(x[i : i + step], panel, y[i : i + step])
+        return y
 
     return run
 
 
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(q int8 [out, in], scale float32 [out]): a symmetric scale per output row, W ~ q * scale."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+def prepare_linears(
+    model: nn.Module,
+    kind: LinearKind,
+    native: NativeLinear | Gemv | None = None,
+    float_kind: LinearKind = "dense",
+) -> None:
+    """Gives every Linear of `model` its plan for `kind` and builds its copies (the module
+    docstring's rule), keeping dense weights other modules read. Under int8, a layer an int8
+    checkpoint stores in float (`keep_float`) takes `float_kind`, the kind it would have had
+    unquantized. A bare Gemv for `native` keeps the second layouts (as `--native-linear on`)."""
+    if isinstance(native, Gemv):
+        native = NativeLinear(native, second_layouts=True)
+    shared = _shared_weights(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        own = _own_kind(m, kind, float_kind)
+        m.prepare(own, keep_dense=id(m.weight) in shared, native=native)
+    tied = _read_tied_rows_from_panels(model, linears, shared)
+    if onednn := [m for m in linears if "onednn" in {r.kernel for r in m.plan}]:
+        _warm_up(onednn)
+    if kind != "dense":
+        logger.info("linear layers: %s", _decision(model, kind, float_kind, native, tied))
 
 
-def _int8(q: Tensor, scale: Tensor, bias: Tensor | None) -> LinearFn:
-    zero = torch.zeros(q.shape[0], dtype=torch.long)
-    with warnings.catch_warnings():
-        # Quantized tensors are deprecated as a user-facing type; fbgemm's prepacked linear is
-        # still the fastest int8 GEMM reachable from PyTorch on CPU, and this is its input.
-        warnings.simplefilter("ignore", UserWarning)
-        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-    packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
-    op = torch.ops.quantized.linear_dynamic.default
-    out_features = q.shape[0]
+def _own_kind(m: Linear, kind: LinearKind, float_kind: LinearKind) -> LinearKind:
+    return float_kind if kind == "int8" and m.keep_float else kind
 
-    def run(x: Tensor) -> Tensor:
-        if x.shape[0] == 0:
-            return x.new_empty((0, out_features))
-        # reduce_range=False: 8-bit activations. Safe from int16 saturation only with VNNI's
-        # int32 accumulation, which `resolve_linear_kind` checks before choosing int8.
-        return op(x.float(), packed, False).to(x.dtype)
 
-    return run
+def _read_tied_rows_from_panels(model: nn.Module, linears: list[Linear], shared: set[int]) -> int:
+    """Tied embeddings read their rows from the Linear's panel copy, and the dense weight is
+    freed, where every other module holding it can (PanelRows); returns how many were."""
+    tied = 0
+    for m in linears:
+        panel = m.panel_copy()
+        if id(m.weight) not in shared or panel is None or m.plan[-1].kernel == "dense":
+            continue
+        others = [
+            o for o in model.modules() if o is not m and getattr(o, "weight", None) is m.weight
+        ]
+        readers = [o for o in others if isinstance(o, PanelRows)]
+        if others and len(readers) == len(others):
+            for o in readers:
+                o.read_rows_from(panel)
+            m.free_dense()
+            tied += 1
+    return tied
+
+
+def _decision(
+    model: nn.Module,
+    kind: LinearKind,
+    float_kind: LinearKind,
+    native: NativeLinear | None,
+    tied: int,
+) -> str:
+    """The start-up line: each layer's first layout, the second layouts and their bytes."""
+    linears = _unique_linears(model)
+    one = None if native is None else NativeLinear(native.gemv, second_layouts=False)
+    first = sum(layout_bytes(m, _plan(m, kind, float_kind, one)) for m in linears)
+    kernels = sorted({r.kernel for m in linears for r in m.plan})
+    line = f"{len(linears)} as {'+'.join(kernels)}, each weight once: {first / GIB:.2f} GiB"
+    extra, weights = second_layout_bytes(model, kind, float_kind, native), weight_bytes(model, kind)
+    if native is not None and native.second_layouts and extra:
+        line += f", second layouts kept: +{extra / GIB:.2f} GiB"
+    elif native is not None and extra:
+        line += (
+            f", second layouts not kept (+{extra / GIB:.2f} GiB, over {SECOND_LAYOUT_SHARE:.0%}"
+            f" of the {weights / GIB:.2f} GiB of weights; --native-linear on keeps them)"
+        )
+    if tied:
+        line += "; tied embeddings read the lm_head's panel copy"
+    return line
+
+
+def layout_bytes(m: Linear, plan: Plan) -> int:
+    """Bytes of the copies of `m`'s weight that `plan`'s kernels read."""
+    n, k, dtype = m.out_features, m.in_features, m.weight.dtype
+    size = dtype.itemsize
+    total = 0
+    for kernel in {r.kernel for r in plan}:
+        if kernel == "panel":
+            total += PanelWeight.padded_out((n, k), dtype) * k * size
+        elif kernel in ("int8", "gemv_int8"):
+            total += n * k
+        else:
+            total += n * k * size
+    return total
+
+
+def second_layout_bytes(
+    model: nn.Module, kind: LinearKind, float_kind: LinearKind, native: NativeLinear | None
+) -> int:
+    """Bytes the plans' second layouts add over each weight's first one."""
+    if native is None:
+        return 0
+    one, two = (NativeLinear(native.gemv, second_layouts=s) for s in (False, True))
+    return sum(
+        layout_bytes(m, _plan(m, kind, float_kind, two))
+        - layout_bytes(m, _plan(m, kind, float_kind, one))
+        for m in _unique_linears(model)
+    )
+
+
+def weight_bytes(model: nn.Module, kind: LinearKind) -> int:
+    """The model's weights at the served precision: every parameter at its dtype's size, but
+    linear weights at a byte under int8 (those an int8 checkpoint keeps in float excepted)."""
+    linear_ids = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            int8 = kind == "int8" and not m.keep_float
+            size = 1 if int8 else m.weight.dtype.itemsize
+            linear_ids[id(m.weight)] = m.out_features * m.in_features * size
+    total = sum(linear_ids.values())
+    for p in model.parameters():
+        if id(p) not in linear_ids:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _plan(m: Linear, kind: LinearKind, float_kind: LinearKind, native: NativeLinear | None) -> Plan:
+    own = _own_kind(m, kind, float_kind)
+    return plan_for(own, m.weight.dtype, m.in_features, native if own in GEMV_KINDS else None)
+
+
+def _unique_linears(model: nn.Module) -> list[Linear]:
+    return list({id(m.weight): m for m in model.modules() if isinstance(m, Linear)}.values())
+
+
+def native_linear(
+    mode: NativeLinearMode,
+    kind: LinearKind,
+    gemv: Gemv | None,
+    model: nn.Module,
+    float_kind: LinearKind = "dense",
+) -> NativeLinear | None:
+    """The native kernels the linear layers of `model` run (`--native-linear`), or None.
+
+    `gemv` is the loaded library's (None where the native kernels do not run here: `on` is then
+    an error, `auto` falls back quietly). Second layouts: `on` keeps them, `auto` while they take
+    at most SECOND_LAYOUT_SHARE of the weights' bytes."""
+    if mode == "off" or kind not in GEMV_KINDS:
+        return None
+    if gemv is None:
+        if mode == "on":
+            raise ModelLoadError("--native-linear on needs the native CPU kernels")
+        return None
+    if mode == "on":
+        return NativeLinear(gemv, second_layouts=True)
+    extra = second_layout_bytes(model, kind, float_kind, NativeLinear(gemv, False))
+    return NativeLinear(gemv, extra <= SECOND_LAYOUT_SHARE * weight_bytes(model, kind))
 
 
 def resolve_linear_kind(
@@ -389,106 +474,15 @@ def has_int8_gemm() -> bool:
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
-def prepare_linears(
-    model: nn.Module,
-    kind: LinearKind,
-    gemv: Gemv | None = None,
-    float_kind: LinearKind = "dense",
-) -> None:
-    """Converts every Linear of `model` to `kind`, keeping dense weights other modules share;
-    with `gemv` (for the kinds in GEMV_KINDS), few-row batches run it on every layer's plain
-    weight, all kept (Linear.prepare's `keep_plain`). Under int8, a layer an int8 checkpoint
-    stores in float (`keep_float`) takes `float_kind`, the kind it would have had unquantized."""
-    shared = _shared_weights(model)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    gemv = gemv if kind in GEMV_KINDS else None
-    for m in linears:
-        own = float_kind if kind == "int8" and m.keep_float else kind
-        m_gemv = gemv if own in GEMV_KINDS else None
-        m.prepare(own, keep_dense=id(m.weight) in shared, keep_plain=m_gemv is not None)
-        m.use_gemv(m_gemv)
-    if onednn := [m for m in linears if m.kind == "onednn"]:
-        _warm_up(onednn)
-    if kind != "dense":
-        plain = "int8 copies" if kind == "int8" else "dense weights"
-        extra = f" (+ the small-batch GEMV on the {plain})" if gemv is not None else ""
-        logger.info("linear layers: %d prepared as %s%s", len(linears), kind, extra)
-
-
-def small_batch_gemv(
-    mode: SmallBatchGemv, kind: LinearKind, gemv: Gemv | None, model: nn.Module
-) -> Gemv | None:
-    """The GEMV the linear layers of `model` should use for few-row batches, or None.
-
-    `gemv` is the loaded native kernel (None when the kernels do not run here). Only the kinds
-    that pack their weights (oneDNN, int8) gain from a second copy (panels, or a plain one);
-    `auto` keeps the copies when they take at most a quarter of physical memory, `on` always (an
-    error without the kernels)."""
-    if mode == "off" or kind not in GEMV_KINDS:
-        return None
-    if gemv is None:
-        if mode == "on":
-            raise ModelLoadError("--small-batch-gemv on needs the native CPU kernels")
-        return None
-    extra = plain_copy_bytes(model, kind, gemv)
-    if kind == "onednn":  # int8 layers keep no panel copy
-        extra += panel_copy_bytes(model, gemv)
-    limit = _physical_memory_bytes() // 4
-    if mode == "auto" and extra > limit:
-        logger.info(
-            "small-batch GEMV off: its weight copies (%.0f MiB) exceed a quarter of RAM",
-            extra / 2**20,
-        )
-        return None
-    return gemv
-
-
-def plain_copy_bytes(
-    model: nn.Module, kind: LinearKind = "onednn", gemv: Gemv | None = None
-) -> int:
-    """Bytes the small-batch GEMV's plain weights add: for `onednn` the dense weights that would
-    otherwise be freed (but for dtypes `gemv` has the panel GEMM for, whose panel copies stand in
-    for them), for `int8` an int8 copy of every weight."""
-    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
-    if kind == "int8":
-        return sum(m.weight.numel() for m in linears.values())
-    shared = _shared_weights(model)
-    return sum(
-        m.weight.numel() * m.weight.element_size()
-        for k, m in linears.items()
-        if k not in shared and not (gemv and _panel_bytes(m, gemv))
-    )
-
-
-def panel_copy_bytes(model: nn.Module, gemv: Gemv) -> int:
-    """Bytes the panel GEMM's packed copies add: every linear weight of a dtype it takes here
-    once more."""
-    linears = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)}
-    return sum(_panel_bytes(m, gemv) for m in linears.values())
-
-
-def _panel_bytes(m: Linear, gemv: Gemv) -> int:
-    """Bytes of `m`'s panel copy; 0 when it gets none here (and keeps its plain weight)."""
-    dtype = m.weight.dtype
-    if not gemv.panel_rows.get(dtype, 0):
-        return 0
-    n_pad = PanelWeight.padded_out((m.out_features, m.in_features), dtype)
-    return n_pad * m.in_features * m.weight.element_size()
-
-
-def _physical_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 @torch.inference_mode()
 def _warm_up(linears: list[Linear]) -> None:
     """Runs each distinct weight shape once per row bucket, so oneDNN's per-shape primitives are
-    built now rather than during serving (layers of one shape share them). Row counts the GEMV
-    or the panel GEMM take never reach oneDNN and are skipped."""
+    built now rather than during serving (layers of one shape share them). Row counts the plan
+    sends elsewhere never reach oneDNN and are skipped."""
     shapes = {(m.in_features, m.out_features, m.bias is not None): m for m in linears}
     for m in shapes.values():
         for rows in row_buckets(m.weight.dtype):
-            if rows > max(m._gemv_rows, m._panel_rows):
+            if m.route(rows).kernel == "onednn":
                 m(torch.zeros(rows, m.in_features, dtype=m.weight.dtype))
 
 

@@ -117,7 +117,11 @@ def test_equals_the_layer_by_layer_path(
     gemv_rows = min(plan.max_rows, native_kernels.gemv.max_rows)
     for m in model.modules():  # the layer-by-layer path's linear layers on the GEMV too
         if isinstance(m, linear.Linear):
-            monkeypatch.setattr(m, "_gemv_rows", max(m._gemv_rows, gemv_rows))
+            routes = [
+                linear.Route(max(r.max_rows, gemv_rows), r.kernel) if r.kernel == "gemv_int8" else r
+                for r in m.plan
+            ]
+            monkeypatch.setattr(m, "plan", tuple(routes))
     native = _results(llm, plan.max_rows)
     # 128 rows on the panel GEMM (bfloat16 where the CPU has AVX512_BF16); int8 8.
     panel_rows = native_kernels.gemv.panel_rows[getattr(torch, dtype)]

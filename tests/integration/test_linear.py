@@ -10,15 +10,19 @@ from torch import Tensor
 from inferd.errors import ModelLoadError
 from inferd.models import kernels
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
+from inferd.models.layers import Embedding
 from inferd.models.linear import (
+    ANY_ROWS,
     BF16_ROW_BUCKETS,
     GEMV_MAX_ROWS,
     ROW_BUCKETS,
     Linear,
+    NativeLinear,
+    Route,
     has_int8_gemm,
+    native_linear,
     padded_rows,
     prepare_linears,
-    small_batch_gemv,
 )
 
 pytestmark = pytest.mark.integration
@@ -167,9 +171,9 @@ class _Counting(Gemv):
         self.calls += 1
         return super().int8(x, w)
 
-    def panel(self, x: Tensor, w: PanelWeight) -> Tensor:
+    def panel(self, x: Tensor, w: PanelWeight, out: Tensor | None = None) -> Tensor:
         self.panel_calls += 1
-        return super().panel(x, w)
+        return super().panel(x, w, out)
 
 
 @onednn
@@ -199,16 +203,25 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
 
-@onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.dtype) -> None:
-    most = gemv.panel_rows[dtype]
-    if most == 0:
+def _panel_layer(
+    gemv: Gemv, dtype: torch.dtype, second_layouts: bool
+) -> tuple[Linear, Tensor, Tensor, _Counting]:
+    """A layer on the panel GEMM (skips where the CPU has none in `dtype`), its float weight and
+    bias, and the counting kernel it runs."""
+    if gemv.panel_rows[dtype] == 0:
         pytest.skip("no AVX512_BF16 on this CPU: no bfloat16 panel GEMM")
     m = _linear(True, dtype)
     weight, bias = m.weight.detach().float(), m.bias.detach().float()  # type: ignore[union-attr]
     counting = _Counting(gemv)
-    prepare_linears(m, "onednn", counting)
+    prepare_linears(m, "onednn", NativeLinear(counting, second_layouts))
+    return m, weight, bias, counting
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.dtype) -> None:
+    m, weight, bias, counting = _panel_layer(gemv, dtype, second_layouts=True)
+    most = gemv.panel_rows[dtype]
     assert m.weight.numel() == 0, "the panel copy takes the GEMV's rows: the plain one is freed"
     assert m.gemv_weight() is not None and m.gemv_weight().shape == (64, 96)  # type: ignore[union-attr]
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
@@ -225,10 +238,46 @@ def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.d
             torch.testing.assert_close(
                 got.float(), F.linear(x.float(), weight, bias), atol=atol, rtol=rtol
             )
-    m.use_gemv(None)
-    assert m.padded_rows(33) > 33, "without the GEMV, 33 rows pad to a oneDNN count again"
-    m.use_gemv(counting)
-    assert m._panel_rows == most, "the packed copy is kept across use_gemv calls"
+    # A bare Gemv keeps the second layout (--native-linear on): oneDNN's, past the panel's rows.
+    assert m.plan == (Route(most, "panel"), Route(ANY_ROWS, "onednn"))
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_weight_held_once_in_panels_takes_every_row_count(
+    gemv: Gemv, dtype: torch.dtype
+) -> None:
+    m, weight, bias, counting = _panel_layer(gemv, dtype, second_layouts=False)
+    most = gemv.panel_rows[dtype]
+    assert m.plan == (Route(ANY_ROWS, "panel"),) and "onednn" not in m._run
+    assert m.weight.numel() == 0
+    atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
+    with torch.inference_mode():
+        for rows in (0, 1, most, most + 1, 2 * most + 3):
+            x = torch.randn(rows, 96).to(dtype)
+            before = counting.panel_calls
+            got = m(x)
+            assert counting.panel_calls - before == -(-rows // most), rows  # 128 rows a call
+            assert got.shape == (rows, 64) and m.padded_rows(rows) == rows
+            want = F.linear(x.float(), weight, bias)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_embeddings_read_the_lm_heads_panel_copy(gemv: Gemv, dtype: torch.dtype) -> None:
+    if not gemv.panel_rows[dtype]:
+        pytest.skip("no panel GEMM in this dtype here")
+    head = _linear(False, dtype)
+    model = torch.nn.Module()
+    model.head = head
+    model.embed = Embedding(64, 96, dtype)
+    model.embed.weight = head.weight  # tied, as an lm_head and its embeddings
+    dense = head.weight.detach().clone()
+    prepare_linears(model, "onednn", NativeLinear(gemv, second_layouts=False))
+    assert head.weight.numel() == 0 and model.embed.weight.numel() == 0, "one copy: the panels"
+    ids = torch.tensor([[0, 5, 63], [1, 40, 2]])
+    assert torch.equal(model.embed(ids), F.embedding(ids, dense))
 
 
 @onednn
@@ -241,7 +290,7 @@ def test_a_shared_weight_stays_beside_its_panel_copy(gemv: Gemv) -> None:
     model.embed = torch.nn.Embedding(64, 96)
     model.embed.weight = head.weight  # tied, as an lm_head and its embeddings
     prepare_linears(model, "onednn", gemv)
-    assert head._panel_rows and head.weight.shape == (64, 96), "the embedding still reads it"
+    assert head.panel_copy() is not None and head.weight.shape == (64, 96), "the embedding reads it"
 
 
 @pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products on this CPU")
@@ -268,43 +317,51 @@ def test_int8_few_rows_run_the_gemv_on_an_int8_copy(gemv: Gemv) -> None:
             assert ((got - batched(x)).abs().max() / ref.abs().max()).item() < 0.05
 
 
-@onednn
-def test_gemv_needs_the_plain_weight(gemv: Gemv) -> None:
-    m = _linear(False)
-    prepare_linears(m, "onednn")
-    with pytest.raises(ValueError, match="plain weight"):
-        m.use_gemv(gemv)
+def test_the_plan_by_kind(gemv: Gemv) -> None:
     prepare_linears(m := _linear(False), "dense", gemv)
-    assert m._gemv is None, "only the packed kinds (oneDNN, int8) take the GEMV"
+    assert m.plan == (Route(ANY_ROWS, "dense"),), "only the packed kinds take native kernels"
+    assert m.gemv_weight() is None and m.weight.shape == (64, 96)
     if has_int8_gemm():
-        prepare_linears(m := _linear(False), "int8")
-        with pytest.raises(ValueError, match="plain weight"):
-            m.use_gemv(gemv)
+        prepare_linears(m := _linear(False), "int8", NativeLinear(gemv, second_layouts=False))
+        assert m.plan == (Route(ANY_ROWS, "int8"),) and m.gemv_weight() is None
+        prepare_linears(m := _linear(False), "int8", gemv)
+        assert m.plan == (Route(GEMV_MAX_ROWS, "gemv_int8"), Route(ANY_ROWS, "int8"))
 
 
-def test_small_batch_gemv_policy(gemv: Gemv, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_linear_policy(gemv: Gemv) -> None:
     from inferd.models import linear
 
     m = torch.nn.ModuleList([_linear(False), _linear(True)])
-    assert linear.plain_copy_bytes(m) == 2 * 64 * 96 * 4
-    assert linear.plain_copy_bytes(m, "int8") == 2 * 64 * 96  # a byte per weight
-    # 64 outputs: one whole panel each, where the CPU runs the panel GEMM in that dtype.
-    f32_panels = 2 * 64 * 96 * 4 if gemv.panel_rows[torch.float32] else 0
-    assert linear.panel_copy_bytes(m, gemv) == f32_panels
-    bf16 = torch.nn.ModuleList([_linear(False, torch.bfloat16)])
-    bf16_panels = 64 * 96 * 2 if gemv.panel_rows[torch.bfloat16] else 0
-    assert linear.panel_copy_bytes(bf16, gemv) == bf16_panels
-    assert small_batch_gemv("off", "onednn", gemv, m) is None
-    assert small_batch_gemv("auto", "int8", gemv, m) is gemv
-    assert small_batch_gemv("auto", "dense", gemv, m) is None
-    assert small_batch_gemv("auto", "onednn", None, m) is None  # no native kernels: quietly off
+    weights = 2 * 64 * 96 * 4
+    assert linear.weight_bytes(m, "onednn") == weights + 64 * 4  # the bias too
+    assert linear.weight_bytes(m, "int8") == 2 * 64 * 96 + 64 * 4  # a byte per linear weight
+    assert native_linear("off", "onednn", gemv, m) is None
+    assert native_linear("auto", "dense", gemv, m) is None
+    assert native_linear("auto", "onednn", None, m) is None  # no native kernels: quietly off
     with pytest.raises(ModelLoadError, match="native"):
-        small_batch_gemv("on", "onednn", None, m)
-    assert small_batch_gemv("auto", "onednn", gemv, m) is gemv
-    # Where the panel GEMM runs the dtype, its copy stands in for the plain one (freed).
-    plain = 0 if f32_panels else 2 * 64 * 96 * 4
-    assert linear.plain_copy_bytes(m, "onednn", gemv) == plain
-    # auto keeps the copies only while they take at most a quarter of physical memory; on always.
-    monkeypatch.setattr(linear, "_physical_memory_bytes", lambda: 4 * (plain + f32_panels) - 4)
-    assert small_batch_gemv("auto", "onednn", gemv, m) is None
-    assert small_batch_gemv("on", "onednn", gemv, m) is gemv
+        native_linear("on", "onednn", None, m)
+    on = native_linear("on", "onednn", gemv, m)
+    assert on is not None and on.gemv is gemv and on.second_layouts
+    # auto: second layouts only within a quarter of the weights' bytes; oneDNN's copy beside
+    # the panels is all of them again, the int8 GEMV's copy all of the int8 ones.
+    auto = native_linear("auto", "onednn", gemv, m)
+    assert auto is not None and auto.gemv is gemv
+    if gemv.panel_rows[torch.float32]:
+        assert not auto.second_layouts
+        assert linear.second_layout_bytes(m, "onednn", "dense", auto) == weights
+    auto8 = native_linear("auto", "int8", gemv, m)
+    assert auto8 is not None and not auto8.second_layouts
+
+
+def test_the_old_flag_and_field_name_still_work() -> None:
+    import argparse
+
+    from inferd.config import EngineConfig
+    from inferd.engine_args import add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args(["--small-batch-gemv", "off"]).native_linear == "off"
+    assert p.parse_args(["--native-linear", "on"]).native_linear == "on"
+    config = EngineConfig.from_kwargs(small_batch_gemv="off")
+    assert config.device.native_linear == "off"

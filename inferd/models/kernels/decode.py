@@ -1,6 +1,7 @@
 """`decode_step.cpp`: a decode step through every decoder layer in one native call, of up to 128
-rows when every linear layer has its panel copy (the default where the copies fit), else 1-16
-(int8 weights 1-8).
+rows when every linear layer has its panel copy (float32, and bfloat16 on AVX512_BF16: the
+default, models/linear.py's plan), 1-8 when int8 layers keep the int8 GEMV's copy
+(`--native-linear on`).
 
 `DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
 RoPE tables), checks their shapes and builds the C structures that point at them; the returned
@@ -106,10 +107,11 @@ class _Step(ctypes.Structure):
 
 @dataclass(frozen=True)
 class GemvWeight:
-    """One linear layer as the GEMV reads it: the plain model-dtype weight [n, k] and bias, or
-    an int8 copy (whose bias is inside it); for float32 and bfloat16, also its panel copy, which
-    every row count runs on when present (None: the layer has none). With a panel copy the plain
-    weight may be gone (None: Linear frees it when the panel takes every row count)."""
+    """One linear layer as the decode step reads it: its panel copy (float32, bfloat16), which
+    every row count runs on when present, or an int8 copy (whose bias is inside it), or the plain
+    model-dtype weight [n, k] and bias (tests and benchmarks; no plan of models/linear.py gives
+    it). With a panel copy the plain weight is usually gone (None: Linear holds each weight
+    once)."""
 
     weight: Tensor | Int8Weight | None
     bias: Tensor | None

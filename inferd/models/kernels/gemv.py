@@ -7,8 +7,9 @@ products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 w
 (`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does.
 `Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
 by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
-AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, so the linear layers
-send it all of them. Inputs are checked here; the C side trusts them.
+AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, and the linear
+layers' plan (models/linear.py) sends it larger batches too, 128 rows a call into one output
+(`out`). Inputs are checked here; the C side trusts them.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ class PanelWeight:
             packed = packed.squeeze(-1)
         b = None if bias is None else bias.to(weight.dtype).contiguous()
         return cls(packed.contiguous(), n, k, b)
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Weight rows `ids` (any shape) -> [*ids.shape, in]: an embedding lookup on the panel
+        copy, for embeddings tied to the weight (models/linear.py frees the plain copy then)."""
+        flat = ids.reshape(-1)
+        p, c = flat // PANEL_COLUMNS, flat % PANEL_COLUMNS
+        # [T, in] float32 from [P, in, 64]; [T, in / 2, 2] bfloat16 from [P, in / 2, 64, 2].
+        picked = self.packed[p, :, c] if self.packed.dim() == 3 else self.packed[p, :, c, :]
+        return picked.reshape(*ids.shape, self.in_features)
 
     def unpack(self, p0: int, p1: int) -> Tensor:
         """The weight rows [(p1 - p0) * 64, in] of panels [p0, p1) (zeros past `out_features`)."""
@@ -192,9 +202,9 @@ class Gemv:
         check_rc(rc, "gemv int8")
         return y
 
-    def panel(self, x: Tensor, w: PanelWeight) -> Tensor:
+    def panel(self, x: Tensor, w: PanelWeight, out: Tensor | None = None) -> Tensor:
         """[rows, in] in the weight's dtype (rows <= panel_rows[dtype], unit stride along in)
-        -> [rows, out]."""
+        -> [rows, out], written into `out` (rows of unit stride) when given."""
         dtype = w.packed.dtype
         rows, k = self._rows(x, self.panel_rows[dtype])
         if k != w.in_features or x.dtype != dtype or x.stride(1) != 1:
@@ -202,7 +212,9 @@ class Gemv:
                 f"gemm panel: x {tuple(x.shape)} {x.dtype}, weight in {w.in_features} {dtype}"
             )
         n = w.out_features
-        y = torch.empty(rows, n, dtype=dtype)
+        y = torch.empty(rows, n, dtype=dtype) if out is None else out
+        if y.shape != (rows, n) or y.dtype != dtype or y.stride(1) != 1:
+            raise ValueError(f"gemm panel: out {tuple(y.shape)} {y.dtype} for {rows}x{n}")
         rc = self._panel(
             x.data_ptr(),
             rows,
@@ -212,7 +224,7 @@ class Gemv:
             k,
             None if w.bias is None else w.bias.data_ptr(),
             y.data_ptr(),
-            n,
+            y.stride(0),
             DTYPE_CODES[dtype],
         )
         check_rc(rc, "gemm panel")
