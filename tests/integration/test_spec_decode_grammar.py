@@ -4,7 +4,8 @@ The matcher's bookkeeping on the tiny model's tokenizer (each draft row gets the
 state after the drafts before it; a refused draft ends the masked rows; verification's rollback
 leaves the state of the drafts kept), then whole requests on the x30 cycling checkpoint of
 test_spec_decode_vs_plain: a JSON schema, a regex and a free request in one batch give the same
-outputs with drafts as without, greedy and seeded, with drafts both accepted and rejected.
+outputs with drafts as without, greedy and seeded, with drafts both accepted and rejected and
+constrained requests preempted.
 """
 
 from __future__ import annotations
@@ -173,4 +174,6 @@ def test_structured_outputs_equal_without_speculation(
     assert 0 < accepted <= counters.num_accepted_tokens, "no constrained draft was accepted"
     assert proposed > accepted, "no constrained draft was rejected"
     assert counters.num_draft_tokens > counters.num_accepted_tokens
+    # Constrained requests were preempted too (their grammar state survives recompute).
+    assert any(o.metrics.num_preemptions for rid, o in got.items() if not rid.startswith("free"))
     _check_drained(engine)
