@@ -184,10 +184,10 @@ class ModelRunner:
                 tokens = self.greedy_head(hidden)
             logits = None if tokens is not None else self.model.compute_logits(hidden, False)
             end = _device_event(self.device)
-        # Grammar requests verify no drafts (the engine proposes none): one row each.
+        # A grammar's chunk: its first row, its grammar and its drafts (a mask per draft row).
         first_rows = np.cumsum([0] + [c.num_drafts + 1 for c in chunks])
         grammars = [
-            (int(first_rows[i]), c.request.grammar)
+            (int(first_rows[i]), c.request.grammar, c.draft_token_ids, i)
             for i, c in enumerate(chunks)
             if c.request.grammar
         ]
@@ -207,8 +207,8 @@ class ModelRunner:
             rewind(chunks, new_tokens)
         if grammars:
             with timed(stat, "grammar"):
-                for row, grammar in grammars:
-                    _accept(grammar, token_ids[row], row)
+                for row, grammar, _, i in grammars:
+                    _accept(grammar, new_tokens[i], row)
         _charge_device_time(stat, start, end)
         return ModelRunnerOutput(
             req_ids=[c.request.request_id for c in chunks],
@@ -216,14 +216,20 @@ class ModelRunner:
             logprobs=logprobs,
         )
 
-    def _mask(self, logits: Tensor, grammars: list[tuple[int, TokenConstraint]]) -> Tensor:
-        """Float32 logits with every active grammar's refused tokens at -inf."""
+    def _mask(
+        self, logits: Tensor, grammars: list[tuple[int, TokenConstraint, list[int], int]]
+    ) -> Tensor:
+        """Float32 logits with every active grammar's refused tokens at -inf (per draft row)."""
         from inferd.sampling.grammar import GrammarMasks, RequestGrammar
 
         if self.grammar_masks is None:
             self.grammar_masks = GrammarMasks(self.arch.vocab_size)
         logits = logits.float()
-        active = [(r, g) for r, g in grammars if g.active and isinstance(g, RequestGrammar)]
+        active = [
+            (r, g, drafts)
+            for r, g, drafts, _ in grammars
+            if g.active and isinstance(g, RequestGrammar)
+        ]
         self.grammar_masks.apply(logits, active)
         return logits
 
@@ -436,10 +442,13 @@ def _row_runs(chunks: list[ScheduledChunk]) -> list[tuple[str | None, int, int]]
     return runs
 
 
-def _accept(grammar: TokenConstraint, token_id: int, row: int) -> None:
-    if not grammar.accept(token_id):
-        # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
-        logger.error("grammar refused sampled token %d (row %d)", token_id, row)
+def _accept(grammar: TokenConstraint, new_tokens: list[int], row: int) -> None:
+    """Keeps the accepted drafts the mask step advanced the grammar through, then advances it
+    over the step's other new tokens (the sampled one)."""
+    for token_id in new_tokens[grammar.rollback_drafts(len(new_tokens) - 1) :]:
+        if not grammar.accept(token_id):
+            # The mask allowed only what the grammar accepts: a refusal is a bug, not bad input.
+            logger.error("grammar refused sampled token %d (row %d)", token_id, row)
 
 
 def _device_event(device: torch.device) -> torch.cuda.Event | None:

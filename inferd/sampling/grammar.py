@@ -4,8 +4,9 @@
     future = compiler.submit(params.structured_outputs)   # a thread compiles; the loop goes on
     grammar = RequestGrammar(future.result(), ...)        # once done: one matcher per sequence
     masks = GrammarMasks(vocab_size)
-    masks.apply(logits, [(row, grammar), ...])            # refused tokens' logits -> -inf
-    masks.accept([(row, grammar), ...], token_ids)        # advance over the sampled tokens
+    masks.apply(logits, [(row, grammar, drafts), ...])    # refused tokens' logits -> -inf
+    held = grammar.rollback_drafts(num_kept)              # after sampling: the drafts kept,
+    grammar.accept(t) for t in new_tokens[held:]          # then the step's other new tokens
 
 Compilation: xgrammar builds the grammar and its per-token mask cache for this tokenizer (~1 ms
 for a small schema, seconds for a deeply nested `oneOf`). It releases the GIL, so the engine keeps
@@ -18,6 +19,14 @@ Masks: one int32 bitmask [rows, ceil(V / 32)] filled for the batch's constrained
 (xgrammar's BatchGrammarMatcher), then applied to the float32 logits before the sampler, so every
 sampling path (greedy, top-k/p, seeds, logprobs) only ever sees allowed tokens. A finished grammar
 allows only the stop tokens (the engine's EOS ids), so the request ends as any other does.
+
+Speculative decoding: a request's d drafts sample d + 1 rows, and row j gets the mask of the state
+after drafts[:j], as decoding token by token would apply. `fill_draft_masks` advances the matcher
+through the drafts, one mask per row; at a draft the grammar refuses it stops, so that draft's
+row refuses it (verification rejects it and everything after it) and the rows after it stay
+unmasked (their tokens are discarded). `rollback_drafts` then rolls the matcher back to the
+drafts verification kept (xgrammar's rollback is unlimited), and the step's other new tokens
+are accepted as usual.
 
 Reasoning models: with a reasoning parser the constraint applies from the end of the reasoning
 (its end marker, e.g. `</think>`, in the prompt's tail or the output), not before.
@@ -161,6 +170,8 @@ class RequestGrammar:
         reasoning_end: Sequence[int] = (),
     ) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        # Drafts the matcher accepted in fill_draft_masks, for rollback_drafts.
+        self._num_draft_tokens = 0
         self._end = list(reasoning_end)
         self._recent: list[int] = []
         self._active = not self._end or _reasoning_ended(
@@ -183,6 +194,33 @@ class RequestGrammar:
         self._recent = [*self._recent, token_id][-len(self._end) :]
         self._active = self._recent == self._end
         return True
+
+    def fill_draft_masks(self, bitmask: Tensor, row: int, drafts: Sequence[int]) -> list[int]:
+        """Fills `bitmask` rows row, row + 1, ... with the mask after drafts[:j], accepting each
+        draft into the matcher; returns the rows filled. Stops after the row of a draft the
+        grammar refuses (that row refuses it), and where the grammar has ended (what follows is
+        free, as `active` says). Only for an active grammar (the engine drafts no reasoning)."""
+        assert self.active and self._num_draft_tokens == 0, "drafts of a step left accepted"
+        rows = []
+        for j in range(len(drafts) + 1):
+            if not self.active:
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, row + j)
+            rows.append(row + j)
+            if j == len(drafts) or not self.matcher.accept_token(drafts[j]):
+                break
+            self._num_draft_tokens += 1
+        return rows
+
+    def rollback_drafts(self, num_kept: int) -> int:
+        """Rolls the matcher back to the first `num_kept` drafts of `fill_draft_masks`; returns
+        how many of them it holds (fewer when kept drafts went past the grammar's end: free
+        tokens, which `accept` passes)."""
+        held = min(num_kept, self._num_draft_tokens)
+        if self._num_draft_tokens > held:
+            self.matcher.rollback(self._num_draft_tokens - held)
+        self._num_draft_tokens = 0
+        return held
 
 
 def _reasoning_ended(prompt: Sequence[int], start: list[int], end: list[int]) -> bool:
@@ -209,13 +247,23 @@ class GrammarMasks:
         # One thread: the bitmask fill runs between two forwards that want every core.
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
 
-    def apply(self, logits: Tensor, rows: Sequence[tuple[int, RequestGrammar]]) -> None:
-        """Refused tokens' logits -> -inf for each (row, grammar); `logits` is float32 [N, V]."""
+    def apply(
+        self, logits: Tensor, rows: Sequence[tuple[int, RequestGrammar, Sequence[int]]]
+    ) -> None:
+        """Refused tokens' logits -> -inf for each active (first row, grammar, drafts): one row
+        without drafts, else the draft rows (`fill_draft_masks`); `logits` is float32 [N, V]."""
         if logits.shape[0] > self._bitmask.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(2 * logits.shape[0], self.vocab_size)
         bitmask = self._bitmask[: logits.shape[0]]
-        indices = [r for r, _ in rows]
-        self._batch.batch_fill_next_token_bitmask([g.matcher for _, g in rows], bitmask, indices)
+        plain = [(r, g) for r, g, drafts in rows if not drafts]
+        indices = [r for r, _ in plain]
+        if plain:
+            self._batch.batch_fill_next_token_bitmask(
+                [g.matcher for _, g in plain], bitmask, indices
+            )
+        for r, g, drafts in rows:
+            if drafts:
+                indices += g.fill_draft_masks(bitmask, r, drafts)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(

@@ -109,3 +109,8 @@ class TokenConstraint(Protocol):
     def accept(self, token_id: int) -> bool:
         """Advances over a sampled token; False if the grammar refuses it."""
         ...
+
+    def rollback_drafts(self, num_kept: int) -> int:
+        """Keeps the first `num_kept` drafts the last mask step advanced it through, undoes the
+        rest (speculative decoding); returns how many it holds (0 when it took no drafts)."""
+        ...

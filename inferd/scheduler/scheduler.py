@@ -406,11 +406,17 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
 
     EOS (unless ignore_eos) and stop_token_ids stop the request, but not before `min_tokens`
     outputs; they win over the length limit when both apply to the same token. A grammar that
-    accepted its stop token ends the request whatever `min_tokens` says: the answer is complete.
+    accepted its stop token ends the request whatever `min_tokens` says: the answer is complete
+    (that token, not one before it that the grammar accepted in the same step, with drafts).
     """
     params = request.sampling_params
     token = request.output_token_ids[-1]
-    if request.grammar is not None and request.grammar.finished and not params.ignore_eos:
+    if (
+        request.grammar is not None
+        and request.grammar.finished
+        and token in request.eos_token_ids
+        and not params.ignore_eos
+    ):
         return RequestStatus.FINISHED_STOPPED, None
     if request.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token in request.eos_token_ids:

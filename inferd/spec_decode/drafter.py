@@ -4,10 +4,12 @@
     ... schedule -> execute (the runner verifies, executor/spec_verify.py) -> update ...
     drafter.observe(sched, runner_out)               # acceptance counters and the k policy
 
-A request drafts when it is in steady decode (one known token to compute) and has no grammar
-(structured outputs run without speculation). Its k comes from `AdaptiveK` (policy.py), from
-its own measured acceptance; the scheduler may verify fewer drafts than proposed (budget,
-max_tokens).
+A request drafts when it is in steady decode (one known token to compute) and its grammar, if it
+has one, applies (structured outputs: not while the model is still reasoning). Its k comes from
+`AdaptiveK` (policy.py), from its own measured acceptance; the scheduler may verify fewer drafts
+than proposed (budget, max_tokens). A grammar request's drafts are the same n-gram drafts: the
+grammar masks every draft row, so a draft it refuses is rejected at verification
+(sampling/grammar.py, `fill_draft_masks`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ class Drafter:
     def propose(self, running: Sequence[Request]) -> None:
         """Sets each decoding request's drafts for the next step (policy.py chooses its k)."""
         decoding = [
-            r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.grammar is None
+            r
+            for r in running
+            if r.num_tokens - r.num_computed_tokens == 1 and (r.grammar is None or r.grammar.active)
         ]
         for r in decoding:
             k = self.policy.choose(r.draft_acceptance, len(decoding))

@@ -67,9 +67,14 @@ def _workload() -> list[list[int]]:
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-    results: dict[str, RequestOutput] = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    return _drain(engine)
+
+
+def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Steps until every request finished; their last outputs by request id."""
+    results: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

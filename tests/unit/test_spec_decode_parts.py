@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 from scipy.stats import chisquare
-from test_scheduler import make_request, make_scheduler
+from test_scheduler import EOS, make_request, make_scheduler
 
 from inferd.config import EngineConfig, SpeculativeConfig
 from inferd.engine_args import parse_json_object
@@ -202,6 +202,34 @@ def test_drafts_stop_at_max_tokens_and_rejected_blocks_are_freed() -> None:
     s.update_from_output(out, ModelRunnerOutput(["a"], [[11]]))
     assert r.output_token_ids == [50, 11] and r.num_computed_tokens == 3
     assert len(s.block_manager.block_table("a")) == 1
+    s.block_manager.check_invariants()
+
+
+class _EndedGrammar:
+    """A grammar whose stop token was among the step's accepted drafts: the runner advanced it
+    over all of the step's tokens, so it reads finished before the scheduler appends them."""
+
+    active = False
+    finished = True
+
+    def accept(self, token_id: int) -> bool:
+        return True
+
+    def rollback_drafts(self, num_kept: int) -> int:
+        return 0
+
+
+def test_a_grammar_ending_within_a_step_stops_at_its_stop_token() -> None:
+    s = make_scheduler(budget=64)
+    r = make_request("a", 2, max_tokens=10)
+    s.add_request(r)
+    _decode_all(s, ["a"])
+    r.grammar = _EndedGrammar()
+    r.draft_token_ids = [5, EOS, 9]
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["a"], [[5, EOS, 9, 4]]))
+    # Not after 5 (the grammar was not finished there), and nothing after the stop token.
+    assert r.output_token_ids == [50, 5, EOS] and r.is_finished
     s.block_manager.check_invariants()
 
 
