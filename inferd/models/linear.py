@@ -14,8 +14,8 @@ The plan, by the layer's kind (`resolve_linear_kind`), dtype and CPU:
              the same with --native-linear on           <=128 -> panel, any -> onednn
              bfloat16 without AVX512_BF16, odd `in`,    any -> onednn
              no native kernels, --native-linear off
-    int8     AVX512-VNNI / AVX-VNNI                     any -> int8
-             the same with the int8 GEMV copy kept      <=2 -> gemv_int8, any -> int8
+    int8     AVX512-VNNI / AVX-VNNI                     <=2 -> gemv_int8, any -> int8
+             the same with --native-linear off          any -> int8
 
 The kernels, each on its own copy of the weight:
 - `dense`: `F.linear` on the dense weight (cuBLAS on CUDA; the reference).
@@ -29,10 +29,11 @@ The kernels, each on its own copy of the weight:
 
 Each weight is held once: in the layout of the plan's first-layout kernel (panel, onednn, int8
 or dense); the dense weight is freed unless another module reads it (tied embeddings read the
-panel copy instead where they can, `PanelRows`). A second layout (oneDNN's copy for prefill
-batches beside the panels, the int8 GEMV's copy beside fbgemm's) is kept only with
-`--native-linear on`, or under `auto` when all of them together take at most a quarter of the
-weights' bytes (`SECOND_LAYOUT_SHARE`, the 1.25x of docs/benchmarks.md's memory bound).
+panel copy instead where they can, `PanelRows`). A second layout is kept with `--native-linear
+on`; under `auto`, oneDNN's copy for prefill batches beside the panels only when the second
+layouts together take at most a quarter of the weights' bytes (`SECOND_LAYOUT_SHARE`, the 1.25x
+of docs/benchmarks.md's memory bound), and the int8 GEMV's copy beside fbgemm's always (the
+one-call decode step reads it: a single stream without it ran at 0.42x).
 `prepare_linears` logs the decision in one line with the bytes.
 """
 
@@ -415,14 +416,17 @@ def native_linear(
 
     `gemv` is the loaded library's (None where the native kernels do not run here: `on` is then
     an error, `auto` falls back quietly). Second layouts: `on` keeps them, `auto` while they take
-    at most SECOND_LAYOUT_SHARE of the weights' bytes."""
+    at most SECOND_LAYOUT_SHARE of the weights' bytes, and int8's always."""
     if mode == "off" or kind not in GEMV_KINDS:
         return None
     if gemv is None:
         if mode == "on":
             raise ModelLoadError("--native-linear on needs the native CPU kernels")
         return None
-    if mode == "on":
+    if mode == "on" or kind == "int8":
+        # int8 keeps its GEMV copy: the one-call decode step reads it, and without it a single
+        # stream ran at 0.42x (bench/NOTES.md); int8 weights are a byte each, so both copies
+        # together still take less than one float32 copy.
         return NativeLinear(gemv, second_layouts=True)
     extra = second_layout_bytes(model, kind, float_kind, NativeLinear(gemv, False))
     return NativeLinear(gemv, extra <= SECOND_LAYOUT_SHARE * weight_bytes(model, kind))

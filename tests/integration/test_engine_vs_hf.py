@@ -540,8 +540,7 @@ def test_int8_weights_run_the_workload(tmp_path: Path, monkeypatch: pytest.Monke
     work = _workload(seed=5)
     ref = _tokens(_run(_engine(path), work))
     gemv_calls = _count_gemv_calls(monkeypatch)
-    # `on`: the int8 GEMV's copy beside fbgemm's (by default each weight is held once).
-    engine = _engine(path, quantization="int8", native_linear="on")
+    engine = _engine(path, quantization="int8")
     assert engine.model.lm_head.kind == "int8"
     got = _tokens(_run(engine, work))
     if kernel_available():  # the last requests decode alone, on the int8 GEMV

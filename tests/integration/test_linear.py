@@ -342,15 +342,16 @@ def test_native_linear_policy(gemv: Gemv) -> None:
         native_linear("on", "onednn", None, m)
     on = native_linear("on", "onednn", gemv, m)
     assert on is not None and on.gemv is gemv and on.second_layouts
-    # auto: second layouts only within a quarter of the weights' bytes; oneDNN's copy beside
-    # the panels is all of them again, the int8 GEMV's copy all of the int8 ones.
+    # auto: second layouts only within a quarter of the weights' bytes (oneDNN's copy beside
+    # the panels is all of them again), but int8's GEMV copy always (the decode step's).
     auto = native_linear("auto", "onednn", gemv, m)
     assert auto is not None and auto.gemv is gemv
     if gemv.panel_rows[torch.float32]:
         assert not auto.second_layouts
         assert linear.second_layout_bytes(m, "onednn", "dense", auto) == weights
     auto8 = native_linear("auto", "int8", gemv, m)
-    assert auto8 is not None and not auto8.second_layouts
+    assert auto8 is not None and auto8.second_layouts
+    assert native_linear("off", "int8", gemv, m) is None
 
 
 def test_the_old_flag_and_field_name_still_work() -> None:
