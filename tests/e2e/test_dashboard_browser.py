@@ -9,13 +9,13 @@ docs/dashboard-waterfall.png (the README shows them).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from browser import chromium_page, skip_without_chromium
 from conftest import ROOT, Server, start_server, stop_server
 
 from inferd.examples import ensure_example_repository
@@ -24,19 +24,8 @@ if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
+pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
 
-CHROMIUM = os.environ.get("INFERD_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 KEY = "sk-browser-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WAIT_MS = 15_000
@@ -44,8 +33,7 @@ WAIT_MS = 15_000
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    skip_without_chromium()
     repo = str(ensure_example_repository())
     extra = ("inferd-tiny", "--model-repository", repo, "--load-model", "fraud")
     s = start_server(
@@ -57,12 +45,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def page(server: Server) -> Iterator[Page]:
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser.new_page(viewport={"width": 1280, "height": 900})
-        finally:
-            browser.close()
+    with chromium_page() as p:
+        yield p
 
 
 def _send_traffic(server: Server) -> None:

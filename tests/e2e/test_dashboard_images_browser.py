@@ -8,21 +8,20 @@ Skips with its reason when playwright, /usr/bin/chromium or the image engine is 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from browser import chromium_page, skip_without_chromium
 from conftest import ROOT, Server, start_server, stop_server
-from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, WAIT_MS
+from test_dashboard_browser import WAIT_MS
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
+pytest.importorskip("playwright.sync_api", reason="needs playwright (the dev extra)")
 pytest.importorskip("inferd.diffusion.tiny", reason="needs the image engine (inferd.diffusion)")
 
 MODEL = "inferd-tiny-sd"
@@ -31,8 +30,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        pytest.skip(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    skip_without_chromium()
     extra = ("inferd-tiny", "--image-model", MODEL, "--image-threads", "1", "--grpc-port", "-1")
     s = start_server(tmp_path_factory.mktemp("image-browser"), *extra, timeout_s=300)
     yield s
@@ -41,12 +39,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def page(server: Server) -> Iterator[Page]:
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser.new_page(viewport={"width": 1280, "height": 900})
-        finally:
-            browser.close()
+    with chromium_page() as p:
+        yield p
 
 
 def _generate(server: Server) -> None:
