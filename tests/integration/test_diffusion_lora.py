@@ -28,6 +28,8 @@ from inferd.diffusion.lora import UNetStyles
 from inferd.errors import InvalidRequestError
 from inferd.lora.request import LoRARequest
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 # name -> (targets, rank, alpha, save the LoraConfig as metadata). diffusers' training scripts
 # rename attention factors to its own `lora.down` / `lora.up` (convert_state_dict_to_diffusers);
