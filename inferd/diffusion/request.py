@@ -137,6 +137,7 @@ class ImageEngine(Protocol):
     def stats(self) -> ImageEngineStats: ...
 
     def generate(self, request: ImageRequest) -> AsyncIterator[ImageEvent]:
-        """Progress events, then exactly one `ImagesDone`; raises an `InferdError` for a refused
+        """One `DenoiseProgress` per denoising step (the last one too), then exactly one
+        `ImagesDone`; raises an `InferdError` for a refused
         or failed request (`QueueFullError` when the admission queue is full)."""
         ...

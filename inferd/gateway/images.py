@@ -193,15 +193,12 @@ def refusal_outcome(exc: BaseException) -> str:
 
 
 async def follow(job: ImageJob, events: ImageEvents) -> AsyncIterator[DenoiseProgress]:
-    """The progress events, one per step (the last one made up when the engine reported that
-    step only through its `ImagesDone`); the final images land in `job.done` (stages merged).
-    Raises an `InferdError` when the engine fails the request. The caller closes `events`."""
+    """The progress events, one per step (the engine's contract, `ImageEngine.generate`); the
+    final images land in `job.done` (stages merged). Raises an `InferdError` when the engine
+    fails the request. The caller closes `events`."""
     async for event in events:
         if isinstance(event, ImagesDone):
-            unreported = job.step < job.num_steps
             record_done(job, event)
-            if unreported:  # the engine reported its last step only through ImagesDone
-                yield DenoiseProgress(job.num_steps, job.num_steps)
             return
         job.timeline.on_tokens(max(event.step - job.step, 1))
         job.step, job.num_steps = event.step, event.num_steps

@@ -9,8 +9,7 @@ preview on the steps `partial_images` asks for) and then one `ImagesDone` whose 
 deterministic function of the request (`fake_pixels`), so tests can compare bytes. `queue_full`
 makes the next request fail with `QueueFullError`; `gate` (an asyncio.Event) holds every request
 before its first step, so a test decides when denoising goes on; `fail` (an InferdError) is raised
-after the first step; `last_progress = False` leaves out the last step's progress event (as an
-engine may: `ImagesDone` follows); `aborted` collects the ids of requests whose iterator was
+after the first step; `aborted` collects the ids of requests whose iterator was
 closed before they finished.
 """
 
@@ -71,8 +70,6 @@ class FakeImageEngine:
         self.queue_full = False
         self.gate: asyncio.Event | None = None
         self.fail: InferdError | None = None
-        # False: no progress event for the last step (ImagesDone reports it), as an engine may.
-        self.last_progress = True
         self.aborted: list[str] = []
         self.seen: list[ImageRequest] = []
         self.running = 0
@@ -170,10 +167,7 @@ class FakeImageEngine:
                 self.steps_total += 1
                 self.forwards_total += 1
                 self.rows_total += rows
-                if step < steps or self.last_progress:
-                    yield DenoiseProgress(
-                        step, steps, *_preview(pixels, step, steps, p.partial_images)
-                    )
+                yield DenoiseProgress(step, steps, *_preview(pixels, step, steps, p.partial_images))
                 if self.fail is not None:
                     raise self.fail
             timings.add(Stage.DENOISE, time.monotonic() - t0, t0)

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import numpy as np
-import pytest
 from fake_image_engine import fake_pixels
 from PIL import Image
 from starlette.testclient import WebSocketTestSession
@@ -33,10 +32,8 @@ def frames(ws: WebSocketTestSession) -> list[Any]:
         out.append(json.loads(message["text"]))
 
 
-@pytest.mark.parametrize("last_progress", [True, False])
-def test_progress_then_partial_and_final_images_as_binary_frames(last_progress: bool) -> None:
-    client, engine = make()
-    engine.last_progress = last_progress  # without: the gateway reports the last step itself
+def test_progress_then_partial_and_final_images_as_binary_frames() -> None:
+    client, _ = make()
     with client.websocket_connect(WS) as ws:
         ws.send_text(json.dumps({"prompt": "a fox", "n": 2, "num_inference_steps": 4,
                                  "partial_images": 1, "seed": 5}))  # fmt: skip
