@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inferd.telemetry.metrics import LATENCY_BUCKETS
+from inferd.telemetry.metrics import LATENCY_BUCKETS, stage_histograms
 from inferd.telemetry.request_log import RequestLog, RequestRecord
-from inferd.telemetry.stages import IMAGE_STAGES, STAGE_HELP, Stage
+from inferd.telemetry.stages import IMAGE_STAGES, Stage
 from inferd.telemetry.timeline import RequestTimeline
 
 # "ok", or why the request did not finish: the client left ("abort"), a refusal the engine made
@@ -114,16 +114,7 @@ class ImageMetrics:
     """Registers the image lane's metrics in the server's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.stages = {
-            s: Histogram(
-                image_stage_metric_name(s),
-                STAGE_HELP[s],
-                ["model"],
-                registry=registry,
-                buckets=LATENCY_BUCKETS,
-            )
-            for s in IMAGE_STAGES
-        }
+        self.stages = stage_histograms(registry, IMAGE_STAGES, image_stage_metric_name, ["model"])
         self.e2e = Histogram(
             "inferd_image_e2e_seconds",
             "Image request arrival (HTTP/gRPC) to its last byte sent",

@@ -13,7 +13,7 @@ per token for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -123,6 +123,20 @@ def parse_samples(text: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def stage_histograms(
+    registry: CollectorRegistry,
+    stages: Iterable[Stage],
+    name: Callable[[Stage], str],
+    labels: Sequence[str] = (),
+    buckets: Sequence[float] = LATENCY_BUCKETS,
+) -> dict[Stage, Histogram]:
+    """One histogram per stage of a lane, named by `name`, its HELP the stage's one line."""
+    return {
+        s: Histogram(name(s), STAGE_HELP[s], labels, registry=registry, buckets=buckets)
+        for s in stages
+    }
 
 
 def stage_metric_name(stage: Stage) -> str:
@@ -293,10 +307,7 @@ class ServerMetrics:
         # Where finished requests are also recorded for the dashboard; None: nowhere.
         self.request_log: RequestLog | None = None
         r = self.registry
-        self.stages = {
-            s: Histogram(stage_metric_name(s), STAGE_HELP[s], registry=r, buckets=LATENCY_BUCKETS)
-            for s in LLM_STAGES
-        }
+        self.stages = stage_histograms(r, LLM_STAGES, stage_metric_name)
         self.lora_label = LoRALabels()
         lora = ["lora"]
         self.ttft = Histogram(

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from inferd.telemetry.metrics import LATENCY_BUCKETS
+from inferd.telemetry.metrics import LATENCY_BUCKETS, stage_histograms
 from inferd.telemetry.request_log import RequestLog
-from inferd.telemetry.stages import CLASSIC_STAGES, STAGE_HELP, Stage, StageTimings
+from inferd.telemetry.stages import CLASSIC_STAGES, Stage, StageTimings
 
 OUTCOMES = ("success", "invalid", "queue_full", "queue_timeout", "unavailable", "error")
 
@@ -128,16 +128,9 @@ class ModelMetrics:
     """Registers its metrics in the server's registry (one /metrics for LLM and classic models)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.stages = {
-            s: Histogram(
-                model_stage_metric_name(s),
-                STAGE_HELP[s],
-                ["model"],
-                registry=registry,
-                buckets=_BUCKETS,
-            )
-            for s in CLASSIC_STAGES
-        }
+        self.stages = stage_histograms(
+            registry, CLASSIC_STAGES, model_stage_metric_name, ["model"], _BUCKETS
+        )
         self.batch_size = Histogram(
             "inferd_model_batch_rows",
             "Rows (batch entries) in each executed batch",
