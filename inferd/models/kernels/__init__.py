@@ -25,8 +25,10 @@ whose spinning workers would fight torch's on a 2-core machine.
 
 The build is cached under `<cache dir>/kernels/`, keyed by a hash of the source, the compiler's
 version, the flags and the CPU's feature flags, so a new compiler, a different CPU or an edited
-kernel rebuilds, and nothing else does. `python -m inferd.models.kernels build` prebuilds it
-(`make` runs it after install).
+kernel rebuilds, and nothing else does. A build the compiler rejects is cached too, as a marker
+holding its reason under the same key, so a start does not pay for the failing compile again and
+the reason is logged once per start; deleting the marker, or `python -m inferd.models.kernels
+build`, which prebuilds the library (`make` runs it after install), tries again.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,42 +246,76 @@ def library_path(cache_dir: Path, cxx: str) -> Path:
     return cache_dir / "kernels" / f"inferd_kernels-{h.hexdigest()[:16]}.so"
 
 
-def build(cache_dir: Path) -> Path:
-    """The cached library, compiled first if absent. Raises KernelUnavailable."""
+class BuildFailed(KernelUnavailable):
+    """The compiler ran and rejected the sources: the same build would fail again."""
+
+
+def build(cache_dir: Path, retry: bool = False) -> Path:
+    """The cached library, compiled first if absent. Raises KernelUnavailable.
+
+    A build the compiler rejected leaves its reason in a marker beside where the library would
+    be (`failure_marker`), and later calls raise it without compiling again, until the marker is
+    deleted or `retry` (`python -m inferd.models.kernels build`) deletes it. A compiler that did
+    not run or timed out (a busy machine) leaves none: the next start tries again."""
     cxx = compiler()
     if cxx is None:
         raise KernelUnavailable("no C++ compiler (g++/c++) on PATH")
     path = library_path(cache_dir, cxx)
     if path.exists():
         return path
+    marker = failure_marker(path)
+    if retry:
+        marker.unlink(missing_ok=True)
+    elif marker.exists():
+        reason = marker.read_text(errors="replace")
+        raise KernelUnavailable(f"{reason} (cached: delete {marker} to retry)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a temporary name and rename: concurrent builders never see a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
     try:
-        compile_library(cxx, SOURCES, Path(tmp))
-    except KernelUnavailable:
-        Path(tmp).unlink(missing_ok=True)
+        _atomic(path, lambda tmp: compile_library(cxx, SOURCES, tmp))
+    except BuildFailed as e:
+        reason = str(e)
+        _atomic(marker, lambda tmp: tmp.write_text(reason))
         raise
-    os.replace(tmp, path)
     return path
 
 
-def compile_library(cxx: str, sources: Sequence[Path], out: Path) -> None:
+def failure_marker(library: Path) -> Path:
+    """Where a failed build of `library` records why (keyed by the same hash)."""
+    return library.with_suffix(".failed")
+
+
+def _atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """Writes `path` through a temporary name and a rename: concurrent builders never see a
+    half-written file."""
+    fd, tmp = tempfile.mkstemp(suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
+def compile_library(
+    cxx: str, sources: Sequence[Path], out: Path, extra_flags: Sequence[str] = ()
+) -> None:
     """Compiles `sources` (the .cpp files; their headers beside them) into the shared library
-    `out` with the engine's flags. Raises KernelUnavailable."""
-    cmd = [cxx, *FLAGS, *(str(s) for s in sources), "-o", str(out)]
+    `out` with the engine's flags (then `extra_flags`). Raises BuildFailed where the compiler
+    rejects them, KernelUnavailable where it does not run."""
+    cmd = [cxx, *FLAGS, *extra_flags, *(str(s) for s in sources), "-o", str(out)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"compiler failed to run: {e}") from e
     if res.returncode != 0:
-        raise KernelUnavailable(f"build failed: {res.stderr.strip()[-2000:]}")
+        raise BuildFailed(f"build failed: {res.stderr.strip()[-2000:]}")
 
 
-def load(cache_dir: Path) -> NativeKernels:
-    """Build if needed and load. Raises KernelUnavailable."""
-    path = build(cache_dir)
+def load(cache_dir: Path, retry: bool = False) -> NativeKernels:
+    """Build if needed (`build`; `retry`: even after a cached failure) and load. Raises
+    KernelUnavailable."""
+    path = build(cache_dir, retry)
     try:
         lib = ctypes.CDLL(str(path))
         return NativeKernels(

@@ -1,7 +1,8 @@
 """`python -m inferd.models.kernels build`: compile the native kernels into the cache now.
 
 Never fails the caller (`make` runs it after install): a machine without a compiler or without
-AVX-512 just gets the PyTorch path, and this says why.
+AVX-512 just gets the PyTorch path, and this says why. It tries the build again even where an
+earlier one failed (engine starts keep that failure cached, `kernels.build`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def main(argv: list[str]) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        kernel = load(read_environment().cache_dir)
+        kernel = load(read_environment().cache_dir, retry=True)
     except KernelUnavailable as e:
         print(f"native kernels not built (the PyTorch path will run): {e}")
         return 0

@@ -1,0 +1,86 @@
+"""The native kernels' build cache (`kernels.build`): a build the compiler rejected is cached
+under the same key as a library, not compiled again at every start, until it is retried."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from inferd.config import read_environment
+from inferd.models import kernels
+from inferd.models.kernels.__main__ import main as build_command
+
+pytestmark = pytest.mark.unit
+
+
+def _rejecting_compiler(tmp_path: Path) -> tuple[str, Path]:
+    """A 'compiler' that answers --version and rejects every build, logging each build it
+    was asked for (one line each) in the returned file."""
+    log = tmp_path / "builds.log"
+    script = tmp_path / "bogus-g++"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "bogus-g++ 1.0"; exit 0; fi\n'
+        f'echo build >> "{log}"\n'
+        'echo "error: this compiler rejects everything" >&2\n'
+        "exit 1\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script), log
+
+
+def _builds(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_failed_build_is_cached_until_retried(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cxx, log = _rejecting_compiler(tmp_path)
+    monkeypatch.setattr(kernels, "compiler", lambda: cxx)
+    cache = tmp_path / "cache"
+    with pytest.raises(kernels.KernelUnavailable, match="rejects everything"):
+        kernels.load(cache)
+    assert _builds(log) == 1
+    marker = kernels.failure_marker(kernels.library_path(cache, cxx))
+    assert marker.exists() and "rejects everything" in marker.read_text()
+    assert not kernels.library_path(cache, cxx).exists()
+
+    # The next starts get the same reason, saying where the marker is, without compiling.
+    for _ in range(2):
+        with pytest.raises(kernels.KernelUnavailable, match="rejects everything") as e:
+            kernels.load(cache)
+        assert str(marker) in str(e.value)
+    monkeypatch.setenv("INFERD_CACHE_DIR", str(cache))
+    monkeypatch.delenv("INFERD_DISABLE_KERNELS", raising=False)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert kernels.select("auto", cpu, f32, f32, 64, read_environment()) is None
+    assert _builds(log) == 1
+
+    # `python -m inferd.models.kernels build` tries again (and never fails its caller).
+    assert build_command(["kernels", "build"]) == 0
+    assert _builds(log) == 2
+    # So does deleting the marker.
+    marker.unlink()
+    with pytest.raises(kernels.KernelUnavailable):
+        kernels.load(cache)
+    assert _builds(log) == 3
+
+
+def test_a_compiler_that_does_not_run_is_not_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A timeout or a compiler that cannot start may pass (a busy machine): the next start tries.
+    cxx, _ = _rejecting_compiler(tmp_path)
+    monkeypatch.setattr(kernels, "compiler", lambda: cxx)
+
+    def cannot_run(*args: object) -> None:
+        raise kernels.KernelUnavailable("compiler failed to run: timed out")
+
+    monkeypatch.setattr(kernels, "compile_library", cannot_run)
+    with pytest.raises(kernels.KernelUnavailable, match="timed out"):
+        kernels.load(tmp_path)
+    assert not kernels.failure_marker(kernels.library_path(tmp_path, cxx)).exists()
