@@ -187,10 +187,8 @@ def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch
     assert m.kind == "onednn"
     assert torch.equal(m.weight, weight) or (gemv.panel_rows[dtype] and m.weight.numel() == 0)
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
-    # bfloat16 takes more rows where the CPU has AVX512_BF16 dot products (gemv.bf16_dot_rows);
-    # the panel GEMM takes more still, where it runs (the next test).
-    most = GEMV_MAX_ROWS if dtype == torch.float32 else max(GEMV_MAX_ROWS, gemv.bf16_dot_rows)
-    most = gemv.panel_rows[dtype] or most
+    # The panel GEMM takes more, where it runs (the next test).
+    most = gemv.panel_rows[dtype]
     with torch.inference_mode():
         for rows in range(0, most + 3):
             x = torch.randn(rows, 96).to(dtype)

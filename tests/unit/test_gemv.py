@@ -47,23 +47,6 @@ def test_matches_f_linear(
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows", [3, 6, 7, 12, 13, 16])
-@pytest.mark.parametrize(("n", "k"), [(1027, 500), (5, 17), (6, 1408), (9, 896)])
-def test_bfloat16_dot_products_match_f_linear(gemv: Gemv, rows: int, n: int, k: int) -> None:
-    # 3-16 rows of bfloat16 run on AVX512_BF16 dot products where the CPU has them (tiles of 6
-    # rows and 4 outputs: partial tiles of both, and k off the 32-weight step, included).
-    if rows > gemv.bf16_dot_rows:
-        pytest.skip("no AVX512_BF16 dot products on this CPU")
-    x = _rand(rows, k, dtype=torch.bfloat16, seed=6)
-    w = _rand(n, k, dtype=torch.bfloat16, seed=7)
-    b = _rand(n, dtype=torch.bfloat16, seed=8)
-    got = gemv(x, w, b)
-    want = F.linear(x.double(), w.double(), b.double())
-    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
-    # Each row's outputs do not depend on the other rows of the batch.
-    torch.testing.assert_close(gemv(x[:1], w, b), got[:1], rtol=2**-8, atol=1e-2)
-
-
 def test_reads_strided_rows(gemv: Gemv) -> None:
     # Rows of a wider buffer (a slice of a padded activation) are read in place.
     buf = _rand(4, 80, dtype=torch.float32, seed=4)

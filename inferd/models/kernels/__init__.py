@@ -70,7 +70,7 @@ SOURCES = tuple(
     )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.
-HEADERS = (_HERE / "simd.h", _HERE / "attention_tile.h", _HERE / "panel.h", _HERE / "amx.h")
+HEADERS = tuple(sorted(_HERE.rglob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
 _BUILD_TIMEOUT_S = 120

@@ -9,35 +9,33 @@
 //                 (asymmetric, like the batched int8 GEMM's dynamic activations) and the dot
 //                 products run on VNNI (u8 x s8 summed in int32); y = sx * sw * (dot - zx * sum w)
 //
+// Who runs them (models/linear.py's plan): the int8 GEMV takes an int8 layer's batches of 1-2 rows
+// and the one-call decode step's 1-8, on every CPU the kernels build for (AVX-512 with VNNI).
+// No plan runs the float GEMV: float32 layers, and bfloat16 ones on AVX512_BF16, have their panel
+// copies (panel_gemm.cpp, faster at every row count), and bfloat16 without AVX512_BF16 runs on
+// oneDNN. It stays as the entry point decode_step.cpp calls for a layer given as a plain weight
+// (tests, bench/gemv_rows.py); a layer the plan prepared never is one.
+//
 // Why: a single stream (and any decode step of a few sequences) reads every weight once per token
 // and does almost no arithmetic with it, so its speed is the rate the weights stream from memory.
 // oneDNN's matmul on its prepacked (blocked) weight streams it at ~20 GB/s here for one row; this
 // loop over the plain row-major weight at ~25 GB/s (2 threads, the whole llama-32m weight set,
 // alternating in one process; the same loop in a C++ program alone 28-31 GB/s, the machine's copy
-// bandwidth 31-35 GB/s), see docs/benchmarks.md. The engine keeps the plain
-// weight beside the packed one for it (models/linear.py says when).
+// bandwidth 31-35 GB/s), see docs/benchmarks.md.
 //
 // Layout of the work: 4 weight rows at a time (4 streams the hardware prefetcher follows, plus a
 // software prefetch ~8 KiB ahead into L2; 2 weight rows past 4 x rows, kBlockRows), each weight
 // vector loaded once and multiplied into every x row, so x rows past the first cost no extra
-// memory traffic. Each thread takes one contiguous range of blocks: measured in a C++ loop over the llama-32m / Qwen2-0.5B weight sets,
-// static 41 / 32.4 GB/s, dynamic grabs of 16 blocks 32 / 30.2, guided 35 / 30.8 (one long stream
-// per thread prefetches best; a thread preempted by another process does delay the call, which
-// dynamic would absorb).
+// memory traffic. Each thread takes one contiguous range of blocks: measured in a C++ loop over
+// the llama-32m / Qwen2-0.5B weight sets, static 41 / 32.4 GB/s, dynamic grabs of 16 blocks
+// 32 / 30.2, guided 35 / 30.8 (one long stream per thread prefetches best; a thread preempted by
+// another process does delay the call, which dynamic would absorb).
 // Accumulation is float32 in 16 lanes, reduced at the end of the row (a different summation order
 // than oneDNN's; both are float32 sums). bfloat16 values are widened on load and y is rounded once
 // (as oneDNN's bf16 matmul rounds its float32 accumulator).
-//
-// bfloat16 from kDotMinRows rows on (with AVX512_BF16): the same layout on dot products
-// (vdpbf16ps: two bf16 products summed into each float32 lane, 32 weights a step), up to
-// kDotMaxRows rows. With a few rows the widened loop above is bound by its arithmetic, not by the
-// memory: over the Qwen2-0.5B shape's decode weights (2 threads, bench/gemv_rows.py) 6 rows took
-// 47.8 ms widened and 29.8 on dot products, and oneDNN's prepacked GEMM 43.9 ms at 8 rows and 54.0
-// at 16 against 36.4 and 53.8 here; at 24 rows oneDNN is as fast (docs/benchmarks.md). Tiles of
-// 4 weight rows x up to 6 x rows (24 accumulators); each x row's 4 sums reduce together.
+
 #include <omp.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -50,9 +48,6 @@ namespace {
 constexpr int kMaxRows = 8;
 // Float rows past kMaxRows run as two groups (a block of kMaxRows, then the rest).
 constexpr int kMaxGroupedRows = 2 * kMaxRows;
-// bfloat16 rows [kDotMinRows, kDotMaxRows] run on dot products (above: oneDNN's GEMM is as fast).
-constexpr int kDotMinRows = 3;
-constexpr int kDotMaxRows = 16;
 // Output rows per block: up to 4 x rows, 4 weight rows share each x load (4 * R accumulators);
 // past 4 x rows those would not fit the 32 vector registers beside the x vectors, so 2.
 template <int R>
@@ -157,118 +152,6 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
   }
 }
 
-// ---- bfloat16 dot products (AVX512_BF16) ----------------------------------------------------
-
-#ifdef __AVX512BF16__
-constexpr int kDotWeightRows = 4;  // weight rows per tile
-// x rows per tile: 4 x 6 accumulators, 4 weights and 1 x in the 32 vector registers.
-constexpr int kDotXRows = 6;
-
-// The 4 float32 lanes' sum of 16 lanes, as a 128-bit vector's partial sums.
-inline __m128 fold(__m512 v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// The horizontal sums of 4 vectors, in order (values, not an array: the accumulators stay in
-// registers).
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  return _mm_hadd_ps(_mm_hadd_ps(fold(a), fold(b)), _mm_hadd_ps(fold(c), fold(d)));
-}
-
-// One step of 32 weights for R rows of x: `m` masks the last, partial step.
-template <int R, int B, bool Masked>
-inline void dot_step(const uint16_t* x, int64_t x_stride, const uint16_t* const (&wrow)[B],
-                     int64_t i, __mmask32 m, __m512 (&acc)[R][B]) {
-  __m512bh wv[B];
-  for (int j = 0; j < B; ++j) {
-    if (Masked) {
-      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, wrow[j] + i);
-    } else {
-      _mm_prefetch(reinterpret_cast<const char*>(wrow[j] + i) + kPrefetchBytes, _MM_HINT_T1);
-      wv[j] = (__m512bh)_mm512_loadu_si512(wrow[j] + i);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* xp = x + r * x_stride + i;
-    const __m512bh xv = Masked ? (__m512bh)_mm512_maskz_loadu_epi16(m, xp)
-                               : (__m512bh)_mm512_loadu_si512(xp);
-    for (int j = 0; j < B; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-  }
-}
-
-// y[r, n0 .. n0 + B) for R rows of x (bfloat16), 32 weights of each row a step.
-template <int R, int B>
-inline void dot_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k,
-                     const uint16_t* bias, uint16_t* y, int64_t y_stride, int64_t n0) {
-  __m512 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
-  const uint16_t* wrow[B];
-  for (int j = 0; j < B; ++j) wrow[j] = w + (n0 + j) * k;
-  const int64_t full = k & ~int64_t{31};
-  for (int64_t i = 0; i < full; i += 32) dot_step<R, B, false>(x, x_stride, wrow, i, 0, acc);
-  if (full < k)
-    dot_step<R, B, true>(x, x_stride, wrow, full, (__mmask32{1} << (k - full)) - 1, acc);
-  float b[B];
-  for (int j = 0; j < B; ++j) {
-    const uint32_t u = bias != nullptr ? static_cast<uint32_t>(bias[n0 + j]) << 16 : 0u;
-    std::memcpy(&b[j], &u, 4);
-  }
-  for (int r = 0; r < R; ++r) {
-    float s[B];
-    if constexpr (B == 4) {
-      _mm_storeu_ps(s, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      for (int j = 0; j < B; ++j) s[j] = _mm512_reduce_add_ps(acc[r][j]);
-    }
-    for (int j = 0; j < B; ++j) store1<kBF16>(y, r * y_stride + n0 + j, s[j] + b[j]);
-  }
-}
-
-// Every x row against weight rows n0 .. n0 + B, kDotXRows rows at a time (the weight rows stay in
-// L1 between the groups: the weight streams from memory once).
-template <int B>
-inline void dot_rows(const uint16_t* x, int64_t rows, int64_t x_stride, const uint16_t* w,
-                     int64_t k, const uint16_t* bias, uint16_t* y, int64_t y_stride, int64_t n0) {
-  int64_t r0 = 0;
-  for (; r0 + kDotXRows <= rows; r0 += kDotXRows)
-    dot_tile<kDotXRows, B>(x + r0 * x_stride, x_stride, w, k, bias, y + r0 * y_stride, y_stride,
-                           n0);
-  const uint16_t* xr = x + r0 * x_stride;
-  uint16_t* yr = y + r0 * y_stride;
-  switch (rows - r0) {
-    case 1: dot_tile<1, B>(xr, x_stride, w, k, bias, yr, y_stride, n0); break;
-    case 2: dot_tile<2, B>(xr, x_stride, w, k, bias, yr, y_stride, n0); break;
-    case 3: dot_tile<3, B>(xr, x_stride, w, k, bias, yr, y_stride, n0); break;
-    case 4: dot_tile<4, B>(xr, x_stride, w, k, bias, yr, y_stride, n0); break;
-    case 5: dot_tile<5, B>(xr, x_stride, w, k, bias, yr, y_stride, n0); break;
-    default: break;
-  }
-}
-
-int gemm_bf16_dot(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
-                  int64_t k, const void* bias, void* y, int64_t y_stride) {
-  const auto* X = static_cast<const uint16_t*>(x);
-  const auto* W = static_cast<const uint16_t*>(w);
-  const auto* b = static_cast<const uint16_t*>(bias);
-  auto* Y = static_cast<uint16_t*>(y);
-  const int64_t blocks = n / kDotWeightRows;
-#pragma omp parallel for schedule(static) if (n * k >= kMinParallelElems)
-  for (int64_t i = 0; i < blocks; ++i)
-    dot_rows<kDotWeightRows>(X, rows, x_stride, W, k, b, Y, y_stride, i * kDotWeightRows);
-  for (int64_t j = blocks * kDotWeightRows; j < n; ++j)
-    dot_rows<1>(X, rows, x_stride, W, k, b, Y, y_stride, j);
-  return 0;
-}
-#else
-int gemm_bf16_dot(const void*, int64_t, int64_t, const void*, int64_t, int64_t, const void*,
-                  void*, int64_t) {
-  return -1;
-}
-#endif
-
 // ---- the loop over output rows, shared by both weight kinds --------------------------------
 
 template <int V>
@@ -348,8 +231,6 @@ int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, in
                 int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
   if (dtype == kF32) return gemv<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
   if (dtype != kBF16) return -1;
-  if (kHasAVX512BF16 && rows >= kDotMinRows && rows <= kDotMaxRows)
-    return gemm_bf16_dot(x, rows, x_stride, w, n, k, bias, y, y_stride);
   return gemv<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
 }
 
@@ -358,9 +239,6 @@ int inferd_gemv_max_rows() { return kMaxGroupedRows; }
 
 // The most rows inferd_gemv_int8 takes.
 int inferd_gemv_int8_max_rows() { return kMaxRows; }
-
-// The most bfloat16 rows that run on AVX512_BF16 dot products (from kDotMinRows); 0 without them.
-int inferd_gemv_bf16_dot_rows() { return kHasAVX512BF16 ? kDotMaxRows : 0; }
 
 // Returns 0; -1 for a bad dtype or a row count outside [1, kMaxRows].
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,

@@ -1,10 +1,11 @@
-"""`gemv.cpp`'s few-row linear layer as a tensor-in, tensor-out call.
+"""`gemv.cpp`'s few-row linear layer and `panel_gemm.cpp`'s panel GEMM as tensor-in, tensor-out
+calls.
 
-`Gemv(x, weight, bias)` computes `x @ weight.T + bias` for 1-16 rows of `x` (`max_rows`) from the
-plain row-major weight, at the rate the weight streams from memory (the C++ file says why oneDNN's
-prepacked GEMM does not reach it); bfloat16 from 3 rows up to `bf16_dot_rows` on AVX512_BF16 dot
-products where the CPU has them. `Gemv.int8(x, w8)` does the same over an int8 weight
-(`Int8Weight`, 1-8 rows), quantizing the rows of x as the batched int8 GEMM does.
+`Gemv.int8(x, w8)` computes `x @ W.T + bias` for 1-8 rows of `x` (`int8_max_rows`) over an int8
+weight (`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does, at the rate the
+weight streams from memory (the C++ file says why oneDNN's prepacked GEMM does not reach it).
+`Gemv(x, weight, bias)` does the same for 1-16 rows (`max_rows`) of a plain row-major float32 or
+bfloat16 weight: no plan of models/linear.py runs it (the panel GEMM takes those rows).
 `Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
 by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
 AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, and the linear
@@ -121,8 +122,6 @@ class Gemv:
         # The most rows one call takes; linear layers send larger batches to their GEMM.
         self.max_rows = int(lib.inferd_gemv_max_rows())
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
-        # bfloat16 rows up to this many run on dot products (0: the CPU has none).
-        self.bf16_dot_rows = int(lib.inferd_gemv_bf16_dot_rows())
         self._panel = lib.inferd_gemm_panel
         self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
         self._panel.restype = ctypes.c_int

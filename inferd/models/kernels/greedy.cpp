@@ -146,12 +146,11 @@ int64_t greedy_screen(const ScreenRows& xr, int rows, const int8_t* w, const Scr
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
     const int8_t* w_end = w + p1 * steps * kPanel * 4;
-    const bool amx = amx_use<StepI8>(rows, steps);
+    const PanelSums<StepI8> sums(rows, steps);
     for (int64_t p = p0; p < p1; ++p) {
-      panel_sums_on<StepI8>(amx, xr.u, rows, xr.stride, w, steps, p, acc, w_end);
+      sums(xr.u, rows, xr.stride, w, steps, p, acc, w_end);
       screen_panel(acc, rows, xr, cols, n, p, kslack, rel, &maxes[t * rows], hits[t]);
     }
-    amx_done(amx);
   }
   float thr[kMaxRows];
   for (int r = 0; r < rows; ++r) {

@@ -4,10 +4,10 @@
 //                      columns), all of one dtype:
 //     bfloat16  W [n_pad / 64][k / 2][64][2] (VNNI pairs), on AVX512_BF16;
 //     float32   W [n_pad / 64][k][64].
-// The kernel itself is in panel.h (and, for bfloat16 on CPUs with AMX, amx.h: the same panels on
-// tiles; the AVX-512 numbers below are from an AMD Zen 4 without it); greedy.cpp runs the same
-// loop over an int8 copy of an lm_head ([n_pad / 64][k / 4][64][4], VPDPBUSD) for the greedy
-// screen (kernels/greedy.py has the design).
+// The kernel itself is in panel.h, its loops per instruction set under x86/ (for bfloat16 on CPUs
+// with AMX, x86/amx_panel.h: the same panels on tiles; the AVX-512 numbers below are from an AMD
+// Zen 4 without it); greedy.cpp runs the same loop over an int8 copy of an lm_head
+// ([n_pad / 64][k / 4][64][4], VPDPBUSD) for the greedy screen (kernels/greedy.py has the design).
 //
 // Why: a decode step of 1-128 sequences multiplies that many rows by every weight of the model,
 // once per step, the weights streaming from memory. Each thread here takes its own contiguous
