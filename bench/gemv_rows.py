@@ -11,8 +11,8 @@ lm_head): this runs exactly that, layer after layer with random weights of the m
 so the weights stream from memory as in the engine (the Qwen2-0.5B shape's 1 GB in bfloat16 does
 not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weights reordered once
 (the engine's `onednn` linear layers); `gemv` is the native kernel on the plain row-major weights
-(the engine's small-batch GEMV and native decode step): float32 arithmetic on widened values, and
-for bfloat16 from 3 rows AVX512_BF16 dot products where the CPU has them; `panel` (up to 128 rows;
+(no plan of models/linear.py runs it now; kept for the native decode step's plain weights):
+float32 arithmetic on values widened on load; `panel` (up to 128 rows;
 bfloat16 where the CPU has AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of
 64 output columns (the engine's batches of up to 128 rows where it has them) on AVX-512, and
 `amx` the same kernel on AMX tiles (bfloat16, where the CPU has them: the engine's choice there).

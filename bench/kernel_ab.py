@@ -61,11 +61,13 @@ CASES: dict[str, tuple[int, int, int, int, torch.dtype]] = {
 
 
 def build(sources: dict[str, str], out: Path) -> Path:
-    """Compiles the kernel sources (file name -> text) into `out` as the engine builds them."""
+    """Compiles the kernel sources (path under the kernels folder -> text) into `out` as the
+    engine builds them."""
     cxx = kernels.compiler()
     assert cxx is not None, "no C++ compiler"
     with tempfile.TemporaryDirectory() as d:
         for name, text in sources.items():
+            (Path(d) / name).parent.mkdir(parents=True, exist_ok=True)
             (Path(d) / name).write_text(text)
         cpp = [Path(d) / n for n in sources if n.endswith(".cpp")]
         kernels.compile_library(cxx, cpp, out)
@@ -74,16 +76,18 @@ def build(sources: dict[str, str], out: Path) -> Path:
 
 def sources_at(rev: str | None) -> dict[str, str]:
     """The kernel sources at a git revision, or (None) in the working tree."""
-    files = [*kernels.SOURCES, *kernels.HEADERS]
+    here = Path(kernels.__file__).parent
+    files = [f.relative_to(here).as_posix() for f in (*kernels.SOURCES, *kernels.HEADERS)]
     if rev is None:
-        return {f.name: f.read_text() for f in files}
-    rel = [f.relative_to(REPO_ROOT).as_posix() for f in files]
+        return {f: (here / f).read_text() for f in files}
     show = ["git", "-C", str(REPO_ROOT), "show"]
     out = {}
-    for r in rel:
-        res = subprocess.run([*show, f"{rev}:{r}"], capture_output=True)
+    for f in files:
+        res = subprocess.run(
+            [*show, f"{rev}:{(here / f).relative_to(REPO_ROOT).as_posix()}"], capture_output=True
+        )
         if res.returncode == 0:  # a file added since `rev` is left out of its build
-            out[Path(r).name] = res.stdout.decode()
+            out[f] = res.stdout.decode()
     return out
 
 

@@ -4,6 +4,7 @@ under the same key as a library, not compiled again at every start, until it is 
 from __future__ import annotations
 
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,21 @@ def test_a_compiler_that_does_not_run_is_not_cached(
     with pytest.raises(kernels.KernelUnavailable, match="timed out"):
         kernels.load(tmp_path)
     assert not kernels.failure_marker(kernels.library_path(tmp_path, cxx)).exists()
+
+
+def test_the_amx_paths_compile() -> None:
+    # This machine may have no AMX (its tests then skip): the GEMM's tile code (amx.h,
+    # x86/amx_panel.h, under INFERD_AMX) must still compile, checked without code generation.
+    cxx = kernels.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+    here = Path(kernels.__file__).parent
+    sources = [str(here / s) for s in ("panel_gemm.cpp", "greedy.cpp")]
+    cmd = [cxx, *kernels.FLAGS, *amx, "-fsyntax-only", *sources]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and "AVX-512 F/BW/VL/VNNI" in res.stderr:
+        pytest.skip("no AVX-512 VNNI here: the native kernels do not build")
+    if res.returncode != 0 and "-mamx" in res.stderr:
+        pytest.skip(f"{cxx} does not take {' '.join(amx)}")
+    assert res.returncode == 0, res.stderr[-2000:]
