@@ -18,7 +18,7 @@ Each cell is the best of `--repeats` calls; the tokens are checked equal every t
 `--base REV`: also the screen of the kernel sources at that git revision (built as
 bench/kernel_ab.py builds them), timed alternately with this tree's on the same rows and checked
 to find the same candidates; `base ms` and this tree's speed-up over it. Where the CPU has AMX
-(kernels/amx.h), `avx512 ms` is the screen with AMX off, timed alternately with it.
+(kernels/x86/amx_panel.h), `avx512 ms` is the screen with AMX off, timed alternately with it.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def native_kernels() -> NativeKernels:
 @pytest.fixture(params=["amx", "avx512"])
 def panel_path(request: pytest.FixtureRequest, native_kernels: NativeKernels) -> Iterator[str]:
     """Runs the test with the panel GEMM and the greedy screen on AMX tiles, then on the AVX-512
-    loop (kernels/amx.h); `amx` is skipped where the CPU has no AMX."""
+    loop (kernels/x86/amx_panel.h); `amx` is skipped where the CPU has no AMX."""
     with native_kernels.gemv.amx_set(request.param == "amx") as on:
         if request.param == "amx" and not on:
             pytest.skip("no AMX on this CPU (or the kernel was not granted the tiles)")

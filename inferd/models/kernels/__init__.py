@@ -2,9 +2,10 @@
 
 `paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
 elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
-`gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`),
-`panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; the kernel in
-`panel.h`, on AMX tiles in `amx.h` where the CPU has them), `greedy.cpp` (the int8 greedy screen
+`gemv.cpp` (int8 linear layers of 1-8 rows, at memory speed; `gemv.py`), `panel_gemm.cpp`
+(batches of up to 128 rows on weights packed in panels, `gemv.py`; the op in `panel.h`, its loops
+per instruction set in `x86/`: AVX-512, and AMX tiles where the CPU has them, whose permission and
+configuration `amx.h` shares with attention), `greedy.cpp` (the int8 greedy screen
 of the lm_head over the same loop and the candidates' exact logits, `greedy.py`) and
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
 are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,

@@ -132,9 +132,9 @@ class Gemv:
         self._amx.restype = ctypes.c_int
 
     def amx(self, on: bool | None = None) -> bool:
-        """Whether the panel GEMM and the greedy screen run on AMX tiles (amx.h: bfloat16 and
-        int8, where the CPU has them and the kernel got them); `on` switches that for the whole
-        library (benchmarks and tests compare both paths in one process)."""
+        """Whether the panel GEMM and the greedy screen run on AMX tiles (x86/amx_panel.h:
+        bfloat16 and int8, where the CPU has them and the kernel got them); `on` switches that
+        for the whole library (benchmarks and tests compare both paths in one process)."""
         return bool(self._amx(-1 if on is None else int(on)))
 
     @contextlib.contextmanager
