@@ -81,11 +81,20 @@ def bench_repository(examples: Path, into: Path) -> tuple[Path, float]:
     return into, delay_ms
 
 
+def payload(body: dict[str, Any] | tuple[bytes, dict[str, str]]) -> tuple[bytes, dict[str, str]]:
+    """A request body maker's answer as (bytes, headers): a dict goes as JSON, a (bytes,
+    headers) pair as it is (binary bodies: KServe's binary tensor extension)."""
+    if isinstance(body, tuple):
+        return body
+    return orjson.dumps(body), {"content-type": "application/json"}
+
+
 async def closed_loop(
-    url: str, make_body: Any, texts: list[str], clients: int, seconds: float
+    url: str, make_body: Any, texts: list[Any], clients: int, seconds: float
 ) -> dict[str, Any]:
     """`clients` loops of send -> wait -> send again for `seconds`, on aiohttp (httpx's pool
-    costs O(connections) per request: at 64 clients it took a core from the server)."""
+    costs O(connections) per request: at 64 clients it took a core from the server).
+    `make_body(texts[k])`: a JSON dict, or (bytes, headers) (see `payload`)."""
     latencies: list[float] = []
     timings: list[dict[str, float]] = []
     errors = 0
@@ -97,7 +106,8 @@ async def closed_loop(
         k = i
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
-            async with http.post(url, data=orjson.dumps(make_body(texts[k % len(texts)]))) as r:
+            data, headers = payload(make_body(texts[k % len(texts)]))
+            async with http.post(url, data=data, headers=headers) as r:
                 body = await r.read()
                 status = r.status
             latencies.append(time.perf_counter() - t0)
@@ -110,10 +120,10 @@ async def closed_loop(
             if t:
                 timings.append(t | {"client_latency": latencies[-1]})
 
-    headers = {"content-type": "application/json"}
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as http:
-        async with http.post(url, data=orjson.dumps(make_body(texts[0]))) as r:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        data, headers = payload(make_body(texts[0]))
+        async with http.post(url, data=data, headers=headers) as r:
             await r.read()  # warm the connection and the model
         cpu0, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client(i, http) for i in range(clients)))

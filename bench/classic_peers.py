@@ -1,27 +1,34 @@
-"""Classic models beside the Python serving frameworks: MiniLM embeddings from inferd, a plain
-FastAPI endpoint, LitServe, mosec, Ray Serve and Triton (PyTriton), each alone, in one run.
+"""Classic models beside the Python serving frameworks: the example repository's MiniLM
+embeddings and image classifier from inferd, a plain FastAPI endpoint, LitServe, mosec, Ray
+Serve and Triton (PyTriton), each alone, in one run.
 
     .venv/bin/python bench/classic_peers.py --peers-python /work/bench-peers-venv/bin/python \\
-        --pytriton-python /work/bench-pytriton310-venv/bin/python
+        --pytriton-python /work/bench-pytriton310-venv/bin/python [--models minilm image]
 
-The workload a platform engineer would try: all-MiniLM-L6-v2 (the example repository's ONNX file
-and tokenizer, `--model-repository examples`), ONNX Runtime with 2 intra-op threads in every
-server, batches of up to 64, a 3 ms maximum wait everywhere; closed-loop aiohttp clients at 1, 8
-and 64, each sending one seeded 8-40-word sentence, waiting for its embedding, sending the next.
+The workloads a platform engineer would try, each model as the example repository ships it
+(`--model-repository examples`) and every server given the same settings from its config.yaml:
+- `minilm` (all-MiniLM-L6-v2: the ONNX file and tokenizer; 2 intra-op threads, batches of up to
+  64, a 3 ms maximum wait): each client sends one seeded 8-40-word sentence;
+- `image` (the shapes CNN: PNG -> 32x32 -> 4 probabilities; 1 intra-op thread, batches of up to
+  32, 2 ms): each client sends one seeded 64x64 PNG (inferd and Triton: BYTES in KServe's binary
+  tensor extension; the others: base64 in JSON).
+Closed-loop aiohttp clients at 1, 8 and 64: send one, wait for the answer, send the next.
 Servers:
 - `inferd`: `inferd serve --model-repository <examples>`, the Open Inference Protocol's
-  `POST /v2/models/minilm/infer` (the example's config: max_batch_size 64, max_queue_delay_ms 3);
-- `plain`: bench/plain_embed_server.py, a sync FastAPI endpoint calling the session per request;
+  `POST /v2/models/{model}/infer`;
+- `plain` (minilm only): bench/plain_embed_server.py, a sync FastAPI endpoint calling the
+  session per request;
 - `litserve`, `mosec`, `ray` (`@serve.batch`), `pytriton`: bench/classic_peer_servers.py run by
   `--peers-python` / `--pytriton-python` (their own environments: none is a dependency of
   inferd). A peer whose Python is not given, or that does not start, is reported as skipped.
 Only one server runs at a time (started, measured at every client count, stopped); `--rounds`
 rounds, the order rotated each round, so a slow spell of the machine hits every server. Reported
-per server and client count: the median over rounds of requests/s, p50 and p99, the 1-minute load
-average around each measurement, and inferd's own stage times at 1 client. Plus the model alone
-(ONNX Runtime in this process: one sentence at a time vs batches of 64). JSON to bench/results/.
-Targets (issue 44): at 1 client inferd's p50 within 1 ms of plain's and no peer's lower; at 8
-and 64 clients >= 1.3x the best peer's requests/s with a lower p99 than every peer.
+per model, server and client count: the median over rounds of requests/s, p50 and p99, the
+1-minute load average around each measurement, and inferd's own stage times. Plus the model
+alone (ONNX Runtime in this process: one input at a time vs batches of the largest size). JSON
+to bench/results/. Targets (issue 44): at 1 client inferd's p50 within 1 ms of plain's and no
+peer's lower; at 8 and 64 clients >= 1.3x the best peer's requests/s with a lower p99 than every
+peer.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import os
 import signal
 import statistics
+import struct
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -40,19 +49,63 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from batching import STAGES, closed_loop, compute_ceiling, plain_server, sentences
+import numpy as np
+import orjson
+import yaml
+from batching import STAGES, closed_loop, compute_ceiling, payload, plain_server, sentences
 from common import RESULTS_DIR, command_line, machine_info, write_result
 from serve import free_port, launched_server
 
+MODELS = ("minilm", "image")
 PEERS = ("litserve", "mosec", "ray", "pytriton")
 SERVERS = ("inferd", "plain", *PEERS)
 TARGET_THROUGHPUT_X = 1.3
 TARGET_P50_MS = 1.0
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
+NUM_IMAGES = 256
 LOGS = RESULTS_DIR / "logs"
 
-Body = Callable[[str], dict[str, Any]]
+Body = Callable[[Any], dict[str, Any] | tuple[bytes, dict[str, str]]]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One example model, with the settings every server gets from its config.yaml."""
+
+    model: str
+    model_dir: Path  # the newest version folder
+    threads: int  # ONNX Runtime intra-op threads
+    max_batch_size: int
+    max_wait_ms: float
+    items: list[Any]  # what the clients send: sentences, or PNG bytes
+
+
+def workload(model: str, repository: Path, seed: int) -> Workload:
+    config = yaml.safe_load((repository / model / "config.yaml").read_text())
+    model_dir = max((repository / model).glob("[0-9]*"), key=lambda p: int(p.name))
+    items: list[Any] = sentences(4096, seed) if model == "minilm" else pngs(NUM_IMAGES, seed)
+    return Workload(
+        model,
+        model_dir,
+        int(config["parameters"]["intra_op_threads"]),
+        int(config["max_batch_size"]),
+        float(config["dynamic_batching"]["max_queue_delay_ms"]),
+        items,
+    )
+
+
+def pngs(n: int, seed: int) -> list[bytes]:
+    """Seeded 64x64 pictures of the example's four shapes, PNG-encoded."""
+    from inferd.examples.image import SHAPES, draw_shape
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        draw_shape(SHAPES[i % len(SHAPES)], rng).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
 
 
 def oip_body(text: str) -> dict[str, Any]:
@@ -60,8 +113,26 @@ def oip_body(text: str) -> dict[str, Any]:
     return {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
 
 
+def oip_image_body(image: bytes) -> tuple[bytes, dict[str, str]]:
+    """One image as BYTES [1, 1] in the binary tensor extension: a 4-byte length, the bytes."""
+    size = 4 + len(image)
+    tensor = {"name": "image", "shape": [1, 1], "datatype": "BYTES"}
+    header = orjson.dumps({"inputs": [tensor | {"parameters": {"binary_data_size": size}}]})
+    headers = {
+        "content-type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+    return header + struct.pack("<I", len(image)) + image, headers
+
+
 def plain_body(text: str) -> dict[str, Any]:
     return {"input": text}
+
+
+def plain_image_body(image: bytes) -> dict[str, Any]:
+    import base64
+
+    return {"image": base64.b64encode(image).decode()}
 
 
 @dataclass(frozen=True)
@@ -70,44 +141,46 @@ class Endpoint:
     body: Body
 
 
-def endpoint(name: str, base: str) -> Endpoint:
+def endpoint(name: str, base: str, model: str) -> Endpoint:
+    image = model == "image"
     if name in ("inferd", "pytriton"):
-        return Endpoint(f"{base}/v2/models/minilm/infer", oip_body)
-    return Endpoint(f"{base}/{'inference' if name == 'mosec' else 'embed'}", plain_body)
+        return Endpoint(f"{base}/v2/models/{model}/infer", oip_image_body if image else oip_body)
+    path = "inference" if name == "mosec" else "embed"
+    return Endpoint(f"{base}/{path}", plain_image_body if image else plain_body)
 
 
 @contextlib.contextmanager
-def running(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[Endpoint]:
+def running(name: str, args: argparse.Namespace, work: Workload) -> Iterator[Endpoint]:
     """One server, started and ready, until the block ends."""
     if name == "inferd":
         server_args = ["--model-repository", str(args.repository), "--grpc-port", "-1"]
         with launched_server(
             [*server_args, "--disable-access-log"], LOGS / "classic_inferd.log"
         ) as s:
-            yield endpoint(name, s.url)
+            yield endpoint(name, s.url, work.model)
     elif name == "plain":
-        with plain_server(model_dir, args.threads, LOGS / "classic_plain.log") as base:
-            yield endpoint(name, base)
+        with plain_server(work.model_dir, work.threads, LOGS / "classic_plain.log") as base:
+            yield endpoint(name, base, work.model)
     else:
-        with peer(name, args, model_dir) as base:
-            yield endpoint(name, base)
+        with peer(name, args, work) as base:
+            yield endpoint(name, base, work.model)
 
 
 @contextlib.contextmanager
-def peer(name: str, args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
+def peer(name: str, args: argparse.Namespace, work: Workload) -> Iterator[str]:
     python = args.pytriton_python if name == "pytriton" else args.peers_python
     port = free_port() if name != "pytriton" else _three_free_ports()
     script = Path(__file__).parent / "classic_peer_servers.py"
-    cmd = [str(python), str(script), name, "--model-dir", str(model_dir), "--port", str(port)]
-    cmd += ["--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size)]
-    cmd += ["--max-wait-ms", str(args.max_wait_ms)]
+    cmd = [str(python), str(script), name, "--model", work.model, "--port", str(port)]
+    cmd += ["--model-dir", str(work.model_dir), "--threads", str(work.threads)]
+    cmd += ["--max-batch-size", str(work.max_batch_size), "--max-wait-ms", str(work.max_wait_ms)]
     LOGS.mkdir(parents=True, exist_ok=True)
     with (LOGS / f"classic_{name}.log").open("w") as log:
         # A session of its own: the peers start worker processes, stopped with it as a group.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait_answering(endpoint(name, base), proc)
+            _wait_answering(endpoint(name, base, work.model), proc, work.items[0])
             yield base
         finally:
             _stop_group(proc)
@@ -133,13 +206,14 @@ def _is_free(port: int) -> bool:
     return True
 
 
-def _wait_answering(ep: Endpoint, proc: subprocess.Popen[bytes]) -> None:
+def _wait_answering(ep: Endpoint, proc: subprocess.Popen[bytes], item: Any) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
+    data, headers = payload(ep.body(item))
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"exited with code {proc.returncode} before answering")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(ep.url, json=ep.body("warm up"), timeout=10).status_code == 200:
+            if httpx.post(ep.url, content=data, headers=headers, timeout=10).status_code == 200:
                 return
         time.sleep(0.5)
     raise RuntimeError(f"did not answer within {START_TIMEOUT_S:.0f} s")
@@ -155,11 +229,11 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def measure(name: str, ep: Endpoint, args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+def measure(name: str, ep: Endpoint, args: argparse.Namespace, items: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for clients in args.clients:
         load = os.getloadavg()[0]
-        r = asyncio.run(closed_loop(ep.url, ep.body, texts, clients, args.seconds))
+        r = asyncio.run(closed_loop(ep.url, ep.body, items, clients, args.seconds))
         r["load_1m"] = [load, os.getloadavg()[0]]
         out[str(clients)] = r
         lat = r["latency_ms"]
@@ -172,33 +246,61 @@ def measure(name: str, ep: Endpoint, args: argparse.Namespace, texts: list[str])
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    texts = sentences(4096, args.seed)
-    model_dir = max((args.repository / "minilm").glob("[0-9]*"), key=lambda p: int(p.name))
+def run(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    """Every server on one model: `--rounds` rounds in rotated order, then the model alone."""
     servers = [s for s in args.servers if s in ("inferd", "plain") or _python_for(s, args)]
     skipped = {s: "no Python environment given" for s in args.servers if s not in servers}
+    if work.model != "minilm" and "plain" in servers:
+        servers.remove("plain")
+        skipped["plain"] = "bench/plain_embed_server.py serves embeddings only"
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
     for r in range(args.rounds):
         order = servers[r % len(servers) :] + servers[: r % len(servers)]
-        print(f"round {r + 1}: {' -> '.join(order)}", flush=True)
+        print(f"{work.model} round {r + 1}: {' -> '.join(order)}", flush=True)
         for name in order:
             if name in skipped:
                 continue
             try:
-                with running(name, args, model_dir) as ep:
-                    rounds[name].append(measure(name, ep, args, texts))
+                with running(name, args, work) as ep:
+                    rounds[name].append(measure(name, ep, args, work.items))
             except RuntimeError as e:
                 skipped[name] = f"{e} (log: {LOGS / f'classic_{name}.log'})"
                 print(f"{name}: skipped: {skipped[name]}", flush=True)
     table = {s: summary(runs, args.clients) for s, runs in rounds.items() if runs}
-    ceiling = compute_ceiling(model_dir, texts[:512], args.threads)
-    print("model alone (ONNX Runtime):", {k: round(v, 2) for k, v in ceiling.items()})
+    ceiling = model_alone(work)
+    print(f"{work.model} alone (ONNX Runtime):", {k: round(v, 2) for k, v in ceiling.items()})
     return {
+        "settings": {k: str(v) for k, v in vars(work).items() if k != "items"},
         "table": table,
         "rounds": rounds,
         "skipped": skipped,
         "model_alone": ceiling,
         "targets": targets(table),
+    }
+
+
+def model_alone(work: Workload) -> dict[str, float]:
+    """The model's own rate in this process: one input at a time vs batches of the largest
+    size (MiniLM: bench/batching.py's, tokenizing left out; images: decoded beforehand)."""
+    if work.model == "minilm":
+        return compute_ceiling(work.model_dir, work.items[:512], work.threads)
+    from classic_peer_servers import ImageClassifier
+
+    classifier = ImageClassifier(work.model_dir, work.threads)
+    pixels = np.stack([classifier.pixels(b) for b in work.items])
+
+    def rate(size: int) -> float:
+        start = time.perf_counter()
+        for i in range(0, len(pixels), size):
+            classifier.session.run(None, {"input": pixels[i : i + size]})
+        return len(pixels) / (time.perf_counter() - start)
+
+    rate(work.max_batch_size)  # warm up
+    single, batched = rate(1), rate(work.max_batch_size)
+    return {
+        "single_rps": single,
+        f"batched_{work.max_batch_size}_rps": batched,
+        "ratio": batched / single,
     }
 
 
@@ -276,9 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--seconds", type=float, default=8.0, help="per server and client count")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
-    p.add_argument("--max-batch-size", type=int, default=64, help="the peers' (inferd: config)")
-    p.add_argument("--max-wait-ms", type=float, default=3.0, help="the peers' (inferd: config)")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--peers-python", type=Path, default=None, help="LitServe, mosec, Ray Serve")
     p.add_argument("--pytriton-python", type=Path, default=None, help="nvidia-pytriton's env")
     p.add_argument("--repository", type=Path, default=None, help="default: the examples")
@@ -286,13 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.repository = args.repository or ensure_example_repository()
-    result = run(args)
-    print_table(result["table"], args.clients)
-    print("skipped:", result["skipped"] or "none")
-    print("targets:", result["targets"])
+    results = {m: run(args, workload(m, args.repository, args.seed)) for m in args.models}
+    for model, result in results.items():
+        print(f"\n{model}")
+        print_table(result["table"], args.clients)
+        print("skipped:", result["skipped"] or "none")
+        print("targets:", result["targets"])
     out = args.out or RESULTS_DIR / f"classic_peers_{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_result(
-        out, {"command": command_line(), "machine": machine_info(), "args": vars(args), **result}
+        out,
+        {"command": command_line(), "machine": machine_info(), "args": vars(args), **results},
     )
     print(f"wrote {out}")
     return 0

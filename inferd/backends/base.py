@@ -3,6 +3,7 @@
     backend = open_backend(config, version_dir, options)   # inferd.backends.open_backend
     backend.inputs()   # what the model file declares (names, KServe datatypes, dims)
     out = backend.infer({"features": batch})   # batched numpy in, batched numpy out
+    out = backend.infer_alone(...)   # optional (FastAlone): one request, nothing else waiting
 
 `infer` runs on a worker thread (never the event loop); one backend object serves one
 instance (config.instance_count builds that many), so it need not be thread-safe.
@@ -11,7 +12,7 @@ instance (config.instance_count builds that many), so it need not be thread-safe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -44,3 +45,11 @@ class Backend(Protocol):
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class FastAlone(Protocol):
+    """A backend with a faster way to run a lone request on an otherwise idle instance, at a
+    CPU cost it would not pay under load (ONNX Runtime: pool threads that spin)."""
+
+    def infer_alone(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...

@@ -1,11 +1,18 @@
 """ONNX Runtime backend: one InferenceSession per instance.
 
 Threads: `parameters.intra_op_threads` / `inter_op_threads` from config.yaml, else the server's
-BackendOptions, else ONNX Runtime's default (all cores). Spinning: by default the pool threads
-spin between the ops of a run and stop when it ends; `parameters.allow_spinning: 1` lets them
-spin between runs too (ONNX Runtime's own default), `0` never. With
-several instances on a small machine, set the counts: two instances each using every core fight
-over the same cores.
+BackendOptions, else ONNX Runtime's default (all cores). With several instances on a small
+machine, set the counts: two instances each using every core fight over the same cores.
+
+Spinning (`parameters.allow_spinning`), decided per call by default (`auto`): a batch runs on a
+session whose pool threads sleep between ops, and a lone request on an otherwise idle instance
+(`infer_alone`) runs on a twin session whose threads spin between the ops of the run and stop
+at its end. Waking a sleeping thread for each op cost MiniLM ~0.9 ms of a 3.9 ms call on 2
+cores, which a lone request feels as latency; under load the spinning takes CPU from the event
+loop and the other requests (~5 % of requests/s at 8-64 clients). The twin is a second copy of
+the weights, so it is loaded only for files up to 256 MB (a larger model's ops are long enough
+that a wake-up is noise). `run`: every call spins within the run; `1`: ONNX Runtime's own
+default (spinning after a run too); `0`: never.
 Device: `parameters.device: cuda` puts CUDAExecutionProvider first (CPU stays as the fallback
 for ops CUDA lacks); asking for CUDA where onnxruntime has no CUDA provider fails the load.
 """
@@ -39,6 +46,10 @@ _ORT_TYPES = {
     "tensor(string)": "BYTES",
 }
 _CUDA = "CUDAExecutionProvider"
+# Model files up to this size get the spinning twin session under `allow_spinning: auto`.
+_TWIN_MAX_BYTES = 256 << 20
+_SPIN_MODES = {"auto": "auto", "run": "run", "1": "1", "true": "1", "yes": "1"}
+_SPIN_MODES |= {"0": "0", "false": "0", "no": "0"}
 _CPU = "CPUExecutionProvider"
 
 
@@ -69,7 +80,17 @@ def _providers(config: ModelRepoConfig) -> list[str]:
     return [_CUDA, _CPU]
 
 
-def _session_options(config: ModelRepoConfig, options: BackendOptions) -> ort.SessionOptions:
+def _spin_mode(config: ModelRepoConfig) -> str:
+    value = str(config.parameters.get("allow_spinning", "auto")).lower()
+    if value not in _SPIN_MODES:
+        raise ModelLoadError(f"parameters.allow_spinning: {value!r} is not auto, run, 1 or 0")
+    return _SPIN_MODES[value]
+
+
+def _session_options(
+    config: ModelRepoConfig, options: BackendOptions, spin: str
+) -> ort.SessionOptions:
+    """`spin`: "0" never, "run" within a run (stopped at its end), "1" ONNX Runtime's default."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     intra = config.int_parameter("intra_op_threads") or options.intra_op_threads
@@ -78,19 +99,27 @@ def _session_options(config: ModelRepoConfig, options: BackendOptions) -> ort.Se
         so.intra_op_num_threads = intra
     if inter is not None:
         so.inter_op_num_threads = inter
-    # ONNX Runtime's pool threads spin while waiting for work, by default also for a while after
-    # a run. Between runs they share the cores with the event loop (HTTP, JSON, tokenizing), so
-    # spinning there starves it; within a run the waits between ops are microseconds, and waking
-    # a sleeping thread for each op cost MiniLM ~0.9 ms of a 3.9 ms call on 2 cores. Default:
-    # spin within a run, stop at its end (`force_spinning_stop`); `allow_spinning: 1` keeps ONNX
-    # Runtime's spin after a run too, `0` never spins.
-    spin = str(config.parameters.get("allow_spinning", "run")).lower()
-    never = spin in ("0", "false", "no")
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0" if never else "1")
-    so.add_session_config_entry("session.inter_op.allow_spinning", "0" if never else "1")
-    if not never and spin not in ("1", "true", "yes"):
+    allow = "0" if spin == "0" else "1"
+    so.add_session_config_entry("session.intra_op.allow_spinning", allow)
+    so.add_session_config_entry("session.inter_op.allow_spinning", allow)
+    if spin == "run":
         so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
+
+
+def _open_session(
+    path: Path, config: ModelRepoConfig, options: BackendOptions, spin: str
+) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(
+            str(path),
+            sess_options=_session_options(config, options, spin),
+            providers=_providers(config),
+        )
+    except ModelLoadError:
+        raise
+    except Exception as e:  # ORT raises its own pybind types (Fail, InvalidProtobuf, ...)
+        raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
 
 
 def _to_ort_strings(name: str, array: np.ndarray) -> np.ndarray:
@@ -113,17 +142,16 @@ class OnnxBackend:
     platform = "onnxruntime_onnx"
 
     def __init__(self, path: Path, config: ModelRepoConfig, options: BackendOptions) -> None:
-        try:
-            session = ort.InferenceSession(
-                str(path),
-                sess_options=_session_options(config, options),
-                providers=_providers(config),
-            )
-        except ModelLoadError:
-            raise
-        except Exception as e:  # ORT raises its own pybind types (Fail, InvalidProtobuf, ...)
-            raise ModelLoadError(f"{path}: onnxruntime cannot load it: {e}") from e
+        mode = _spin_mode(config)
+        twin = mode == "auto" and path.stat().st_size <= _TWIN_MAX_BYTES
+        # auto: batches never spin; a large model (no twin) spins within a run, as `run` does.
+        main_spin = "0" if twin else ("run" if mode == "auto" else mode)
+        session = _open_session(path, config, options, main_spin)
         self._session: ort.InferenceSession | None = session
+        # The session a lone request runs on: the spinning twin, else the one session.
+        self._alone: ort.InferenceSession | None = (
+            _open_session(path, config, options, "run") if twin else session
+        )
         self._inputs = [_spec(a, path, "input") for a in session.get_inputs()]
         self._outputs = [_spec(a, path, "output") for a in session.get_outputs()]
         self._output_names = [s.name for s in self._outputs]
@@ -135,7 +163,16 @@ class OnnxBackend:
         return list(self._outputs)
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self._session is None:
+        return self._run(self._session, inputs)
+
+    def infer_alone(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A lone request on an idle instance: on the session that spins within the run."""
+        return self._run(self._alone, inputs)
+
+    def _run(
+        self, session: ort.InferenceSession | None, inputs: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        if session is None:
             raise RuntimeError("the ONNX Runtime session is closed")
         feed: dict[str, np.ndarray] = {}
         for spec in self._inputs:
@@ -146,7 +183,7 @@ class OnnxBackend:
                 array = _to_ort_strings(spec.name, array)
             feed[spec.name] = array
         try:
-            results = self._session.run(self._output_names, feed)
+            results = session.run(self._output_names, feed)
         except ort.capi.onnxruntime_pybind11_state.InvalidArgument as e:
             # Shapes/types the graph rejects: the request's fault, so the caller answers 400.
             raise InvalidRequestError(f"onnxruntime rejected the inputs: {e}") from e
@@ -158,4 +195,4 @@ class OnnxBackend:
     def close(self) -> None:
         # The session frees its memory when the last reference goes: drop ours now rather than
         # when the unloaded ServedModel happens to be collected.
-        self._session = None
+        self._session = self._alone = None

@@ -7,9 +7,11 @@ orchestrator; the batch's array work is assembler.py's, when a batch runs batche
          -> postprocess steps -> requested outputs / classification      (one worker thread)
       -> futures resolved (event loop)
 
-Performance rules: the event loop runs only validation and bookkeeping; a request makes at
-most one hop to the preprocess pool (none without preprocess steps), and a batch makes one hop
-to a worker and one back, whatever its size. A request that would run at once and alone (the
+Performance rules: the event loop runs only validation and bookkeeping; the requests that
+arrive in one loop iteration go to the preprocess pool together (one hop there and one back per
+group of up to 8, not per request: each hand-off wakes a thread, which on a busy machine
+preempts the loop; none without preprocess steps), and a batch makes one hop to a worker and
+one back, whatever its size. A request that would run at once and alone (the
 batcher is idle: a worker free, nothing queued or preprocessing, arrivals slower than a batch
 runs) skips the pool: its worker runs the preprocess steps before the model, so a lone request
 costs two thread wake-ups instead of four (each one a scheduling delay on a busy machine).
@@ -48,7 +50,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from inferd.backends.base import Backend
+from inferd.backends.base import Backend, FastAlone
 from inferd.batching.assembler import (
     BackendError,
     OutputSelector,
@@ -94,6 +96,9 @@ logger = logging.getLogger(__name__)
 
 # Preprocess (tokenize, image decode) threads per model; created on first use.
 _PREPROCESS_THREADS = max(2, min(8, os.cpu_count() or 1))
+# Requests per preprocess task: a burst's arrivals share hand-offs, and still spread over the
+# pool's threads.
+_PREPROCESS_GROUP = 8
 
 State = Literal["new", "ready", "stopping", "stopped"]
 
@@ -187,6 +192,7 @@ class ServedModel:
         self._idle: asyncio.Event | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._preprocessing = 0  # requests in the preprocess pool: they count against the bound
+        self._to_preprocess: list[_Work] = []  # this loop iteration's, sent at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pre_pool: ThreadPoolExecutor | None = None
 
@@ -287,7 +293,9 @@ class ServedModel:
             else:
                 self._batcher.check_room(self._preprocessing)
                 self._preprocessing += 1
-                self._pre_pool.submit(self._preprocess, work)
+                self._to_preprocess.append(work)
+                if len(self._to_preprocess) == 1:
+                    asyncio.get_running_loop().call_soon(self._send_to_preprocess)
             return await future
         except asyncio.CancelledError:
             if work.queued is not None:
@@ -319,15 +327,22 @@ class ServedModel:
         timings.set(Stage.VALIDATE, time.monotonic() - start, start)
         return work
 
-    def _preprocess(self, work: _Work) -> None:
-        """Preprocess thread: runs the steps, then hands the request back to the loop (one hop
-        each way)."""
+    def _send_to_preprocess(self) -> None:
+        works, self._to_preprocess = self._to_preprocess, []
+        assert self._pre_pool is not None
+        for i in range(0, len(works), _PREPROCESS_GROUP):
+            self._pre_pool.submit(self._preprocess, works[i : i + _PREPROCESS_GROUP])
+
+    def _preprocess(self, works: list[_Work]) -> None:
+        """Preprocess thread: runs the steps of each request, then hands the group back to the
+        loop (one hop each way)."""
         assert self._loop is not None
-        error = self._prepare(work)
-        if error is None:
-            self._place(work)
+        errors = [self._prepare(work) for work in works]
+        for work, error in zip(works, errors, strict=True):
+            if error is None:
+                self._place(work)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-            self._loop.call_soon_threadsafe(self._preprocessed, work, error)
+            self._loop.call_soon_threadsafe(self._preprocessed, works, errors)
 
     def _prepare(self, work: _Work) -> BaseException | None:
         """Runs the preprocess steps (a preprocess or worker thread); returns the error."""
@@ -346,12 +361,13 @@ class ServedModel:
         work.timings.set(Stage.PREPROCESS, time.monotonic() - start, start)
         return error
 
-    def _preprocessed(self, work: _Work, error: BaseException | None) -> None:
-        self._preprocessing -= 1
-        if error is None:
-            self._enqueue(work)
-        else:
-            _fail(work.future, error)
+    def _preprocessed(self, works: list[_Work], errors: list[BaseException | None]) -> None:
+        self._preprocessing -= len(works)
+        for work, error in zip(works, errors, strict=True):
+            if error is None:
+                self._enqueue(work)
+            else:
+                _fail(work.future, error)
 
     def _place(self, work: _Work) -> None:
         placement = place(work.tensors, self._variable, keyed_by_names=self._keyed_by_names)
@@ -399,17 +415,23 @@ class ServedModel:
         executed: _Executed = []
         ready = [w for w in works if w.result is None]
         if ready:
-            self._execute(backend, ready, executed)
+            # Nothing else waiting (a racy read of the loop's count: a hint, not a decision).
+            alone = len(ready) == 1 and not self._batcher.num_queued
+            self._execute(backend, ready, executed, alone)
         return executed
 
-    def _execute(self, backend: Backend, works: list[_Work], executed: _Executed) -> None:
+    def _execute(
+        self, backend: Backend, works: list[_Work], executed: _Executed, alone: bool = False
+    ) -> None:
         """compute_input -> infer -> compute_output -> respond (per request); sets each work's
-        `result`. A failed batch of several requests is re-run one request at a time."""
+        `result`. A failed batch of several requests is re-run one request at a time. `alone`:
+        a lone request with nothing queued, run by the backend's `infer_alone` if it has one."""
         t0 = time.monotonic()
+        infer = backend.infer_alone if alone and isinstance(backend, FastAlone) else backend.infer
         try:
             inputs, ratio = assemble([w.tensors for w in works], self._variable)
             t1 = time.monotonic()
-            outputs = backend.infer(inputs)
+            outputs = infer(inputs)
         except Exception as exc:
             if len(works) > 1:
                 logger.warning(

@@ -215,6 +215,50 @@ def test_onnx_threads_config_over_server_option(tmp_path: Path) -> None:
     assert session_options.inter_op_num_threads == 1  # server option fills the gap
 
 
+def _spinning(session: Any) -> tuple[str, str]:
+    options = session.get_session_options()
+
+    def entry(key: str) -> str:
+        try:
+            return str(options.get_session_config_entry(key))
+        except RuntimeError:  # not set
+            return ""
+
+    return entry("session.intra_op.allow_spinning"), entry("session.force_spinning_stop")
+
+
+def test_onnx_spinning_auto_gives_a_lone_request_a_spinning_twin(tmp_path: Path) -> None:
+    write_linear_onnx(tmp_path / "model.onnx")
+    backend: Any = open_backend(config("onnxruntime"), tmp_path, BackendOptions())
+    assert backend._alone is not backend._session
+    assert _spinning(backend._session)[0] == "0"  # batches: threads sleep between ops
+    assert _spinning(backend._alone) == ("1", "1")  # alone: spin within the run, stop at its end
+    np.testing.assert_allclose(
+        backend.infer_alone({"x": X})["probs"], reference(X)["probs"], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(
+        backend.infer_alone({"x": X})["probs"], backend.infer({"x": X})["probs"]
+    )
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.infer_alone({"x": X})
+
+
+@pytest.mark.parametrize(
+    ("value", "spinning"), [("run", ("1", "1")), (0, ("0", "")), ("1", ("1", ""))]
+)
+def test_onnx_spinning_set_by_hand_is_one_session(
+    tmp_path: Path, value: object, spinning: tuple[str, str]
+) -> None:
+    write_linear_onnx(tmp_path / "model.onnx")
+    configured = config("onnxruntime", parameters={"allow_spinning": value})
+    backend: Any = open_backend(configured, tmp_path, BackendOptions())
+    assert backend._alone is backend._session and _spinning(backend._session) == spinning
+    bad = config("onnxruntime", parameters={"allow_spinning": "sometimes"})
+    with pytest.raises(ModelLoadError, match="allow_spinning"):
+        open_backend(bad, tmp_path, BackendOptions())
+
+
 def test_onnx_cuda_without_provider_fails_the_load(tmp_path: Path) -> None:
     write_linear_onnx(tmp_path / "model.onnx")
     import onnxruntime

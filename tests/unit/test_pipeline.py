@@ -587,6 +587,65 @@ async def test_a_lone_request_runs_at_once_preprocessed_by_its_worker() -> None:
     await model.stop()
 
 
+class FastAloneBackend(FakeBackend):
+    """A FakeBackend with the optional `infer_alone` (ONNX Runtime's spinning twin session)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls.append("batch")
+        return super().infer(inputs)
+
+    def infer_alone(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls.append("alone")
+        return super().infer(inputs)
+
+
+@async_test
+async def test_only_a_lone_request_with_nothing_queued_runs_on_infer_alone() -> None:
+    gate = threading.Event()
+    backend = FastAloneBackend(TABULAR_IN, TABULAR_OUT, gate)
+    model = ServedModel("tab", "1", tabular_config(), [backend], pace=MeasuredPace(0.03))
+    await model.start()
+    gate.set()
+    await model.infer(req(1.0))  # an idle instance: it runs at once, alone
+    gate.clear()
+    first = asyncio.ensure_future(model.infer(req(2.0)))  # held at the gate, alone
+    await until(lambda: len(backend.seen) == 2)
+    rest = [asyncio.ensure_future(model.infer(req(float(i)))) for i in range(3)]
+    await until(lambda: model._batcher.num_queued == 3)
+    gate.set()
+    await asyncio.gather(first, *rest)
+    assert backend.calls == ["alone", "alone", "batch"]
+    assert backend.rows_seen() == [1, 1, 3]
+    await model.stop()
+
+
+@async_test
+async def test_a_burst_goes_to_the_preprocess_pool_in_groups() -> None:
+    observer = FakeObserver()
+    model, *_ = text_model(observer)
+    await model.start()
+    assert model._pre_pool is not None
+    submitted: list[int] = []
+    submit = model._pre_pool.submit
+
+    def counting(fn: Callable[..., None], works: list[Any]) -> Any:
+        submitted.append(len(works))
+        return submit(fn, works)
+
+    model._pre_pool.submit = counting  # type: ignore[method-assign,assignment]
+    words = [" ".join(["w"] * (i + 1)) for i in range(10)]
+    # Ten arrivals in one loop iteration: two hand-offs to the pool (8 + 2), not ten.
+    responses = await asyncio.gather(*(model.infer(text(w)) for w in words))
+    assert submitted == [8, 2]
+    assert [r.num_input_tokens for r in responses] == list(range(1, 11))
+    assert sorted(observer.outcomes()) == ["success"] * 10
+    await model.stop()
+
+
 @async_test
 async def test_each_request_reports_the_batch_it_ran_in() -> None:
     observer = FakeObserver()

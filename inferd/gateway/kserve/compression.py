@@ -62,8 +62,14 @@ def _quality(text: str) -> float:
         return 0.0
 
 
+# Level 1 (nginx's default too): a 4.9 KB MiniLM embedding response compresses to 2.30 KB in
+# 64 us on the event loop, where level 6 took 185 us for 2.16 KB (~15 % of the loop's time per
+# request under load).
+_LEVEL = 1
+
+
 def compress(body: bytes, encoding: str) -> bytes:
     if encoding == "gzip":
-        c = zlib.compressobj(6, zlib.DEFLATED, 31)
+        c = zlib.compressobj(_LEVEL, zlib.DEFLATED, 31)
         return c.compress(body) + c.flush()
-    return zlib.compress(body, 6)
+    return zlib.compress(body, _LEVEL)

@@ -178,8 +178,6 @@ _INFER: dict[str, Any] = {
 }
 
 
-@router.post(_MODEL + "/infer", dependencies=BY_MODEL, **_INFER)
-@router.post(_VERSION + "/infer", dependencies=BY_VERSION, **_INFER)
 async def infer(request: Request) -> Response:
     state = gateway(request)
     state.admitting()
@@ -204,6 +202,16 @@ async def infer(request: Request) -> Response:
     except BaseException:
         state.inflight -= 1
         raise
+
+
+# Inference is served by plain Starlette routes, added before the documented ones so they match
+# first: FastAPI's route wrapper (two exit stacks, dependency solving, the endpoint call) was
+# ~15 % of the event loop's time per request under load (py-spy, 64 clients). The FastAPI
+# routes below only document the path in the OpenAPI schema.
+for _path in (_MODEL + "/infer", _VERSION + "/infer"):
+    router.add_route(_path, infer, methods=["POST"], include_in_schema=False)
+router.post(_MODEL + "/infer", dependencies=BY_MODEL, **_INFER)(infer)
+router.post(_VERSION + "/infer", dependencies=BY_VERSION, **_INFER)(infer)
 
 
 async def _read_body(request: Request, state: GatewayState) -> bytes:
