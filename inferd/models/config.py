@@ -134,6 +134,15 @@ class ArchConfig:
             return self.max_position_embeddings
         return rope_cache_len(self.rope_scaling, self.max_position_embeddings)
 
+    @property
+    def kv_window(self) -> int | None:
+        """The largest sliding window when every layer has one, else None: the span of positions
+        before a query that any layer still reads (KV blocks before it can be released)."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full attention)."""
         return self.layer_windows[layer] if self.layer_windows else None

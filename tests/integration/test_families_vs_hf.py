@@ -20,10 +20,20 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_cases import ENGINE_BASE  # noqa: E402
-from test_engine_vs_hf import _engine, _hf_greedy, _run, _tokens, _workload  # noqa: E402
+from test_engine_vs_hf import (  # noqa: E402
+    _engine,
+    _hf_greedy,
+    _params,
+    _run,
+    _tokens,
+    _workload,
+)
 from test_models_vs_hf import _prefill_logits, _prompt, _randomize  # noqa: E402
 
+from inferd.config import EngineConfig  # noqa: E402
+from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
+from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import SUPPORTED_ARCHITECTURES, ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.layers import MoEBlock  # noqa: E402
@@ -137,15 +147,23 @@ def test_greedy_matches_transformers(name: str, backend: str, tmp_path: Path) ->
     hf, path = _checkpoint(name, tmp_path)
     work = _shared_prefix_workload(seed=len(name))
     engine = _engine(path, attention_backend=backend)
+    window = engine.arch.kv_window
+    if window is not None:
+        # Windows on every layer release blocks: a pool of 4 blocks more than one request's
+        # most (the window before a 32-token chunk, and the chunk) still preempts.
+        num_blocks = (32 + window - 2) // 4 + 2 + 4
+        memory = num_blocks * kv_bytes_per_block(engine.arch, 4, torch.float32)
+        engine = _engine(path, attention_backend=backend, kv_cache_memory=memory)
     results = _run(engine, work)
     got = _tokens(results)
     want = [_hf_greedy(hf, prompt, n) for prompt, n in work]
     for i, (prompt, _) in enumerate(work):
         assert got[str(i)] == want[i], f"request {i} (prompt {len(prompt)})"
-    # The shared-prefix prompts once more: their prefix (past the windows) comes from the cache.
+    # The shared-prefix prompts once more: their prefix (past the windows) comes from the cache
+    # (with every layer windowed, only while its leading blocks were not evicted yet).
     again = _run(engine, [work[0], work[-1]])
     assert _tokens(again) == {"0": want[0], "1": want[-1]}
-    assert all(out.metrics.num_cached_tokens >= 40 for out in again.values())
+    assert window is not None or all(o.metrics.num_cached_tokens >= 40 for o in again.values())
     if backend == "auto" and kernel_available():
         assert engine.runner.attn_kernel is not None and engine.model.model.fused is not None
         # Llama-shaped layers (Mistral's windows, Phi-3) decode in one native call too.
@@ -165,6 +183,42 @@ def test_greedy_matches_transformers(name: str, backend: str, tmp_path: Path) ->
     assert sum(out.metrics.num_preemptions for out in results.values()) > 0
     assert any(s.num_prefill_tokens == 32 for s in engine.step_stats.steps)
     bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_windowed_sequence_longer_than_the_pool_completes(backend: str, tmp_path: Path) -> None:
+    # Every layer has a 7-token window, so blocks wholly before it go back to the pool: a
+    # 130-token sequence runs in 12 blocks of 4 (48 slots), its output transformers' own, then
+    # again from the prefix cache, beside a shorter request sharing its prompt.
+    hf, path = _checkpoint("mistral-window-3l-tied", tmp_path)
+    arch = ArchConfig.from_json(path / "config.json")
+    config = EngineConfig.from_kwargs(
+        model=str(path),
+        tokenizer="inferd-tiny",
+        dtype="float32",
+        device="cpu",
+        attention_backend=backend,
+        block_size=4,
+        kv_cache_memory=12 * kv_bytes_per_block(arch, 4, torch.float32),
+        max_num_batched_tokens=16,
+    )
+    engine = LLMEngine(config)
+    bm = engine.scheduler.block_manager
+    assert bm.window == 7 and engine.max_model_len == arch.max_context_len
+    prompt = _prompt(arch.vocab_size, 50)
+    want = _hf_greedy(hf, prompt, 80)
+    engine.add_request("long", {"prompt_token_ids": prompt}, _params(80))
+    most_held = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        most_held = max(most_held, bm.num_blocks - bm.num_free_blocks)
+        bm.check_invariants()
+    assert outs[0].outputs[0].token_ids == want
+    # The window before a 16-token chunk plus the chunk: (16 + 7 - 2) // 4 + 2 = 7 blocks.
+    assert most_held <= 7 < bm.num_blocks_for(len(prompt) + 80)
+    again = _run(engine, [(prompt, 20), (prompt[:30], 10)])
+    assert _tokens(again) == {"0": want[:20], "1": _hf_greedy(hf, prompt[:30], 10)}
     assert bm.num_free_blocks == bm.num_blocks
 
 
