@@ -100,6 +100,10 @@ class LLMEngine:
         native = kernels.select(
             config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
         )
+        if native is not None and arch.attention_sinks:
+            # The native attention kernel has no sinks (models/attention.py): the PyTorch path.
+            logger.info("attention: PyTorch path (the native kernel has no attention sinks)")
+            native = None
         float_kind = resolve_linear_kind(backend, None, self.device, dtype)
         gemv = native.gemv if native else None
         on_native = native_linear(config.device.native_linear, kind, gemv, self.model, float_kind)

@@ -91,8 +91,8 @@ class ModelRunner:
         ]
         self.attn_kernel = None if native is None else native.attention
         # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
-        # a sliding window, which it lacks: those run SDPA with windowed masks).
-        self.varlen = native is None and not arch.layer_windows
+        # a sliding window or sinks, which it lacks: those run SDPA with masks).
+        self.varlen = native is None and not (arch.layer_windows or arch.attention_sinks)
         self.varlen = self.varlen and varlen_supported(
             device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         )
