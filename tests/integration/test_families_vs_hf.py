@@ -268,6 +268,13 @@ def test_windowed_sequence_longer_than_the_pool_completes(backend: str, tmp_path
     again = _run(engine, [(prompt, 20), (prompt[:30], 10)])
     assert _tokens(again) == {"0": want[:20], "1": _hf_greedy(hf, prompt[:30], 10)}
     assert bm.num_free_blocks == bm.num_blocks
+    if backend == "torch":
+        # The decode path CUDA graphs replay (run eagerly here): released entries read block 0,
+        # which each layer's window mask leaves out.
+        engine.runner.enable_decode_graphs(engine.max_model_len, 8, capture=False)
+        assert _tokens(_run(engine, [(prompt, 80)])) == {"0": want}
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None and graphs.graphs, "no decode step used the static path"
 
 
 def test_sliding_window_is_not_the_context_length() -> None:
