@@ -100,6 +100,10 @@ class LLMEngine:
         native = kernels.select(
             config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
         )
+        if native is not None and arch.attention_sinks:
+            # The native attention kernel has no sinks (models/attention.py): the PyTorch path.
+            logger.info("attention: PyTorch path (the native kernel has no attention sinks)")
+            native = None
         float_kind = resolve_linear_kind(backend, None, self.device, dtype)
         gemv = native.gemv if native else None
         on_native = native_linear(config.device.native_linear, kind, gemv, self.model, float_kind)
@@ -116,12 +120,6 @@ class LLMEngine:
             greedy_screen=config.device.greedy_screen != "off",
         )
         release_freed_memory(self.device)
-        self.max_model_len = self._max_model_len(self.runner.num_blocks * config.cache.block_size)
-        # (Not for MoE: the grouped GEMMs read each expert's row count on the host.)
-        if self.device.type == "cuda" and not config.device.enforce_eager and self.arch.moe is None:
-            self.runner.enable_decode_graphs(
-                self.max_model_len, config.scheduler.max_num_seqs, capture=True
-            )
         events_endpoint = config.cache.kv_events_endpoint
         block_manager = BlockManager(
             self.runner.num_blocks,
@@ -130,7 +128,15 @@ class LLMEngine:
             kv_events=events_endpoint is not None,
             # For the block digest a router reads (GET /v1/kv_cache/blocks): ~1 us a block.
             block_hashes=True,
+            # Blocks wholly before every layer's window go back to the pool as a sequence grows.
+            window=self.arch.kv_window,
         )
+        self.max_model_len = self._max_model_len(block_manager)
+        # (Not for MoE: the grouped GEMMs read each expert's row count on the host.)
+        if self.device.type == "cuda" and not config.device.enforce_eager and self.arch.moe is None:
+            self.runner.enable_decode_graphs(
+                self.max_model_len, config.scheduler.max_num_seqs, capture=True
+            )
         # Binds at start-up, so a taken address fails the load instead of the first step.
         self.kv_events = None if events_endpoint is None else KVEventPublisher(events_endpoint)
         lora = config.lora
@@ -185,7 +191,7 @@ class LLMEngine:
             )
         return Drafter(spec)
 
-    def _max_model_len(self, kv_capacity_tokens: int) -> int:
+    def _max_model_len(self, bm: BlockManager) -> int:
         # How far rope reaches (scaled); a sliding window limits what a layer attends to, not this.
         limit = self.arch.max_context_len
         requested = self.config.model.max_model_len
@@ -195,8 +201,11 @@ class LLMEngine:
                     f"max_model_len {requested} exceeds what the model supports ({limit})"
                 )
             limit = requested
-        # A single request must always fit in the cache, or it could never be scheduled.
-        return min(limit, kv_capacity_tokens)
+        # A single request must always fit in the cache, or it could never be scheduled; with
+        # sliding windows on every layer it holds only its window's blocks (block_manager.py).
+        if bm.max_blocks_held(limit, self.config.scheduler.max_num_batched_tokens) <= bm.num_blocks:
+            return limit
+        return min(limit, bm.num_blocks * bm.block_size)
 
     # -- requests in ---------------------------------------------------------------------------
 

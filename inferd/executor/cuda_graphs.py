@@ -97,7 +97,8 @@ class DecodeGraphs:
         slots = [c.block_ids[c.start // bs] * bs + c.start % bs for c in decode]
         table = torch.zeros(b, nb, dtype=torch.int64)
         for r, c in enumerate(decode):
-            blocks = c.block_ids[: c.start // bs + 1]
+            # Released entries (kv_cache OUT_OF_WINDOW, < 0) read block 0 under the window mask.
+            blocks = [max(b, 0) for b in c.block_ids[: c.start // bs + 1]]
             table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         pad = b - n
         self.input_ids[:b].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)

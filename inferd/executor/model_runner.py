@@ -22,6 +22,7 @@ from inferd.config import CacheConfig, LoRAConfig
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.executor.kv_pool import kv_cache_dtype, num_kv_blocks, zeroed_pool
 from inferd.executor.spec_verify import Rewind, accept, draft_rows
+from inferd.kv_cache.block_manager import first_kept_block
 from inferd.lora.manager import LoRAManager
 from inferd.models import kernels, kv_int8
 from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
@@ -90,8 +91,8 @@ class ModelRunner:
         ]
         self.attn_kernel = None if native is None else native.attention
         # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
-        # a sliding window, which it lacks: those run SDPA with windowed masks).
-        self.varlen = native is None and not arch.layer_windows
+        # a sliding window or sinks, which it lacks: those run SDPA with masks).
+        self.varlen = native is None and not (arch.layer_windows or arch.attention_sinks)
         self.varlen = self.varlen and varlen_supported(
             device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         )
@@ -294,21 +295,22 @@ class ModelRunner:
         counts."""
         groups: list[tuple[Tensor, Tensor]] = []
         bs = self.block_size
+        # Each row's blocks from the first its window reads (released ones are never gathered).
+        first = [first_kept_block(c.start, self.arch.kv_window, bs) for c in decode]
+        width = [c.start // bs + 1 - f for c, f in zip(decode, first, strict=True)]
         i = 0
         while i < len(decode):
-            max_nb = decode[i].start // bs + 1
+            max_nb = width[i]
             j = i
             # Rows come longest first, within each LoRA adapter's run (prepare_inputs).
-            while j < len(decode) and (
-                _DECODE_GROUP_RATIO * max_nb <= decode[j].start // bs + 1 <= max_nb
-            ):
+            while j < len(decode) and _DECODE_GROUP_RATIO * max_nb <= width[j] <= max_nb:
                 j += 1
             table = np.zeros((j - i, max_nb), dtype=np.int64)
             ctx = np.empty(j - i, dtype=np.int64)
             for r, c in enumerate(decode[i:j]):
-                nb = c.start // bs + 1
-                table[r, :nb] = c.block_ids[:nb]
-                ctx[r] = c.start + 1
+                fb = first[i + r]
+                table[r, : width[i + r]] = c.block_ids[fb : fb + width[i + r]]
+                ctx[r] = c.start + 1 - fb * bs
             keys = np.arange(max_nb * bs)
             mask = torch.from_numpy(keys[None, :] < ctx[:, None]).view(j - i, 1, 1, max_nb * bs)
             groups.append((self._tensor(table), mask.to(self.device)))
@@ -388,17 +390,18 @@ class ModelRunner:
     def _prefill_span(
         self, c: ScheduledChunk, query_start: int, slots: list[int]
     ) -> PrefillSpan | None:
-        """The chunk's SDPA span (None when the native kernel or the varlen call serves it);
-        appends its slots."""
+        """The chunk's SDPA span (None when the native kernel or varlen serves it), its context
+        from the first block its window reads (key index = position - lo); appends its slots."""
         end = c.start + c.num_tokens
         slots.extend(self._slots(c, c.start, end).tolist())
         if self.attn_kernel is not None or self.varlen:
             return None
-        span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end)
+        lo = first_kept_block(c.start, self.arch.kv_window, self.block_size) * self.block_size
+        span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end - lo)
         if c.start > 0:
             # Queries are the last num_tokens positions; query i sees keys 0 .. start + i.
-            span.context_slots = self._tensor(self._slots(c, 0, end))
-            pos, q_pos = np.arange(end), np.arange(c.start, end)
+            span.context_slots = self._tensor(self._slots(c, lo, end))
+            pos, q_pos = np.arange(lo, end), np.arange(c.start, end)
             span.mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(self.device)
         return span
 

@@ -27,6 +27,13 @@ A layer with a sliding window W (`PagedAttention.window`) lets query position p 
 (p - W, p] only: the native kernel takes W and skips the keys before it; the PyTorch path narrows
 its masks (one mask per window and step, shared by the layers with that window). The varlen call
 has no window, so the runner leaves it off for models with one.
+
+Attention sinks (gpt-oss, `PagedAttention.sinks`): each query head has a learned logit that joins
+its softmax's denominator and adds nothing to the output, i.e. a key whose score is the sink and
+whose value is zero. The PyTorch path appends exactly that key: one zero K/V row after the gathered
+keys, with the mask turned into a float bias whose extra column is the head's sink (the zero key
+scores 0, plus the bias). The native kernel and the varlen call have no sinks: a model with them
+runs the PyTorch path (the engine does not load the kernel for it; the runner keeps varlen off).
 """
 
 from __future__ import annotations
@@ -141,8 +148,10 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         window: int | None = None,
+        sinks: bool = False,
     ) -> None:
-        """`window`: each query sees its last `window` positions only (None: all before it)."""
+        """`window`: each query sees its last `window` positions only (None: all before it).
+        `sinks`: a learned logit per query head in each softmax (the parameter `sinks`)."""
         super().__init__()
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
@@ -152,6 +161,7 @@ class PagedAttention(nn.Module):
         self.window = window
         self.kv_cache: Tensor = torch.empty(0)
         self.kernel: PagedAttentionKernel | None = None
+        self.sinks = nn.Parameter(torch.empty(num_heads), False) if sinks else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata) -> Tensor:
         # q: [T, Hq, D]  k, v: [T, Hkv, D]  ->  out: [T, Hq, D]
@@ -196,7 +206,10 @@ class PagedAttention(nn.Module):
         shape = (b, -1, self.num_kv_heads, self.head_dim)
         k = _load(self.kv_cache[0].index_select(0, flat), q).view(shape).transpose(1, 2)
         v = _load(self.kv_cache[1].index_select(0, flat), q).view(shape).transpose(1, 2)
-        o = _sdpa(qg, k, v, attn_mask=mask, scale=self.scale)
+        bias: Tensor | None = mask
+        if self.sinks is not None:  # query head h = kv head * G + g
+            k, v, bias = _with_sinks(k, v, mask, self.sinks.view(1, self.num_kv_heads, -1, 1))
+        o = _sdpa(qg, k, v, attn_mask=bias, scale=self.scale)
         return o.reshape(b, self.num_heads, self.head_dim)
 
     def _varlen(self, q: Tensor, vb: VarlenBatch) -> Tensor:
@@ -218,6 +231,10 @@ class PagedAttention(nn.Module):
         mask = span.mask
         if self.window is not None and span.context_len > self.window:
             mask = span.window_mask(self.window, q.device)
+        if self.sinks is not None:
+            if mask is None:  # plain causal: the chunk is the whole context
+                mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+            kt, vt, mask = _with_sinks(kt, vt, mask[None, None], self.sinks.view(1, -1, 1, 1))
         o = _sdpa(
             qt,
             kt,
@@ -228,6 +245,18 @@ class PagedAttention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o.squeeze(0).transpose(0, 1)
+
+
+def _with_sinks(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """K, V [..., L, D] with a zero row appended, and `mask` (bool, True = attend, broadcastable
+    to the scores [..., Lq, L]) as a float bias with one more column, each head's sink (`sinks`
+    broadcastable to [..., Lq, 1]): that key's score is the sink, its value adds nothing."""
+    zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+    k, v = torch.cat((k, zero), dim=-2), torch.cat((v, zero), dim=-2)
+    bias = torch.zeros(mask.shape, dtype=k.dtype, device=k.device).masked_fill(~mask, -torch.inf)
+    lead = [max(a, b) for a, b in zip(bias.shape[:-1], sinks.shape[:-1], strict=True)]
+    sink = sinks.to(k.dtype).expand(*lead, 1)
+    return k, v, torch.cat((bias.expand(*lead, bias.shape[-1]), sink), dim=-1)
 
 
 # SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for every new shape

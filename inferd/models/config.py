@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.errors import ModelLoadError
+from inferd.models.config_fields import Fields as _Fields
 from inferd.models.quantized import Int8Checkpoint, parse_quantization_config
 from inferd.models.rope import SUPPORTED_ROPE_TYPES, rope_cache_len, rope_type_of
 
@@ -33,9 +34,10 @@ _MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # What models/registry.py builds (docs/models.md says what each needs). Checked first, so an
-# architecture outside it (gpt-oss, DeepSeek) is named as such, not by the first field it lacks.
+# architecture outside it (DeepSeek) is named as such, not by the first field it lacks.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(set(_MODEL_TYPE_TO_ARCH.values())))
 _GEMMA = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 # Gemma3TextConfig's defaults: Hub configs (a multimodal checkpoint's text_config most of all)
@@ -52,11 +54,10 @@ _GEMMA_DEFAULTS: dict[str, Any] = {
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
 }
-_MOE_STYLES = {"Qwen3MoeForCausalLM": "qwen", "MixtralForCausalLM": "mixtral"}
+_GPT_OSS = "GptOssForCausalLM"
+_MOE_STYLES = {"Qwen3MoeForCausalLM": "qwen", "MixtralForCausalLM": "mixtral", _GPT_OSS: "gpt_oss"}
 # Activations of the gated MLP: HF's name -> ours.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,15 @@ class MoEConfig:
     # Per layer: True for the MoE block, False for the dense MLP (Qwen3-MoE's mlp_only_layers,
     # decoder_sparse_step).
     sparse_layers: tuple[bool, ...]
-    # Checkpoint names: "qwen" (mlp.gate, mlp.experts.E.{gate,up,down}_proj) or "mixtral"
-    # (block_sparse_moe.gate, block_sparse_moe.experts.E.{w1,w3,w2}).
+    # Checkpoint names: "qwen" (mlp.gate, mlp.experts.E.{gate,up,down}_proj), "mixtral"
+    # (block_sparse_moe.gate, block_sparse_moe.experts.E.{w1,w3,w2}) or "gpt_oss" (mlp.router,
+    # mlp.experts.{gate_up,down}_proj stacked, with biases; its routing and clamped SwiGLU too:
+    # models/gpt_oss.py).
     style: str
+    # gpt-oss's clamped SwiGLU (swiglu_alpha, swiglu_limit), and experts stored as MXFP4.
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,8 @@ class ArchConfig:
         False  # q/k/v and gate/up stored fused (Phi-3's qkv_proj, gate_up_proj)
     )
     moe: MoEConfig | None = None
+    # A learned logit per query head in each softmax's denominator (gpt-oss's attention sinks).
+    attention_sinks: bool = False
 
     # Linear / dynamic RoPE scaling extends the context past max_position_embeddings (Llama's
     # configs); False where max_position_embeddings is the extended context already (Gemma 3).
@@ -133,6 +142,15 @@ class ArchConfig:
         if not self.rope_extends_context:
             return self.max_position_embeddings
         return rope_cache_len(self.rope_scaling, self.max_position_embeddings)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The largest sliding window when every layer has one, else None: the span of positions
+        before a query that any layer still reads (KV blocks before it can be released)."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: full attention)."""
@@ -153,59 +171,6 @@ class ArchConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ArchConfig:
         return _parse(_Fields(_text_tower(data), source))
-
-
-class _Fields:
-    """Typed access to config.json fields; every failure names the field and the file."""
-
-    def __init__(self, data: dict[str, Any], source: str) -> None:
-        self.data = data
-        self.source = source
-
-    def error(self, name: str, problem: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.source}: field {name!r} {problem}")
-
-    def get(self, name: str, default: Any = _MISSING) -> Any:
-        value = self.data.get(name)
-        if value is None:
-            if default is _MISSING:
-                raise self.error(name, "is missing")
-            return default
-        return value
-
-    def get_int(self, name: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.get(name, _MISSING if default is None else default)
-        return self._check_int(name, value, minimum)
-
-    def opt_int(self, name: str, minimum: int = 1) -> int | None:
-        value = self.data.get(name)
-        return None if value is None else self._check_int(name, value, minimum)
-
-    def _check_int(self, name: str, value: Any, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.error(name, f"must be an integer, got {value!r}")
-        if value < minimum:
-            raise self.error(name, f"must be >= {minimum}, got {value}")
-        return value
-
-    def get_float(self, name: str, default: Any = _MISSING) -> float:
-        value = self.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise self.error(name, f"must be a positive number, got {value!r}")
-        return float(value)
-
-    def get_bool(self, name: str, default: bool) -> bool:
-        value = self.get(name, default)
-        if not isinstance(value, bool):
-            raise self.error(name, f"must be true or false, got {value!r}")
-        return value
-
-    def token_ids(self, name: str) -> frozenset[int]:
-        value = self.data.get(name)
-        items = [] if value is None else value if isinstance(value, list) else [value]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
-            raise self.error(name, f"must be a token id or a list of them, got {value!r}")
-        return frozenset(items)
 
 
 def _text_tower(data: dict[str, Any]) -> dict[str, Any]:
@@ -292,6 +257,8 @@ def _check_rope_keys(f: _Fields, source_key: str, scaling: dict[str, Any]) -> No
         _check_longrope(f, source_key, scaling)
         return
     required = ["factor"]
+    if scaling["rope_type"] == "yarn":
+        required += ["original_max_position_embeddings"]
     if scaling["rope_type"] == "llama3":
         required += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
     for key in required:
@@ -334,6 +301,8 @@ def _layer_windows(f: _Fields, arch: str, window: int | None) -> tuple[int | Non
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
         ]
+    elif types is None and arch == _GPT_OSS:  # sliding first, then every other layer
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif types is None and "max_window_layers" in f.data:
         first = f.get_int("max_window_layers", minimum=0)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -371,14 +340,18 @@ def _moe(f: _Fields, arch: str) -> MoEConfig | None:
         return None
     n = f.get_int("num_hidden_layers")
     experts = f.opt_int("num_experts") or f.get_int("num_local_experts")
-    if style == "mixtral":
+    if style in ("mixtral", "gpt_oss"):  # every layer sparse, experts of intermediate_size
+        gpt_oss = style == "gpt_oss"
         return MoEConfig(
             experts,
             f.get_int("num_experts_per_tok"),
             f.get_int("intermediate_size"),
-            True,
+            not gpt_oss,  # gpt-oss: a softmax over the top k, already normalised
             (True,) * n,
             style,
+            f.get_float("swiglu_alpha", 1.702),
+            f.get_float("swiglu_limit", 7.0),
+            mxfp4=gpt_oss and _quant_method(f) == "mxfp4",
         )
     dense = f.get("mlp_only_layers", [])
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
@@ -438,8 +411,9 @@ def _parse(f: _Fields) -> ArchConfig:
         raise f.error("head_dim", f"must be even for rotary embeddings, got {head_dim}")
     _check_partial_rotary(f)
     gemma = arch in _GEMMA
-    theta, scaling = _rope(f, "full_attention" if gemma else None, 1e6 if gemma else 10000.0)
-    qkv_bias = arch == "Qwen2ForCausalLM" or f.get_bool("attention_bias", False)
+    default_theta = 1e6 if gemma else 150000.0 if arch == _GPT_OSS else 10000.0
+    theta, scaling = _rope(f, "full_attention" if gemma else None, default_theta)
+    qkv_bias = arch == "Qwen2ForCausalLM" or f.get_bool("attention_bias", arch == _GPT_OSS)
     window = _sliding_window(f)
     layer_windows = _layer_windows(f, arch, window)
     return ArchConfig(
@@ -470,6 +444,7 @@ def _parse(f: _Fields) -> ArchConfig:
         hidden_act=_activation(f),
         fused_checkpoint=arch == "Phi3ForCausalLM",
         moe=_moe(f, arch),
+        attention_sinks=arch == _GPT_OSS,
         **_gemma_fields(f, arch, window),
     )
 
@@ -477,4 +452,11 @@ def _parse(f: _Fields) -> ArchConfig:
 def _quantization(f: _Fields) -> Int8Checkpoint | None:
     # Older compressed-tensors checkpoints name it compression_config.
     qc = f.data.get("quantization_config", f.data.get("compression_config"))
+    if _quant_method(f) == "mxfp4" and _architecture(f) == _GPT_OSS:
+        return None  # gpt-oss's MXFP4 experts, dequantized at load (MoEConfig.mxfp4)
     return None if qc is None else parse_quantization_config(qc, f.source)
+
+
+def _quant_method(f: _Fields) -> object:
+    qc = f.data.get("quantization_config")
+    return qc.get("quant_method") if isinstance(qc, dict) else None

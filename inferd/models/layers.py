@@ -123,7 +123,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, eps, dtype, offset) if cfg.qk_norm else None
         window = cfg.window(layer)
         scale = cfg.attention_scale or d**-0.5
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale, window)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, d, scale, window, cfg.attention_sinks
+        )
         # Sliding-window layers of a model whose local layers have their own RoPE (Gemma 3).
         self.local_rope = window is not None and cfg.local_rope_theta is not None
 

@@ -283,6 +283,10 @@ class LlamaForCausalLM(nn.Module):
                 layout.update(_linear_layout(module_name, module))
             elif isinstance(module, MoEBlock):
                 layout.update(_moe_layout(module_name, module))
+            elif isinstance(module, PagedAttention) and module.sinks is not None:
+                # gpt-oss's sinks: `self_attn.sinks` in the checkpoint.
+                name = f"{module_name.removesuffix('.attn')}.sinks"
+                layout[name] = WeightTarget(f"{module_name}.sinks", 0, module.num_heads)
             elif isinstance(module, Embedding | RMSNorm):
                 name = f"{module_name}.weight"
                 layout[name] = WeightTarget(name, 0, module.weight.shape[0])

@@ -31,6 +31,7 @@ from inferd.models.config import ArchConfig
 from inferd.models.llama import LlamaForCausalLM, WeightTarget
 from inferd.models.registry import get_model_class
 from inferd.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+from inferd.models.weights import Convert
 
 logger = logging.getLogger("inferd.models")
 
@@ -172,6 +173,8 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
     tied_head = "lm_head.weight" if model.config.tie_word_embeddings else None
     multimodal = model.config.architecture.endswith("ForConditionalGeneration")
     seen: set[str] = set()
+    # Tensors of a Convert read so far, until it has all of them.
+    pending: dict[Convert, dict[str, torch.Tensor]] = {}
     with _progress(files) as bar:
         for file in files:
             with _open(file) as f:
@@ -186,7 +189,11 @@ def load_safetensors(model: LlamaForCausalLM, files: list[Path]) -> None:
                             f"{file.name}: unexpected tensor {name!r}, which this "
                             f"{model.config.architecture} has no parameter for"
                         )
-                    _copy_tensor(f, stored, file, params[target.param_name], target)
+                    param = params[target.param_name]
+                    if target.convert is None:
+                        _copy_tensor(f, stored, file, param, target)
+                    else:
+                        _convert_tensor(f.get_tensor(stored), name, file, param, target, pending)
                     seen.add(name)
     missing = sorted(set(layout) - seen)
     if missing:
@@ -219,6 +226,33 @@ def _copy_tensor(f: Any, name: str, file: Path, param: torch.Tensor, target: Wei
     tensor = f.get_tensor(name)
     with torch.no_grad():
         param[target.row_start : target.row_start + target.rows].copy_(tensor.view(expected))
+
+
+def _convert_tensor(
+    tensor: torch.Tensor,
+    name: str,
+    file: Path,
+    param: torch.Tensor,
+    target: WeightTarget,
+    pending: dict[Convert, dict[str, torch.Tensor]],
+) -> None:
+    """Keeps `tensor` until its Convert has all its tensors, then copies what it makes."""
+    convert = target.convert
+    assert convert is not None
+    parts = pending.setdefault(convert, {})
+    parts[name] = tensor
+    if len(parts) < len(convert.names):
+        return
+    del pending[convert]
+    rows = convert.fn([parts[n] for n in convert.names])
+    expected = (target.rows, *param.shape[1:])
+    if tuple(rows.shape) != expected:
+        raise ModelLoadError(
+            f"{file.name}: tensors {list(convert.names)} make shape {list(rows.shape)}, "
+            f"expected {list(expected)}"
+        )
+    with torch.no_grad():
+        param[target.row_start : target.row_start + target.rows].copy_(rows)
 
 
 def _open(file: Path) -> Any:

@@ -18,6 +18,10 @@ Weights: gate and up of every expert stacked in one [E * 2I, H] parameter (exper
 at e * 2I, its up rows after them), down in one [E * H, I]; `layout()` maps each expert's
 checkpoint tensors (Qwen's `experts.E.{gate,up,down}_proj`, Mixtral's `experts.E.{w1,w3,w2}`)
 into them.
+
+gpt-oss (models/gpt_oss.py) adds three hooks: biases on the router and on each expert's gate/up
+and down (`router_bias`, `b13`, `b2`), its routing (a softmax over the top k logits) and its
+clamped SwiGLU in place of SiLU(gate) * up; its checkpoint layout is its own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from inferd.models import gpt_oss
 from inferd.models.config import ArchConfig, MoEConfig
 from inferd.models.weights import WeightTarget
 
@@ -44,12 +49,20 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
         self.w13 = nn.Parameter(torch.empty(e * 2 * i, h, dtype=dtype), False)
         self.w2 = nn.Parameter(torch.empty(e * h, i, dtype=dtype), False)
+        self.spec = moe
+        # gpt-oss: biases on the router and the experts' two GEMMs (None: none).
+        biased = moe.style == "gpt_oss"
+        self.router_bias = nn.Parameter(torch.empty(e, dtype=dtype), False) if biased else None
+        self.b13 = nn.Parameter(torch.empty(e * 2 * i, dtype=dtype), False) if biased else None
+        self.b2 = nn.Parameter(torch.empty(e * h, dtype=dtype), False) if biased else None
         # Rows routed to each expert by the forwards since `take_counts` (step statistics).
         self.counts: list[int] = [0] * e
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] int64), as HF's router."""
-        logits = F.linear(x, self.router)  # [T, E]
+        logits = F.linear(x, self.router, self.router_bias)  # [T, E]
+        if self.style == "gpt_oss":
+            return gpt_oss.route(logits, self.top_k)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -73,11 +86,20 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n:
                 sl = slice(start, start + n)
-                gate, up = F.linear(xs[sl], w13[e]).chunk(2, dim=-1)
-                out[sl] = F.linear(F.silu(gate) * up, w2[e])
+                gate, up = F.linear(xs[sl], w13[e], self._bias(self.b13, e)).chunk(2, dim=-1)
+                out[sl] = F.linear(self._act(gate, up), w2[e], self._bias(self.b2, e))
                 start += n
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.style == "gpt_oss":
+            return gpt_oss.clamped_swiglu(gate, up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
+        return F.silu(gate) * up
+
+    def _bias(self, bias: Tensor | None, expert: int) -> Tensor | None:
+        """Expert `expert`'s part of a stacked bias (None: no bias)."""
+        return None if bias is None else bias.view(self.num_experts, -1)[expert]
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""
@@ -87,8 +109,10 @@ class SparseMoE(nn.Module):
     def layout(self, prefix: str, params: str) -> dict[str, WeightTarget]:
         """Checkpoint tensor name -> target: `prefix` the block's name in the checkpoint
         (`model.layers.0.mlp` / `model.layers.0.block_sparse_moe`), `params` this module's."""
-        gate, up, down = _EXPERT_NAMES[self.style]
         i, h = self.inter, self.router.shape[1]
+        if self.style == "gpt_oss":
+            return gpt_oss.expert_layout(prefix, params, self.num_experts, h, i, self.spec.mxfp4)
+        gate, up, down = _EXPERT_NAMES[self.style]
         out = {f"{prefix}.gate.weight": WeightTarget(f"{params}.router", 0, self.num_experts)}
         for e in range(self.num_experts):
             name = f"{prefix}.experts.{e}"

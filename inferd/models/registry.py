@@ -67,6 +67,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    # Attention sinks, YaRN, biased MoE with a clamped SwiGLU, MXFP4 experts (models/gpt_oss.py).
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "config.py and the registry disagree"

@@ -26,6 +26,12 @@ Scaling variants (`rope_scaling["rope_type"]`):
   sqrt(1 + ln(max_pos / original) / ln(original)). Hugging Face switches every position of a
   sequence to the long factors once the sequence passes the original length; the two agree on
   sequences up to that length.
+- "yarn" (gpt-oss): inverse frequencies blended between the interpolated (/ factor) and the
+  original ones over the dims between the `beta_fast` and `beta_slow` rotation counts of
+  `original_max_position_embeddings` (rounded outwards unless `truncate` is false), cos and sin
+  times the attention factor (`attention_factor`, else 0.1 ln(factor) + 1, or the `mscale` /
+  `mscale_all_dim` ratio), as transformers computes them; static, so positions never re-rotate.
+  max_position_embeddings is already the extended context.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -60,6 +66,42 @@ def longrope_attention_factor(rope_scaling: dict[str, Any]) -> float:
         return float(rope_scaling["attention_factor"])
     factor = rope_scaling.get("factor") or rope_scaling["max_position_embeddings"] / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(rope_scaling: dict[str, Any]) -> float:
+    """cos and sin are scaled by this."""
+    factor = float(rope_scaling["factor"])
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    mscale, all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any]) -> Tensor:
+    factor = float(rope_scaling["factor"])
+    original = int(rope_scaling["original_max_position_embeddings"])
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times in `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: the original frequency, 0: interpolated
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def base_inv_freq(head_dim: int, base: float) -> Tensor:
@@ -107,6 +149,8 @@ def compute_inv_freq(
         return _llama3_inv_freq(base_inv_freq(head_dim, base), rope_scaling)
     if rope_type == "dynamic":
         return base_inv_freq(head_dim, dynamic_ntk_base(base, head_dim, max_position, factor))
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, rope_scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
 
@@ -155,6 +199,10 @@ class RotaryEmbedding(nn.Module):
             )
             t = torch.arange(self.cache_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        if rope_type_of(self.rope_scaling) == "yarn":
+            assert self.rope_scaling is not None
+            factor = yarn_attention_factor(self.rope_scaling)
+            return freqs.cos() * factor, freqs.sin() * factor
         return freqs.cos(), freqs.sin()
 
     def _build_longrope_cache(self) -> tuple[Tensor, Tensor]:

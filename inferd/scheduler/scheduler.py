@@ -318,9 +318,9 @@ class Scheduler:
     def _advance(self, request: Request, chunk: ScheduledChunk, num_computed: int) -> None:
         assert chunk.start == request.num_computed_tokens, "update_from_output applied twice?"
         request.num_computed_tokens = num_computed
-        self.block_manager.cache_full_blocks(
-            request.request_id, request.all_token_ids, request.num_computed_tokens
-        )
+        bm = self.block_manager
+        bm.cache_full_blocks(request.request_id, request.all_token_ids, num_computed)
+        bm.release_out_of_window(request.request_id, num_computed)  # sliding windows only
 
     def _append(
         self, request: Request, tokens: list[int]
@@ -385,9 +385,11 @@ class Scheduler:
 
     def _check_fits(self, max_kv_tokens: int) -> None:
         bm = self.block_manager
-        if bm.num_blocks_for(max_kv_tokens) > bm.num_blocks:
+        # With sliding windows only the blocks in the window are held (block_manager.py).
+        needed = bm.max_blocks_held(max_kv_tokens, self.config.max_num_batched_tokens)
+        if needed > bm.num_blocks:
             raise InvalidRequestError(
-                f"the request needs {max_kv_tokens} KV cache slots; the pool has "
+                f"the request needs {needed * bm.block_size} KV cache slots; the pool has "
                 f"{bm.num_blocks * bm.block_size}",
                 param="max_tokens",
             )

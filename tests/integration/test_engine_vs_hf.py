@@ -84,12 +84,12 @@ def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
 
 def _engine(path: Path, **overrides: Any) -> LLMEngine:
     arch = ArchConfig.from_json(path / "config.json")
+    memory = NUM_BLOCKS * kv_bytes_per_block(arch, BLOCK_SIZE, torch.float32)
     config = EngineConfig.from_kwargs(
-        **{"dtype": "float32", "device": "cpu", **overrides},
+        **{"dtype": "float32", "device": "cpu", "kv_cache_memory": memory, **overrides},
         model=str(path),
         tokenizer="inferd-tiny",
         block_size=BLOCK_SIZE,
-        kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(arch, BLOCK_SIZE, torch.float32),
         max_num_batched_tokens=32,
         max_num_seqs=8,
     )

@@ -10,6 +10,7 @@ the native kernels and on the PyTorch fallback.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from hf_cases import ENGINE_BASE  # noqa: E402
-from test_engine_vs_hf import _engine, _hf_greedy, _run, _tokens, _workload  # noqa: E402
+from test_engine_vs_hf import (  # noqa: E402
+    _engine,
+    _hf_greedy,
+    _params,
+    _run,
+    _tokens,
+    _workload,
+)
 from test_models_vs_hf import _prefill_logits, _prompt, _randomize  # noqa: E402
 
+from inferd.config import EngineConfig  # noqa: E402
+from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
+from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import SUPPORTED_ARCHITECTURES, ArchConfig  # noqa: E402
+from inferd.models.gpt_oss import dequantize_mxfp4  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.layers import MoEBlock  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402
@@ -34,6 +46,25 @@ _LONGROPE = {
     "rope_type": "longrope",
     "short_factor": [1.0 + 0.05 * i for i in range(8)],
     "long_factor": [1.5 + 0.25 * i for i in range(8)],
+}
+
+# gpt-oss's YaRN at test scale: a 64-token original context stretched 4x (the 256 positions).
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
+_GPT_OSS = {
+    **_IDS,
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 32,
+    "rope_parameters": _YARN,
 }
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -89,6 +120,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [1],
         },
     ),
+    # Sliding (window 12) and full layers alternating, sinks, YaRN, biased top-2 of 4 experts.
+    "gpt-oss": ("GptOssConfig", {**_GPT_OSS, "sliding_window": 12}),
+    "gpt-oss-3l-tied": (
+        "GptOssConfig",
+        {**_GPT_OSS, "sliding_window": 9, "num_hidden_layers": 3, "tie_word_embeddings": True},
+    ),
+    # Every layer local (layer_types): its blocks before the window are released too.
+    "gpt-oss-all-sliding": (
+        "GptOssConfig",
+        {
+            **_GPT_OSS,
+            "sliding_window": 10,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention"] * 3,
+            "num_experts_per_tok": 3,
+        },
+    ),
     "mixtral": (
         "MixtralConfig",
         {
@@ -131,22 +179,40 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
     torch.testing.assert_close(_prefill_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# gpt-oss runs the PyTorch path under either backend: "auto" once, to see it fall back.
+_GREEDY_CASES = [
+    (name, backend)
+    for name in sorted(FAMILIES)
+    for backend in ("auto", "torch")
+    if backend == "torch" or name == "gpt-oss" or not name.startswith("gpt-oss")
+]
+
+
+@pytest.mark.parametrize(("name", "backend"), _GREEDY_CASES)
 def test_greedy_matches_transformers(name: str, backend: str, tmp_path: Path) -> None:
     hf, path = _checkpoint(name, tmp_path)
     work = _shared_prefix_workload(seed=len(name))
     engine = _engine(path, attention_backend=backend)
+    window = engine.arch.kv_window
+    if window is not None:
+        # Windows on every layer release blocks: a pool of 4 blocks more than one request's
+        # most (the window before a 32-token chunk, and the chunk) still preempts.
+        num_blocks = (32 + window - 2) // 4 + 2 + 4
+        memory = num_blocks * kv_bytes_per_block(engine.arch, 4, torch.float32)
+        engine = _engine(path, attention_backend=backend, kv_cache_memory=memory)
     results = _run(engine, work)
     got = _tokens(results)
     want = [_hf_greedy(hf, prompt, n) for prompt, n in work]
     for i, (prompt, _) in enumerate(work):
         assert got[str(i)] == want[i], f"request {i} (prompt {len(prompt)})"
-    # The shared-prefix prompts once more: their prefix (past the windows) comes from the cache.
+    # The shared-prefix prompts once more: their prefix (past the windows) comes from the cache
+    # (with every layer windowed, only while its leading blocks were not evicted yet).
     again = _run(engine, [work[0], work[-1]])
     assert _tokens(again) == {"0": want[0], "1": want[-1]}
-    assert all(out.metrics.num_cached_tokens >= 40 for out in again.values())
-    if backend == "auto" and kernel_available():
+    assert window is not None or all(o.metrics.num_cached_tokens >= 40 for o in again.values())
+    if engine.arch.attention_sinks:  # the native kernel has none: the PyTorch path
+        assert engine.runner.attn_kernel is None and engine.model.model.fused is None
+    elif backend == "auto" and kernel_available():
         assert engine.runner.attn_kernel is not None and engine.model.model.fused is not None
         # Llama-shaped layers (Mistral's windows, Phi-3) decode in one native call too.
         assert (engine.model.model.decode is not None) == engine.model.model.plain_layers
@@ -166,6 +232,49 @@ def test_greedy_matches_transformers(name: str, backend: str, tmp_path: Path) ->
     assert any(s.num_prefill_tokens == 32 for s in engine.step_stats.steps)
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_windowed_sequence_longer_than_the_pool_completes(backend: str, tmp_path: Path) -> None:
+    # Every layer has a 7-token window, so blocks wholly before it go back to the pool: a
+    # 130-token sequence runs in 12 blocks of 4 (48 slots), its output transformers' own, then
+    # again from the prefix cache, beside a shorter request sharing its prompt.
+    hf, path = _checkpoint("mistral-window-3l-tied", tmp_path)
+    arch = ArchConfig.from_json(path / "config.json")
+    config = EngineConfig.from_kwargs(
+        model=str(path),
+        tokenizer="inferd-tiny",
+        dtype="float32",
+        device="cpu",
+        attention_backend=backend,
+        block_size=4,
+        kv_cache_memory=12 * kv_bytes_per_block(arch, 4, torch.float32),
+        max_num_batched_tokens=16,
+    )
+    engine = LLMEngine(config)
+    bm = engine.scheduler.block_manager
+    assert bm.window == 7 and engine.max_model_len == arch.max_context_len
+    prompt = _prompt(arch.vocab_size, 50)
+    want = _hf_greedy(hf, prompt, 80)
+    engine.add_request("long", {"prompt_token_ids": prompt}, _params(80))
+    most_held = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        most_held = max(most_held, bm.num_blocks - bm.num_free_blocks)
+        bm.check_invariants()
+    assert outs[0].outputs[0].token_ids == want
+    # The window before a 16-token chunk plus the chunk: (16 + 7 - 2) // 4 + 2 = 7 blocks.
+    assert most_held <= 7 < bm.num_blocks_for(len(prompt) + 80)
+    again = _run(engine, [(prompt, 20), (prompt[:30], 10)])
+    assert _tokens(again) == {"0": want[:20], "1": _hf_greedy(hf, prompt[:30], 10)}
+    assert bm.num_free_blocks == bm.num_blocks
+    if backend == "torch":
+        # The decode path CUDA graphs replay (run eagerly here): released entries read block 0,
+        # which each layer's window mask leaves out.
+        engine.runner.enable_decode_graphs(engine.max_model_len, 8, capture=False)
+        assert _tokens(_run(engine, [(prompt, 80)])) == {"0": want}
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None and graphs.graphs, "no decode step used the static path"
 
 
 def test_sliding_window_is_not_the_context_length() -> None:
@@ -219,10 +328,74 @@ def test_moe_router_and_experts_match_transformers(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:
-    # gpt-oss's config has fields inferd does not read (yarn RoPE, attention sinks): the error
-    # names the architecture and lists the supported ones, not the first odd field.
-    config = {"architectures": ["GptOssForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}
+    # DeepSeek V3's config has fields inferd does not read (multi-head latent attention): the
+    # error names the architecture and lists the supported ones, not the first odd field.
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512}
     with pytest.raises(ModelLoadError) as err:
         ArchConfig.from_dict(config)
-    assert "GptOssForCausalLM" in str(err.value)
+    assert "DeepseekV3ForCausalLM" in str(err.value)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def _mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks [*shape, 16] and scales `shape` (2^-7 .. 2^-4: small weights)."""
+    blocks = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.int32)
+    scales = torch.randint(120, 124, shape, generator=gen, dtype=torch.int32)
+    return blocks.to(torch.uint8), scales.to(torch.uint8)
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = _mxfp4((3, 8, 4), torch.Generator().manual_seed(0))
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every nibble, both halves
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+        assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), theirs.transpose(1, 2))
+
+
+def test_gpt_oss_mxfp4_sharded_checkpoint_matches_transformers(tmp_path: Path) -> None:
+    # The Hub's layout: experts as MXFP4 blocks + scales, `quantization_config.quant_method`
+    # mxfp4, sharded with an index. transformers' model holds the same experts dequantized.
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf, folder = _checkpoint("gpt-oss-3l-tied", tmp_path)
+    tensors = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    gen = torch.Generator().manual_seed(5)
+    cfg = hf.config
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    with torch.no_grad():
+        for n, layer in enumerate(hf.model.layers):
+            experts = layer.mlp.experts
+            for proj, shape in (
+                ("gate_up_proj", (e, 2 * i, h // 32)),
+                ("down_proj", (e, h, i // 32)),
+            ):
+                blocks, scales = _mxfp4(shape, gen)
+                getattr(experts, proj).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                )
+                name = f"model.layers.{n}.mlp.experts.{proj}"
+                del tensors[name]
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, out / file)
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (out / "config.json").write_text(json.dumps(config))
+    model, arch = load_model(out, torch.float32, torch.device("cpu"), "auto", seed=0)
+    assert arch.moe is not None and arch.moe.mxfp4 and arch.quantization is None
+    ids = _prompt(arch.vocab_size, 40)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_prefill_logits(model, ids), ref, atol=1e-4, rtol=1e-4)

@@ -92,7 +92,8 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
         ("num_key_value_heads", 3, "must divide"),
         ("rms_norm_eps", -1, "positive number"),
         ("hidden_act", "gelu", "must be one of"),
-        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported|supported"),
+        ("rope_scaling", {"rope_type": "mrope", "factor": 4.0}, "unsupported|supported"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "original_max_position"),
         ("rope_scaling", {"rope_type": "linear"}, "'factor'"),
     ],
 )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -27,6 +28,8 @@ from test_engine_vs_hf import _engine as engine_vs_hf_engine
 
 from inferd import LLMEngine, RequestOutput, SamplingParams
 from inferd.errors import ModelLoadError
+from inferd.executor.kv_pool import kv_bytes_per_block
+from inferd.models.config import ArchConfig
 
 NGRAM = {
     "method": "ngram",
@@ -38,9 +41,14 @@ NGRAM = {
 }
 
 
+# Every layer with an 8-token window: blocks before it go back to the pool while drafts are
+# verified and rolled back (kv_cache/block_manager.py).
+WINDOWED = ("MistralConfig", {"sliding_window": 8})
+
+
 def _cycling_checkpoint(name: str, root: Path) -> Path:
     """The architecture's test checkpoint with its token embeddings scaled x30 (module doc)."""
-    cls_name, extra = CONFIGS[name]
+    cls_name, extra = WINDOWED if name == "mistral-window" else CONFIGS[name]
     path = save_checkpoint(cls_name, extra, root / name, seed=1234)
     weights = path / "model.safetensors"
     state = load_file(weights)
@@ -50,8 +58,12 @@ def _cycling_checkpoint(name: str, root: Path) -> Path:
 
 
 def _engine(path: Path, spec: dict[str, Any] | None, device: str = "cpu") -> LLMEngine:
-    """test_engine_vs_hf's engine (4-token blocks, 40 of them, 32-token steps) with `spec`."""
-    return engine_vs_hf_engine(path, speculative_config=spec, device=device)
+    """test_engine_vs_hf's engine (4-token blocks, 40 of them, 32-token steps) with `spec`;
+    12 blocks where every layer has a window (each request then holds at most 11)."""
+    if path.name != "mistral-window":
+        return engine_vs_hf_engine(path, speculative_config=spec, device=device)
+    memory = 12 * kv_bytes_per_block(ArchConfig.from_json(path / "config.json"), 4, torch.float32)
+    return engine_vs_hf_engine(path, speculative_config=spec, device=device, kv_cache_memory=memory)
 
 
 def _workload() -> list[list[int]]:
@@ -97,7 +109,7 @@ def _check_drained(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "mistral-window"])
 def test_greedy_outputs_equal_without_speculation(name: str, device: str, tmp_path: Path) -> None:
     # On CUDA, steps with drafts run eagerly and the others replay the decode graphs.
     path = _cycling_checkpoint(name, tmp_path)
@@ -115,7 +127,9 @@ def test_greedy_outputs_equal_without_speculation(name: str, device: str, tmp_pa
     assert counters.accepted_per_pos[0] == max(counters.accepted_per_pos)
     # The scenario really chunked, preempted and hit the prefix cache.
     assert sum(out.metrics.num_preemptions for out in got.values()) > 0
-    assert engine.scheduler.prefix_cache.hits > 0
+    # (A windowed request's leading blocks are released, and evicted first in this small pool.)
+    assert engine.scheduler.block_manager.window == (8 if name == "mistral-window" else None)
+    assert engine.scheduler.prefix_cache.hits > 0 or name == "mistral-window"
     assert any(s.num_prefill_tokens == 32 for s in engine.step_stats.steps)
     assert any(s.num_draft_tokens for s in engine.step_stats.steps)
     _check_drained(engine)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.kv_cache.block_manager import BlockManager
+from inferd.kv_cache.block_manager import OUT_OF_WINDOW, BlockManager
 from inferd.kv_cache.prefix_cache import ROOT_SERIAL
 
 BS = 4
@@ -247,3 +247,30 @@ def test_random_operations_keep_the_pool_consistent(
         bm.free(rid)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_window_releases_blocks_before_it_and_a_hit_takes_only_the_window() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2, window=3)
+    tokens = list(range(10, 20))
+    assert bm.allocate("a", 10)
+    bm.cache_full_blocks("a", tokens, 8)
+    bm.release_out_of_window("a", 8)  # the next query (8) sees 6..8: blocks 0-2 go back
+    assert bm.block_table("a")[:4] == [OUT_OF_WINDOW] * 3 + [3]
+    assert bm.num_free_blocks == 8 - 2 and bm.num_cached_blocks == 4  # released, still findable
+    bm.check_invariants()
+    hit = bm.lookup_prefix(tokens[:9])
+    assert hit.num_tokens == 8
+    assert bm.allocate("b", 9, hit)  # its query 8 sees 6..8: only hit block 3 is taken
+    assert bm.block_table("b")[:4] == [OUT_OF_WINDOW] * 3 + [3] and bm.ref_count(3) == 2
+    bm.check_invariants()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_window_bounds_the_blocks_a_request_holds() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4, window=7)
+    # A 16-token chunk after 7 positions of window: (16 + 7 - 2) // 4 + 2 = 7 blocks at most.
+    assert bm.max_blocks_held(1000, 16) == 7 and bm.max_blocks_held(10, 16) == 3
+    assert BlockManager(4, 4).max_blocks_held(1000, 16) == 250

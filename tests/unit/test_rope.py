@@ -14,6 +14,7 @@ from inferd.models.rope import (
     compute_inv_freq,
     dynamic_ntk_base,
     rope_cache_len,
+    rope_type_of,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -37,6 +38,16 @@ SCALINGS: dict[str, dict[str, Any] | None] = {
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    # gpt-oss's: the correction range not rounded outwards.
+    "yarn-untruncated": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 8,
     },
 }
 
@@ -62,7 +73,7 @@ def _hf_inv_freq(kind: str) -> torch.Tensor:
         return LlamaRotaryEmbedding.compute_default_rope_parameters(config)[0]
     # Dynamic NTK at the length inferd fixes its base for.
     seq_len = rope_cache_len(SCALINGS[kind], MAX_POS) if kind == "dynamic" else None
-    return ROPE_INIT_FUNCTIONS[kind](config, None, seq_len=seq_len)[0]
+    return ROPE_INIT_FUNCTIONS[rope_type_of(SCALINGS[kind])](config, None, seq_len=seq_len)[0]
 
 
 def _hf_cos_sin(kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -79,7 +90,7 @@ def test_inv_freq_equals_transformers(kind: str) -> None:
 
 def test_scaled_variants_differ_from_default() -> None:
     default = compute_inv_freq(HEAD_DIM, THETA, None, MAX_POS)
-    for kind in ("linear", "dynamic", "llama3"):
+    for kind in ("linear", "dynamic", "llama3", "yarn", "yarn-untruncated"):
         assert not torch.equal(compute_inv_freq(HEAD_DIM, THETA, SCALINGS[kind], MAX_POS), default)
 
 

@@ -13,6 +13,13 @@ each step, right up to a position that varies by request and step and wrong afte
 runner writes the drafts' K/V too and accepts the drafts that equal the model's tokens, so K/V of
 rejected drafts left in the cache, a block cached with them, or a block leaked by the rollback
 shows up as a wrong read, a wrong output or a leak.
+
+Sliding windows: in workloads with `window` W (a model whose every layer has one), a chunk reads
+only the positions of its queries' windows, from its start - W + 1 on, and the block manager
+releases the blocks wholly before that. The fake runner checks that every position it reads is
+present and right, that every released entry lies wholly before the chunk's window (so none is
+read), and that a request holds no more blocks than the window bound (`max_blocks_held`); pools
+are then sized by that bound, smaller than the longest request's K/V.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferd.config import SchedulerConfig
-from inferd.kv_cache.block_manager import BlockManager
+from inferd.kv_cache.block_manager import OUT_OF_WINDOW, BlockManager
 from inferd.sampling.params import SamplingParams
 from inferd.scheduler.output import ScheduledChunk, SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
@@ -71,6 +78,8 @@ class Workload:
     max_loras: int | None = None
     # Drafts proposed per decoding request and step (speculative decoding); 0: none.
     draft_len: int = 0
+    # Every layer's sliding window (the block manager releases blocks before it); None: none.
+    window: int | None = None
 
 
 def expected(spec: Spec, seed: int) -> tuple[list[int], RequestStatus, int | None]:
@@ -117,12 +126,15 @@ def workloads(draw: st.DrawFn) -> Workload:
     # Size the pool and budget so every request fits alone (add_request rejects the rest);
     # a small surplus keeps the pool tight enough to force preemption.
     max_kv = max(len(s.prompt) + s.max_tokens - 1 for s in reqs)
-    min_blocks = -(-max_kv // block_size)
     budget = draw(st.integers(1, 24))
+    budget = budget if chunked else max(budget, max_kv)
+    window = draw(st.none() | st.integers(1, 8))
+    # With a window a request holds only the blocks its window and chunk need.
+    min_blocks = BlockManager(1, block_size, window=window).max_blocks_held(max_kv, budget)
     return Workload(
         block_size=block_size,
         num_blocks=min_blocks + draw(st.integers(0, 6)),
-        budget=budget if chunked else max(budget, max_kv),
+        budget=budget,
         max_seqs=draw(st.integers(1, 5)),
         chunked=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -131,14 +143,16 @@ def workloads(draw: st.DrawFn) -> Workload:
         specs=reqs,
         max_loras=draw(st.none() | st.integers(1, 2)),
         draft_len=draw(st.sampled_from([0, 0, 1, 3])),
+        window=window,
     )
 
 
 class FakeRunner:
     """Writes each position's prefix into its slot, checks every read, samples model_token."""
 
-    def __init__(self, bm: BlockManager) -> None:
+    def __init__(self, bm: BlockManager, window: int | None = None) -> None:
         self.bm = bm
+        self.window = window
         # (block, offset) -> the adapter and token prefix the K/V written there encode.
         self.slots: dict[tuple[int, int], tuple[str | None, tuple[int, ...]]] = {}
         self.seeds: dict[str, int] = {}
@@ -150,11 +164,19 @@ class FakeRunner:
             tokens = c.request.all_token_ids[: c.start] + c.token_ids()
             for p in range(c.start, c.start + c.num_tokens):
                 block = c.block_ids[p // bs]
+                assert block != OUT_OF_WINDOW, "writing into a released entry"
                 assert self.bm.ref_count(block) == 1, "writing into a shared block"
                 self.slots[(block, p % bs)] = (c.request.lora_name, tuple(tokens[: p + 1]))
         for c in out.chunks:
             tokens = c.request.all_token_ids[: c.start] + c.token_ids()
-            for p in range(c.start + c.num_tokens):
+            # The first position any query of the chunk sees (p sees p - W + 1 .. p).
+            lo = 0 if self.window is None else max(0, c.start - self.window + 1)
+            released = [i for i, b in enumerate(c.block_ids) if b == OUT_OF_WINDOW]
+            assert all((i + 1) * bs <= lo for i in released), "a block in the window released"
+            held = len(c.block_ids) - len(released)
+            assert held <= self.bm.max_blocks_held(c.start + c.num_tokens, c.num_tokens)
+            for p in range(lo, c.start + c.num_tokens):
+                assert self.bm.ref_count(c.block_ids[p // bs]) > 0, "reading a free block"
                 got = self.slots.get((c.block_ids[p // bs], p % bs))
                 want = (c.request.lora_name, tuple(tokens[: p + 1]))
                 assert got == want, f"wrong K/V at {p} for {c.request}"
@@ -230,12 +252,12 @@ def run(w: Workload) -> tuple[list[Request], BlockManager]:
         enable_chunked_prefill=w.chunked,
         policy=w.policy,  # type: ignore[arg-type]
     )
-    bm = BlockManager(w.num_blocks, w.block_size, w.prefix)
+    bm = BlockManager(w.num_blocks, w.block_size, w.prefix, window=w.window)
     s = Scheduler(config, bm, max_model_len=10_000, max_loras=w.max_loras)
     if w.seconds_per_token is not None and w.chunked:
         # Budgets that change from step to step, down to 1 token.
         s.step_budget = StepBudget(w.budget, target_s=0.05, min_tokens=1)
-    runner = FakeRunner(bm)
+    runner = FakeRunner(bm, w.window)
     reqs = [make_request(i, spec) for i, spec in enumerate(w.specs)]
     runner.seeds = {r.request_id: i for i, r in enumerate(reqs)}
     for t in range(MAX_STEPS):

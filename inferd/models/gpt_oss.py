@@ -1,0 +1,109 @@
+"""gpt-oss's mixture-of-experts pieces (`GptOssForCausalLM`), used by models/moe.py's SparseMoE.
+
+- **Routing**: router logits with a bias, the top k of the logits, then a softmax over those k
+  (in the logits' dtype, as transformers does).
+- **Clamped SwiGLU**: gate clamped to at most `limit`, up to [-limit, limit], then
+  (up + 1) * gate * sigmoid(alpha * gate).
+- **Checkpoint layout**: the experts of a layer are two stacked tensors, `experts.gate_up_proj`
+  [E, H, 2I] (input-major: x @ W) whose columns interleave gate and up (gate 2j, up 2j + 1), and
+  `experts.down_proj` [E, I, H], each with a bias (`gate_up_proj_bias` [E, 2I], `down_proj_bias`
+  [E, H]); the router is `router.weight` [E, H] and `router.bias` [E]. They are turned into
+  SparseMoE's rows at load: transposed to [out, in], gate rows before up rows.
+- **MXFP4** (the Hub's checkpoints, `quantization_config.quant_method: mxfp4`): each expert
+  matrix as `<name>_blocks` [E, out, in / 32, 16] uint8, two 4-bit E2M1 values a byte (low
+  nibble first), and `<name>_scales` [E, out, in / 32] uint8, one E8M0 exponent per 32 values
+  (2^(s - 127)). Dequantized to the serving dtype at load (`dequantize_mxfp4`; transformers'
+  `convert_moe_packed_tensors` reads the same bytes, tests compare the two), already [out, in].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from inferd.models.weights import Convert, WeightTarget
+
+# The 16 values of an E2M1 nibble: sign bit 3, then 2 exponent bits and 1 mantissa bit.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> [..., G * 32] in `dtype`; one
+    leading index at a time, so the float32 copy stays one expert's size."""
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * 32, dtype=dtype)
+    for e in range(blocks.shape[0]):
+        b = blocks[e].to(torch.int64)
+        values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., G, 32]
+        exponents = scales[e].to(torch.int32).unsqueeze(-1) - 127
+        out[e] = torch.ldexp(values, exponents).flatten(-2).to(dtype)
+    return out
+
+
+def route(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] (bias added) -> (weights [T, k], experts [T, k])."""
+    top_v, top_i = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top_v, dim=-1, dtype=top_v.dtype), top_i
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _gate_rows_first(t: Tensor) -> Tensor:
+    """[E, 2I, ...] with gate and up interleaved along dim 1 -> gate rows, then up rows, with
+    the experts stacked: [E * 2I, ...]."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).flatten(0, 1)
+
+
+def _w13(parts: list[Tensor]) -> Tensor:  # gate_up_proj [E, H, 2I] -> [E * 2I, H]
+    return _gate_rows_first(parts[0].transpose(1, 2))
+
+
+def _w2(parts: list[Tensor]) -> Tensor:  # down_proj [E, I, H] -> [E * H, I]
+    return parts[0].transpose(1, 2).flatten(0, 1)
+
+
+def _b13(parts: list[Tensor]) -> Tensor:  # gate_up_proj_bias [E, 2I] -> [E * 2I]
+    return _gate_rows_first(parts[0])
+
+
+def _b2(parts: list[Tensor]) -> Tensor:  # down_proj_bias [E, H] -> [E * H]
+    return parts[0].flatten()
+
+
+def _mxfp4_w13(parts: list[Tensor]) -> Tensor:  # [E, 2I, H / 32, 16] + scales -> [E * 2I, H]
+    # bfloat16 holds every E2M1 value times a power of two exactly: no rounding, half the bytes.
+    return _gate_rows_first(dequantize_mxfp4(parts[0], parts[1], torch.bfloat16))
+
+
+def _mxfp4_w2(parts: list[Tensor]) -> Tensor:  # [E, H, I / 32, 16] + scales -> [E * H, I]
+    return dequantize_mxfp4(parts[0], parts[1], torch.bfloat16).flatten(0, 1)
+
+
+def expert_layout(
+    prefix: str, params: str, num_experts: int, hidden: int, inter: int, mxfp4: bool
+) -> dict[str, WeightTarget]:
+    """Checkpoint tensor name -> target for one layer's router and experts: `prefix` the block's
+    name in the checkpoint (`model.layers.0.mlp`), `params` SparseMoE's (`w13` [E * 2I, H] gate
+    then up rows per expert, `w2` [E * H, I], biases `b13`, `b2`, `router`, `router_bias`)."""
+    e, experts = num_experts, f"{prefix}.experts"
+    out = {
+        f"{prefix}.router.weight": WeightTarget(f"{params}.router", 0, e),
+        f"{prefix}.router.bias": WeightTarget(f"{params}.router_bias", 0, e),
+    }
+    w13, w2 = f"{experts}.gate_up_proj", f"{experts}.down_proj"
+    w13_names = (f"{w13}_blocks", f"{w13}_scales") if mxfp4 else (w13,)
+    w2_names = (f"{w2}_blocks", f"{w2}_scales") if mxfp4 else (w2,)
+    converts = [
+        (Convert((f"{w13}_bias",), _b13), "b13", e * 2 * inter),
+        (Convert((f"{w2}_bias",), _b2), "b2", e * hidden),
+        (Convert(w13_names, _mxfp4_w13 if mxfp4 else _w13), "w13", e * 2 * inter),
+        (Convert(w2_names, _mxfp4_w2 if mxfp4 else _w2), "w2", e * hidden),
+    ]
+    for convert, param, rows in converts:
+        for name in convert.names:
+            out[name] = WeightTarget(f"{params}.{param}", 0, rows, convert)
+    return out
