@@ -103,8 +103,8 @@ class LlamaModel(nn.Module):
             out_rows = None  # every row (ascending and distinct): nothing to select
         lora = self.lora is not None and self.lora.active
         paged, plan = meta.paged, None if lora else self.decode
-        if plan is not None and paged is not None and t <= plan.max_rows and paged.num_seqs == t:
-            # Every row a decoding sequence (one query each): the whole step natively.
+        if plan is not None and paged is not None and out_rows is None and plan.takes(t, paged):
+            # Every row samples (decode rows; a verify step's rows): the whole step natively.
             return plan(h, positions, meta.slot_mapping, paged)
         # The fused path needs the native attention kernel's batch (it writes K/V for it).
         fused = self.fused if meta.paged is not None else None
