@@ -1,6 +1,6 @@
 """The native decode step (`kernels/decode_step.cpp`: every layer of a decode step in one call, up
-to 128 rows in float32 and bfloat16 with panel copies, else 1-16, int8 weights 1-8) gives
-bit-for-bit the layer-by-layer fused path's results.
+to 128 rows in float32 and bfloat16 with panel copies, int8 weights 1-8; one or more rows per
+sequence) gives bit-for-bit the layer-by-layer fused path's results.
 
 Both run the same kernels in the same order, so greedy tokens and every log-probability must be
 equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
