@@ -19,12 +19,19 @@ all alike): `off` (no drafter), fixed k = 1, 2, 4 (`adaptive: false`), and `adap
 Per variant: output tokens/s, the speed-up over `off` of the same round, the acceptance a
 (accepted / verified draft tokens), the mean drafts verified per step, c (the proposer's seconds
 per step over the mean step of `off`: the draft cost relative to the target step), and the ideal
-speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) for the variant's k, and achieved / ideal.
+speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)) for the variant's k, and achieved / ideal. Those
+count the prompts' prefill, which speculation does not shorten; the decode phase alone: `step`
+(the median decode step over off's), tokens per decode step, and their ratio, the decode
+speed-up, with its share of the ideal (medians: a shared machine's slow spells count little).
 
 `--mixed`: instead, bench/peers.py's mixed workload (96 requests on llama-32m, prompts 16-256,
 outputs 16-128, greedy, all at once) with speculation `off` and `adaptive` taking turns for
 `--rounds`: output tokens/s of each and adaptive / off per round (issue target >= 0.97: a batch
 must not pay for speculation), also by the process's CPU seconds per token.
+
+`--general`: each variant with drafts also runs with its verify steps on the layer-by-layer
+path (`<variant>/gen`: `DecodePlan.multi_row` off, as before the one-call step took several rows
+per sequence), in the same rounds.
 
 Prints a table and writes JSON (command, machine, every run) to bench/results/.
 """
@@ -51,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "k=4": {"num_speculative_tokens": 4, "adaptive": False},
     "adaptive": {"num_speculative_tokens": 4, "adaptive": True},
 }
+# A variant's suffix for its verify steps on the layer-by-layer path (`--general`).
+GENERAL = "/gen"
 NGRAM: dict[str, Any] = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
@@ -64,6 +73,9 @@ class Run:
     draft_tokens: int
     accepted_tokens: int
     propose_s: float
+    step_s: float  # the median decode step (no prompt tokens in it)
+    decode_steps: int
+    requests: int
 
     @property
     def tok_s(self) -> float:
@@ -100,7 +112,10 @@ def set_variant(engine: LLMEngine, spec: dict[str, Any] | None) -> None:
 def run_variant(engine: LLMEngine, name: str, prompts: list[list[int]], max_tokens: int) -> Run:
     from inferd import SamplingParams
 
-    set_variant(engine, VARIANTS[name])
+    set_variant(engine, VARIANTS[name.removesuffix(GENERAL)])
+    plan = engine.model.model.decode
+    if plan is not None:
+        plan.multi_row = not name.endswith(GENERAL)
     drafter = engine.drafter
     propose_s = [0.0]
     if drafter is not None:
@@ -124,6 +139,8 @@ def run_variant(engine: LLMEngine, name: str, prompts: list[list[int]], max_toke
                     tokens += len(out.outputs[0].token_ids)
     seconds = time.perf_counter() - t0
     stats = engine.step_stats.steps
+    # Decode steps: a token (and its drafts) per request, no prompt tokens.
+    steps = [s for s in stats if s.num_batched_tokens == s.num_running + s.num_draft_tokens]
     counters = drafter.counters if drafter is not None else None
     return Run(
         variant=name,
@@ -134,6 +151,9 @@ def run_variant(engine: LLMEngine, name: str, prompts: list[list[int]], max_toke
         draft_tokens=counters.num_draft_tokens if counters else 0,
         accepted_tokens=counters.num_accepted_tokens if counters else 0,
         propose_s=propose_s[0],
+        step_s=statistics.median(s.total for s in steps),
+        decode_steps=len(steps),
+        requests=len(prompts),
     )
 
 
@@ -157,9 +177,13 @@ def ideal_speedup(a: float, k: float, c: float) -> float:
 
 def summarize(rounds: list[dict[str, Run]]) -> list[dict[str, float | str]]:
     rows: list[dict[str, float | str]] = []
-    for name in VARIANTS:
+    for name in rounds[0]:
         runs = [r[name] for r in rounds]
         speedups = [r[name].tok_s / r["off"].tok_s for r in rounds]
+        # Decode phase: tokens per decode step (the first token is the prefill's) over the median
+        # decode step, against off's; medians, so a slow spell of a shared machine counts little.
+        per_step = sum(x.tokens - x.requests for x in runs) / sum(x.decode_steps for x in runs)
+        step = statistics.median(r[name].step_s / r["off"].step_s for r in rounds)
         off_step = statistics.median(r["off"].seconds / max(r["off"].steps, 1) for r in rounds)
         drafted = sum(x.draft_tokens for x in runs)
         a = sum(x.accepted_tokens for x in runs) / drafted if drafted else 0.0
@@ -178,6 +202,10 @@ def summarize(rounds: list[dict[str, Run]]) -> list[dict[str, float | str]]:
                 "c": c,
                 "ideal": ideal,
                 "of_ideal": speedup / ideal,
+                "step": step,
+                "tokens_per_step": per_step,
+                "decode_speedup": per_step / step,
+                "of_ideal_decode": per_step / step / ideal,
             }
         )
     return rows
@@ -232,6 +260,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 prompts x 96 tokens, 1 round")
     p.add_argument("--mixed", action="store_true", help="the 96-request mixed workload instead")
+    p.add_argument(
+        "--general", action="store_true", help="also each variant's verify steps layer by layer"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
@@ -256,17 +287,25 @@ def main() -> None:
     prompts = [start + tail for start, tail in zip(starts, lead, strict=True)]
     run_variant(engine, "k=4", prompts[:1], 32)  # warm-up: kernels, first verify shapes
     names = list(VARIANTS)
+    if args.general:
+        names += [f"{n}{GENERAL}" for n, spec in VARIANTS.items() if spec is not None]
     rounds = []
     for i in range(args.rounds):
         order = names[i % len(names) :] + names[: i % len(names)]
-        rounds.append({n: run_variant(engine, n, prompts, args.max_tokens) for n in order})
+        runs = {n: run_variant(engine, n, prompts, args.max_tokens) for n in order}
+        rounds.append({n: runs[n] for n in names})
     rows = summarize(rounds)
     print(f"load average {os.getloadavg()[0]:.2f}; {args.shape}, {args.prompts} prompts")
-    print(f"{'variant':>9} {'tok/s':>7} {'x off':>6} {'accept':>7} {'k':>5} {'c':>6} {'ideal':>6}")
+    print(
+        f"{'variant':>12} {'tok/s':>7} {'x off':>6} {'accept':>7} {'k':>5} {'c':>6} {'step':>5} "
+        f"{'ideal':>6} {'tok/step':>8} {'decode x off':>18}"
+    )
     for r in rows:
         print(
-            f"{r['variant']:>9} {r['tok_s']:7.1f} {r['speedup']:6.2f} {r['acceptance']:7.2f} "
-            f"{r['mean_k']:5.2f} {r['c']:6.3f} {r['ideal']:6.2f} ({r['of_ideal']:.0%} of it)"
+            f"{r['variant']:>12} {r['tok_s']:7.1f} {r['speedup']:6.2f} {r['acceptance']:7.2f} "
+            f"{r['mean_k']:5.2f} {r['c']:6.3f} {r['step']:5.2f} {r['ideal']:6.2f} "
+            f"({r['of_ideal']:4.0%}) {r['tokens_per_step']:8.2f} {r['decode_speedup']:6.2f} "
+            f"({r['of_ideal_decode']:4.0%})"
         )
     fields = {"args": vars(args), "summary": rows, "rounds": rounds}
     save_result(args.out, "spec", args.shape, fields)

@@ -110,3 +110,15 @@ def int8_gemm(q: Tensor, scale: Tensor, bias: Tensor | None) -> LinearFn:
         return op(x.float(), packed, False).to(x.dtype)
 
     return run
+
+
+def has_int8_gemm() -> bool:
+    """Whether this CPU has VNNI (int8 dot products accumulated in int32)."""
+    if "VNNI" in torch.backends.cpu.get_cpu_capability():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_vnni" in flags or " avx_vnni" in flags

@@ -27,6 +27,11 @@ The kernels, each on its own copy of the weight:
 - `int8`: fbgemm's dynamic int8 GEMM on a prepacked per-channel int8 copy (models/gemm.py).
 - `gemv_int8`: kernels/gemv.cpp's int8 GEMV on a row-major int8 copy (`Int8Weight`).
 
+The one-call decode step (kernels/decode.py) runs each layer's first kernel where it is one of
+its own (panel, gemv_int8; else the model has no such step), for as many rows as one call takes
+(`gemv_weight`): panel 128, gemv_int8 8; with no Python between the kernels its 3-8 rows beat
+fbgemm (1.25-1.7x, docs/architecture.md), though not called from Python (`GEMV_MAX_ROWS`).
+
 Each weight is held once: in the layout of the plan's first-layout kernel (panel, onednn, int8
 or dense); the dense weight is freed unless another module reads it (tied embeddings read the
 panel copy instead where they can, `PanelRows`). A second layout is kept with `--native-linear
@@ -53,6 +58,7 @@ from inferd.models.gemm import BF16_ROW_BUCKETS as BF16_ROW_BUCKETS
 from inferd.models.gemm import ROW_BUCKETS as ROW_BUCKETS
 from inferd.models.gemm import LinearFn, int8_gemm, onednn_gemm, row_buckets
 from inferd.models.gemm import LinearKind as LinearKind
+from inferd.models.gemm import has_int8_gemm as has_int8_gemm
 from inferd.models.gemm import padded_rows as padded_rows
 from inferd.models.gemm import quantize_int8 as quantize_int8
 from inferd.models.kernels.decode import GemvWeight
@@ -163,6 +169,8 @@ class Linear(nn.Module):
         self.keep_float = False
         # LoRA adapters' term over their own rows, added after the base GEMM (inferd/lora).
         self.lora: LowRankTerm | None = None
+        # The native kernels the plan's native routes call (set by prepare()).
+        self._gemv: Gemv | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         y = self._base(x)
@@ -209,6 +217,7 @@ class Linear(nn.Module):
         self.kind = kind
         self.plan = plan_for(kind, self.weight.dtype, self.in_features, native)
         self._run, self._panel, self._w8 = {}, None, None
+        self._gemv = None if native is None else native.gemv
         weight, bias = self.weight.detach(), self._bias_or_none()
         kernels = {r.kernel for r in self.plan}
         if kernels & {"int8", "gemv_int8"}:
@@ -252,12 +261,13 @@ class Linear(nn.Module):
         return self.weight.detach() if self.weight.shape[0] == self.out_features else None
 
     def gemv_weight(self) -> GemvWeight | None:
-        """The weight the one-call decode step reads (its panel copy, or the int8 GEMV's);
-        None when the plan runs no native kernel on few rows."""
-        if self._panel is not None:
-            return GemvWeight(self.plain_weight(), self.bias, self._panel)
-        if self._w8 is not None:
-            return GemvWeight(self._w8, None)
+        """The one-call decode step's kernel and weight (the module docstring's rule); None
+        when the plan's first kernel is not one of the step's."""
+        first, gemv = self.plan[0].kernel, self._gemv
+        if first == "panel" and self._panel is not None and gemv is not None:
+            return GemvWeight("panel", self._panel, gemv.panel_rows[self._panel.packed.dtype])
+        if first == "gemv_int8" and self._w8 is not None and gemv is not None:
+            return GemvWeight("gemv_int8", self._w8, gemv.int8_max_rows)
         return None
 
 
@@ -464,18 +474,6 @@ def checkpoint_quantization(device: torch.device) -> Quantization | None:
         return "int8"
     logger.info("int8 checkpoint: no int8 kernels on %s, running it dequantized", device)
     return None
-
-
-def has_int8_gemm() -> bool:
-    """Whether this CPU has VNNI (int8 dot products accumulated in int32)."""
-    if "VNNI" in torch.backends.cpu.get_cpu_capability():
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
 @torch.inference_mode()

@@ -82,8 +82,8 @@ class LlamaModel(nn.Module):
             or self.local_rotary_emb is not None
         )
         self.fused: FusedOps | None = None
-        # Decode steps of up to 128 rows with panel copies (without: 1-16; int8: 1-8) in one
-        # native call (set with the fused ops; see decode_plan).
+        # Steps whose every row samples (decode, verify) of up to 128 rows on panel copies (int8
+        # GEMV copies: 1-8) in one native call (set with the fused ops; see decode_plan).
         self.decode: DecodePlan | None = None
         # The LoRA adapters' rows of the step (inferd/lora), when LoRA is on. A step with
         # adapter rows runs layer by layer on every row: the native decode step and the last
@@ -103,8 +103,8 @@ class LlamaModel(nn.Module):
             out_rows = None  # every row (ascending and distinct): nothing to select
         lora = self.lora is not None and self.lora.active
         paged, plan = meta.paged, None if lora else self.decode
-        if plan is not None and paged is not None and t <= plan.max_rows and paged.num_seqs == t:
-            # Every row a decoding sequence (one query each): the whole step natively.
+        if plan is not None and paged is not None and out_rows is None and plan.takes(t, paged):
+            # Every row samples (decode rows; a verify step's rows): the whole step natively.
             return plan(h, positions, meta.slot_mapping, paged)
         # The fused path needs the native attention kernel's batch (it writes K/V for it).
         fused = self.fused if meta.paged is not None else None
@@ -149,7 +149,8 @@ class LlamaModel(nn.Module):
 
     def decode_plan(self, decode: DecodeLayers) -> DecodePlan | None:
         """The native decode step over this model's weights and KV caches, or None when a
-        linear layer does not run the GEMV (or the layout is one the kernels do not take)."""
+        linear layer's plan starts with no kernel of the step's (linear.py) or the layout is one
+        the kernels do not take."""
         if not self.plain_layers:
             return None
         weights = []
@@ -267,9 +268,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops: FusedOps | None, decode: DecodeLayers | None = None) -> None:
         """Runs the fused path on batches the native attention kernel serves (None: eager); with
-        `decode`, decode steps of up to 128 rows with panel copies (without: 1-16; int8: 1-8)
-        run through every layer in one native call when every linear layer runs the GEMV. Call
-        after the KV caches are bound."""
+        `decode`, steps whose every row samples, of up to 128 rows on panel copies (int8 GEMV
+        copies: 1-8), run through every layer in one native call where every linear layer's
+        plan starts with one of its kernels. Call after the KV caches are bound."""
         self.model.fused = ops
         self.model.decode = None
         if ops is not None and decode is not None:

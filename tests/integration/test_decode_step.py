@@ -1,6 +1,6 @@
 """The native decode step (`kernels/decode_step.cpp`: every layer of a decode step in one call, up
-to 128 rows in float32 and bfloat16 with panel copies, else 1-16, int8 weights 1-8) gives
-bit-for-bit the layer-by-layer fused path's results.
+to 128 rows in float32 and bfloat16 with panel copies, int8 weights 1-8; one or more rows per
+sequence) gives bit-for-bit the layer-by-layer fused path's results.
 
 Both run the same kernels in the same order, so greedy tokens and every log-probability must be
 equal, not close, across the architecture flags it handles (q/k/v bias, q/k norms, GQA), both
@@ -21,8 +21,10 @@ from hf_cases import save_checkpoint
 
 from inferd import LLM, SamplingParams
 from inferd.models import linear
-from inferd.models.kernels import NativeKernels
+from inferd.models.attention import AttentionMetadata
+from inferd.models.kernels import NativeKernels, PagedBatch
 from inferd.models.kernels.decode import DecodePlan, DecodeShape, GemvWeight, LayerWeights
+from inferd.models.kernels.gemv import PanelWeight
 from inferd.models.linear import has_int8_gemm
 
 pytest.importorskip("transformers")
@@ -89,18 +91,12 @@ def test_equals_the_layer_by_layer_path(
     native_kernels: NativeKernels,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    llm = LLM(
-        model=str(_checkpoint(name, tmp_path)),
-        tokenizer="inferd-tiny",
-        device="cpu",
-        dtype=dtype,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        small_batch_gemv="on",
+    llm = _llm(
+        (name, dtype, quantization, kv_cache_dtype),
+        tmp_path,
         # int8 prefill quantizes activations over the whole batch, so a prefix-cache hit (a
         # different batch) would change the prefill's logits between the two runs.
         enable_prefix_caching=False,
-        block_size=8,
         max_num_batched_tokens=4096,
     )
     model = llm.llm_engine.model.model
@@ -114,14 +110,7 @@ def test_equals_the_layer_by_layer_path(
         return real(self, embed, *args)
 
     monkeypatch.setattr(DecodePlan, "__call__", counting)
-    gemv_rows = min(plan.max_rows, native_kernels.gemv.max_rows)
-    for m in model.modules():  # the layer-by-layer path's linear layers on the GEMV too
-        if isinstance(m, linear.Linear):
-            routes = [
-                linear.Route(max(r.max_rows, gemv_rows), r.kernel) if r.kernel == "gemv_int8" else r
-                for r in m.plan
-            ]
-            monkeypatch.setattr(m, "plan", tuple(routes))
+    _gemv_as_the_step_runs_it(model, native_kernels, monkeypatch)
     native = _results(llm, plan.max_rows)
     # 128 rows on the panel GEMM (bfloat16 where the CPU has AVX512_BF16); int8 8.
     panel_rows = native_kernels.gemv.panel_rows[getattr(torch, dtype)]
@@ -134,11 +123,124 @@ def test_equals_the_layer_by_layer_path(
     assert not calls
 
 
+def _gemv_as_the_step_runs_it(
+    model: Any, native_kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer-by-layer path's int8 layers on the int8 GEMV for as many rows as the decode
+    step sends it (the plan sends 3 and more rows to fbgemm, which sums in another order)."""
+    assert model.decode is not None
+    gemv_rows = min(model.decode.max_rows, native_kernels.gemv.max_rows)
+    for m in model.modules():
+        if isinstance(m, linear.Linear):
+            routes = [
+                linear.Route(max(r.max_rows, gemv_rows), r.kernel) if r.kernel == "gemv_int8" else r
+                for r in m.plan
+            ]
+            monkeypatch.setattr(m, "plan", tuple(routes))
+
+
+# Sequences of a multi-row step: (context after the step, query rows). Rows 1 + 3 + 4 = 8 (the
+# int8 step's most); the 3 and 4 rows cross a block boundary (8-token blocks).
+MULTI_ROW_SEQS = ((13, 1), (18, 3), (35, 4))
+
+
+# (checkpoint, dtype, quantization, KV cache dtype)
+Case = tuple[str, str, str | None, str]
+MULTI_ROW_CASES: list[Any] = [
+    ("llama", "float32", None, "auto"),
+    ("qwen3", "bfloat16", None, "auto"),  # q/k norms
+    ("qwen2", "float32", None, "int8"),  # q/k/v bias, int8 K/V rows
+    pytest.param(
+        ("llama", "float32", "int8", "auto"),
+        marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
+    ),
+]
+
+
+def _llm(case: Case, root: Path, **kwargs: Any) -> LLM:
+    name, dtype, quantization, kv_cache_dtype = case
+    return LLM(
+        model=str(_checkpoint(name, root)),
+        tokenizer="inferd-tiny",
+        device="cpu",
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        small_batch_gemv="on",
+        block_size=8,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("case", MULTI_ROW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_multi_row_step_equals_the_layer_by_layer_path(
+    case: Case, tmp_path: Path, native_kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of several query rows per sequence (a verify step's), each sequence's rows causal
+    among themselves over its cached context: hidden states and written K/V bit for bit the
+    layer-by-layer fused path's, on random tokens over a random cached context."""
+    llm = _llm(case, tmp_path, kv_cache_memory=16 << 20)  # the caches are copied for each path
+    engine = llm.llm_engine
+    model = engine.model.model
+    plan = model.decode
+    assert plan is not None and plan.multi_row
+    _gemv_as_the_step_runs_it(model, native_kernels, monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    # Each sequence its own blocks, in a shuffled order (a table is not a range).
+    blocks = torch.randperm(engine.runner.num_blocks, generator=gen).to(torch.int32)
+    nbs = [(ctx + 7) // 8 for ctx, _ in MULTI_ROW_SEQS]
+    tables = torch.zeros(len(nbs), max(nbs), dtype=torch.int32)
+    for s, nb in enumerate(nbs):
+        tables[s, :nb] = blocks[sum(nbs[:s]) : sum(nbs[: s + 1])]
+    with torch.inference_mode():
+        # The cached contexts: prefilled layer by layer, then the step on top, both ways.
+        model.decode = None
+        model(*_step_inputs(tables, [(ctx - q, ctx - q) for ctx, q in MULTI_ROW_SEQS], gen))
+        before = [kv.clone() for kv in engine.runner.kv_caches]
+        step = _step_inputs(tables, [(ctx, q) for ctx, q in MULTI_ROW_SEQS], gen)
+        results = []
+        for decode in (plan, None):
+            for kv, saved in zip(engine.runner.kv_caches, before, strict=True):
+                kv.copy_(saved)
+            model.decode = decode
+            out = model(*step)
+            results.append((out, [kv.clone() for kv in engine.runner.kv_caches]))
+    (native, native_kv), (layered, layered_kv) = results
+    assert native.shape == (sum(q for _, q in MULTI_ROW_SEQS), model.norm.weight.shape[0])
+    assert torch.equal(native, layered)
+    assert all(torch.equal(a, b) for a, b in zip(native_kv, layered_kv, strict=True))
+
+
+def _step_inputs(
+    tables: torch.Tensor, seqs: list[tuple[int, int]], gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random tokens for `seqs` ((context after the step, rows), the rows the context's last)
+    over `tables`: input ids, positions and the native kernel's metadata."""
+    q_len = torch.tensor([q for _, q in seqs], dtype=torch.int32)
+    positions = torch.cat([torch.arange(ctx - q, ctx) for ctx, q in seqs])
+    slots = torch.cat(
+        [
+            tables[s, positions_of // 8].long() * 8 + positions_of % 8
+            for s, positions_of in enumerate(torch.arange(ctx - q, ctx) for ctx, q in seqs)
+        ]
+    )
+    paged = PagedBatch(
+        block_tables=tables,
+        q_start=(torch.cumsum(q_len, 0, dtype=torch.int32) - q_len),
+        q_len=q_len,
+        ctx_len=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
+    )
+    ids = torch.randint(1, 256, (int(q_len.sum()),), generator=gen)
+    return ids, positions, AttentionMetadata(slot_mapping=slots, paged=paged)
+
+
 def _layer(hidden: int, inter: int, heads: tuple[int, int, int], kv: torch.Tensor) -> LayerWeights:
     hq, hkv, d = heads
 
     def lin(n: int, k: int) -> GemvWeight:
-        return GemvWeight(torch.randn(n, k), None)
+        panel = PanelWeight.of(torch.randn(n, k), None)
+        assert panel is not None
+        return GemvWeight("panel", panel, 128)
 
     return LayerWeights(
         torch.ones(hidden),

@@ -1,28 +1,29 @@
-"""`decode_step.cpp`: a decode step through every decoder layer in one native call, of up to 128
-rows when every linear layer has its panel copy (float32, and bfloat16 on AVX512_BF16: the
-default, models/linear.py's plan), 1-8 when int8 layers keep the int8 GEMV's copy
-(`--native-linear on`).
+"""`decode_step.cpp`: a step through every decoder layer in one native call, for a batch in
+which every row samples: decode rows (one per sequence) and a verify step's rows (a sequence's
+last known token and its drafts, causal among themselves). Each linear layer runs the kernel its
+dispatch plan gives the step (models/linear.py, "The one-call decode step"): the panel GEMM, up
+to 128 rows (float32, and bfloat16 on AVX512_BF16), or the int8 GEMV, up to 8.
 
-`DecodeLayers.plan(...)` takes a model's weights once (plain GEMV weights, norms, KV caches,
-RoPE tables), checks their shapes and builds the C structures that point at them; the returned
-`DecodePlan` is then called once per step with the step's embeddings and batch metadata. Its
-output is bit-for-bit the Python fused path's (same kernels, same order); what it saves is the
-Python around ~12 kernel calls per layer. The plan holds references to every tensor it points
-at, so they stay alive as long as it does.
-"""
+`DecodeLayers.plan(...)` takes a model's weights once (each linear layer's kernel copy, norms,
+KV caches, RoPE tables), checks their shapes and builds the C structures that point at them; the
+returned `DecodePlan` is then called once per step with the step's embeddings and batch
+metadata. Its output is bit-for-bit the Python fused path's (same kernels, same order); what it
+saves is the Python around ~12 kernel calls per layer, which cost a verify step of 5 llama-32m
+rows 1.7x its time (bench/NOTES.md). The plan holds references to every tensor it points at, so
+they stay alive as long as it does."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
-from inferd.models.kernels.gemv import Int8Weight, PanelWeight, panel_rows
+from inferd.models.kernels.gemv import Int8Weight, PanelWeight
 from inferd.models.kv_int8 import row_width
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class _Lin(ctypes.Structure):
         ("row_sum", _ptr),
         ("n", _i64),
         ("k", _i64),
-        ("int8", _i64),
+        ("kernel", _i64),
         ("panel", _ptr),
     ]
 
@@ -102,32 +103,36 @@ class _Step(ctypes.Structure):
         ("q_start", _ptr),
         ("q_len", _ptr),
         ("ctx_len", _ptr),
+        ("num_seqs", _i64),
     ]
+
+
+# The kernels a decode step runs a linear layer on (decode_step.cpp's Lin::kernel).
+STEP_KERNELS: dict[str, int] = {"panel": 0, "gemv_int8": 1}
 
 
 @dataclass(frozen=True)
 class GemvWeight:
-    """One linear layer as the decode step reads it: its panel copy (float32, bfloat16), which
-    every row count runs on when present, or an int8 copy (whose bias is inside it), or the plain
-    model-dtype weight [n, k] and bias (tests and benchmarks; no plan of models/linear.py gives
-    it). With a panel copy the plain weight is usually gone (None: Linear holds each weight
-    once)."""
+    """One linear layer as the decode step runs it, as its dispatch plan says (models/linear.py,
+    `Linear.gemv_weight`): `kernel` on its copy of the weight, for steps of up to `max_rows` rows.
+    "panel": the panel GEMM on a `PanelWeight` (float32, bfloat16; its bias inside);
+    "gemv_int8": the int8 GEMV on an `Int8Weight` (its float32 bias inside)."""
 
-    weight: Tensor | Int8Weight | None
-    bias: Tensor | None
-    panel: PanelWeight | None = None
+    kernel: Literal["panel", "gemv_int8"]
+    weight: PanelWeight | Int8Weight
+    max_rows: int
 
     def __post_init__(self) -> None:
-        if self.weight is None and self.panel is None:
-            raise ValueError("a GemvWeight needs the plain weight or its panel copy")
+        want = PanelWeight if self.kernel == "panel" else Int8Weight
+        if not isinstance(self.weight, want):
+            raise ValueError(f"the {self.kernel} kernel reads a {want.__name__}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        if self.weight is None:
-            assert self.panel is not None
-            return self.panel.out_features, self.panel.in_features
-        w = self.weight.q if isinstance(self.weight, Int8Weight) else self.weight
-        return int(w.shape[0]), int(w.shape[1])
+        w = self.weight
+        if isinstance(w, Int8Weight):
+            return int(w.q.shape[0]), int(w.q.shape[1])
+        return w.out_features, w.in_features
 
 
 @dataclass(frozen=True)
@@ -161,14 +166,6 @@ class DecodeLayers:
         self._fn = lib.inferd_decode_layers
         self._fn.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
         self._fn.restype = ctypes.c_int
-        # The most rows a step may have: the GEMV kernel's limit for the layers' weights. Up to
-        # it the step beats the layer-by-layer path even where a Python-called GEMV would not
-        # beat oneDNN (float32 9-16 rows: 0.88-1.0x oneDNN alone, but 12 streams of llama-32m
-        # ran 1.23-1.28x faster natively, 16 of the Qwen2-0.5B shape 1.03x; docs/benchmarks.md).
-        self.max_rows = int(lib.inferd_gemv_max_rows())
-        self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
-        # Layers that all have their panel copies (Linear's 1-128 rows) take this many.
-        self.panel_max_rows = panel_rows(lib)
 
     def plan(
         self,
@@ -178,11 +175,9 @@ class DecodeLayers:
         sin: Tensor,
         shape: DecodeShape,
     ) -> DecodePlan:
+        """The step takes as many rows as every linear layer's kernel does (`max_rows`)."""
         lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        int8 = any(isinstance(w.weight, Int8Weight) for w in lins)
-        rows = self.int8_max_rows if int8 else self.max_rows
-        if all(w.panel is not None for w in lins):
-            rows = max(rows, self.panel_max_rows[final_norm.dtype])
+        rows = min(w.max_rows for w in lins) if lins else 1
         return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 
@@ -244,15 +239,24 @@ class DecodePlan:
         self.dtype = dtype
         self.hidden = hidden
         self.max_rows = rows
+        # Sequences of several query rows (a verify step's last token and drafts) run here too;
+        # False: only steps of one row per sequence (bench/spec.py measures the two).
+        self.multi_row = True
+
+    def takes(self, rows: int, batch: PagedBatch) -> bool:
+        """Whether a step of `rows` query rows over `batch` fits this plan (the caller checks
+        that every row samples: the step computes every row through every layer)."""
+        return rows <= self.max_rows and (self.multi_row or batch.num_seqs == rows)
 
     def __call__(
         self, embed: Tensor, positions: Tensor, slots: Tensor, batch: PagedBatch
     ) -> Tensor:
-        """embed [T, hidden] (T <= max_rows rows, each one decoding sequence of `batch`, in its
-        order) -> the final norm's output [T, hidden]; writes this step's K/V."""
-        rows = embed.shape[0]
-        if not 1 <= rows <= self.max_rows or batch.num_seqs != rows:
-            raise ValueError(f"decode step of {rows} rows over {batch.num_seqs} sequences")
+        """embed [T, hidden] (T <= max_rows rows: `batch`'s sequences' query rows, in its
+        order, each sequence's rows causal among themselves) -> the final norm's output
+        [T, hidden] for every row; writes this step's K/V."""
+        rows, seqs = embed.shape[0], batch.num_seqs
+        if not 1 <= seqs <= rows <= self.max_rows:
+            raise ValueError(f"decode step of {rows} rows over {seqs} sequences")
         assert embed.dtype == self.dtype and embed.is_contiguous()
         assert positions.dtype == slots.dtype == torch.int64
         assert positions.is_contiguous() and slots.is_contiguous()
@@ -269,6 +273,7 @@ class DecodePlan:
         s.q_start = batch.q_start.data_ptr()
         s.q_len = batch.q_len.data_ptr()
         s.ctx_len = batch.ctx_len.data_ptr()
+        s.num_seqs = seqs
         check_rc(self._fn(ctypes.byref(self._model), ctypes.byref(s)), "decode step")
         return out
 
@@ -290,13 +295,13 @@ def _layer(lw: LayerWeights) -> _Layer:
 
 def _lin(g: GemvWeight) -> _Lin:
     n, k = g.shape
+    kernel = STEP_KERNELS[g.kernel]
     w = g.weight
     if isinstance(w, Int8Weight):
         bias = None if w.bias is None else w.bias.data_ptr()
-        return _Lin(w.q.data_ptr(), bias, w.scale.data_ptr(), w.row_sum.data_ptr(), n, k, 1)
-    bias = None if g.bias is None else g.bias.data_ptr()
-    panel = None if g.panel is None else g.panel.packed.data_ptr()
-    return _Lin(None if w is None else w.data_ptr(), bias, None, None, n, k, 0, panel)
+        return _Lin(w.q.data_ptr(), bias, w.scale.data_ptr(), w.row_sum.data_ptr(), n, k, kernel)
+    bias = None if w.bias is None else w.bias.data_ptr()
+    return _Lin(None, bias, None, None, n, k, kernel, w.packed.data_ptr())
 
 
 def _check_layout(
@@ -368,9 +373,6 @@ def _check_linear(g: GemvWeight, size: tuple[int, int], dtype: torch.dtype, name
         if w.bias is not None:
             _check_contiguous(w.bias, torch.float32)
         return
-    if w is not None:
-        _check_contiguous(w, dtype)
-    if g.panel is not None:
-        _check_contiguous(g.panel.packed, dtype)
-    if g.bias is not None:
-        _check_vector(g.bias, size[0], dtype)
+    _check_contiguous(w.packed, dtype)
+    if w.bias is not None:
+        _check_vector(w.bias, size[0], dtype)

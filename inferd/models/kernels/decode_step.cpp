@@ -1,19 +1,22 @@
-// A decode step of up to 128 rows with the weights' panel copies (else 1-16; int8 weights 1-8)
-// through every decoder layer of a Llama-family model in one call.
+// A decode step through every decoder layer of a Llama-family model in one call: up to 128 rows
+// on the weights' panel copies, 1-8 on int8 GEMV copies, each sequence 1 or more query rows
+// (a decode row, or a verify step's last known token and its drafts, causal among themselves).
 //
 //   inferd_decode_layers(model, step)
 //
 // The same kernels, in the same order, on the same buffers' values as the Python fused path
-// (models/llama.py): add + RMSNorm, qkv GEMV, q/k norm + RoPE + KV write, paged attention, o GEMV,
-// add + RMSNorm, gate/up GEMV, SiLU * up, down GEMV, and the final add + RMSNorm, so its output
-// is bit-for-bit the Python path's (at 3-16 rows, the Python path's with its linear layers on the
-// GEMV too, where oneDNN would sum in another order; layers with panel copies send every row
-// count to the panel GEMM, as this step does).
+// (models/llama.py): add + RMSNorm, qkv projection, q/k norm + RoPE + KV write, paged attention,
+// o projection, add + RMSNorm, gate/up projection, SiLU * up, down projection, and the final
+// add + RMSNorm, so its output is bit-for-bit the Python path's where that path's linear layers
+// run the same kernel (each layer's kernel is its dispatch plan's, models/linear.py: the panel
+// GEMM at every row count, as the Python path runs it; the int8 GEMV at 3-8 rows too, where the
+// Python path's plan sends them to fbgemm).
 // What it removes is the Python between them: a single stream of the 8-layer llama-32m made ~100
 // kernel calls a step from Python (argument checks, data_ptr() reads, output allocations,
 // slicing, ctypes), ~1 ms of a ~4.3 ms forward (measured: forward 4.0-4.5 ms layer by layer,
 // 2.6-3.8 ms in one call; docs/benchmarks.md); at 17-64 bfloat16 rows the one call ran llama-32m
-// 1.05-1.39x faster than the layer-by-layer path (docs/benchmarks.md).
+// 1.05-1.39x faster than the layer-by-layer path (docs/benchmarks.md); a verify step of 5 rows of
+// one llama-32m sequence 1.7x (bench/NOTES.md).
 //
 // The caller (kernels/decode.py) checks every shape once when it builds the Model; per step it
 // fills a Step with the batch's pointers. Scratch buffers are the caller's, sized for the rows.
@@ -35,8 +38,6 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
                            int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
                            int num_seqs, float scale, int window);
-int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
-                int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,
                      int64_t k, const float* w_scale, const int32_t* w_sum, const float* bias,
                      void* y, int64_t y_stride, int dtype);
@@ -46,18 +47,21 @@ int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void*
 
 namespace {
 
-// One linear layer's plain weight: model-dtype W [n, k] and bias, or (int8 != 0) an int8 W with
-// per-row float32 scales, row sums and a float32 bias (gemv.py's Int8Weight); for bfloat16, also
-// W packed in VNNI panels (gemv.py's PanelWeight), which every row count runs on, or null.
+// One linear layer, on the kernel its dispatch plan gives the step (models/linear.py; decode.py's
+// STEP_KERNELS): the panel GEMM on W packed in VNNI panels (gemv.py's PanelWeight) and a
+// model-dtype bias, or the int8 GEMV on an int8 W with per-row float32 scales, row sums and a
+// float32 bias (gemv.py's Int8Weight).
+enum Kernel : int64_t { kPanel = 0, kGemvInt8 = 1 };
+
 struct Lin {
-  const void* w;
+  const void* w;  // int8 W [n, k] (kGemvInt8)
   const void* bias;
   const float* scale;
   const int32_t* row_sum;
   int64_t n;
   int64_t k;
-  int64_t int8;
-  const void* panel;
+  int64_t kernel;  // Kernel
+  const void* panel;  // the panels (kPanel)
 };
 
 struct Layer {
@@ -83,7 +87,9 @@ struct Model {
   int32_t dtype, kv_dtype;
 };
 
-// One step's rows (each a decoding sequence: q_len 1) and the caller's buffers, all contiguous.
+// One step's rows and the caller's buffers, all contiguous. Sequence s owns rows
+// [q_start[s], q_start[s] + q_len[s]) (positions ctx_len - q_len .. ctx_len - 1, whose K/V this
+// step writes); row j of it sees its cached context and the sequence's rows 0..j.
 struct Step {
   int64_t rows;
   const void* embed;  // [rows, hidden] the tokens' embeddings
@@ -103,15 +109,19 @@ struct Step {
   const int32_t* q_start;
   const int32_t* q_len;
   const int32_t* ctx_len;
+  int64_t num_seqs;
 };
 
 int linear(const Lin& l, const void* x, int64_t rows, void* y, int dtype) {
-  if (l.panel != nullptr)
-    return inferd_gemm_panel(x, rows, l.k, l.panel, l.n, l.k, l.bias, y, l.n, dtype);
-  if (l.int8)
-    return inferd_gemv_int8(x, rows, l.k, static_cast<const int8_t*>(l.w), l.n, l.k, l.scale,
-                            l.row_sum, static_cast<const float*>(l.bias), y, l.n, dtype);
-  return inferd_gemv(x, rows, l.k, l.w, l.n, l.k, l.bias, y, l.n, dtype);
+  switch (l.kernel) {
+    case kPanel:
+      return inferd_gemm_panel(x, rows, l.k, l.panel, l.n, l.k, l.bias, y, l.n, dtype);
+    case kGemvInt8:
+      return inferd_gemv_int8(x, rows, l.k, static_cast<const int8_t*>(l.w), l.n, l.k, l.scale,
+                              l.row_sum, static_cast<const float*>(l.bias), y, l.n, dtype);
+    default:
+      return -1;
+  }
 }
 
 // Layer L on x = norm(its input) (residual: the stream up to its input): leaves the layer's
@@ -131,7 +141,7 @@ int layer(const Model& m, const Layer& L, const Step& s) {
                                 static_cast<int>(m.block_size), static_cast<int>(m.hq),
                                 static_cast<int>(m.hkv), static_cast<int>(m.d), s.tables,
                                 static_cast<int>(s.table_stride), s.q_start, s.q_len, s.ctx_len,
-                                static_cast<int>(rows), m.scale, static_cast<int>(L.window));
+                                static_cast<int>(s.num_seqs), m.scale, static_cast<int>(L.window));
   if (rc == 0) rc = linear(L.o, s.attn, rows, s.h, dt);
   if (rc == 0)
     rc = inferd_rms_norm(s.x, hid, s.h, hid, s.residual, L.post_norm, dt, rows, hid, m.eps);
