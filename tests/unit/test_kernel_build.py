@@ -88,14 +88,14 @@ def test_a_compiler_that_does_not_run_is_not_cached(
 
 
 def test_the_amx_paths_compile() -> None:
-    # This machine may have no AMX (its tests then skip): the GEMM's tile code (amx.h,
-    # x86/amx_panel.h, under INFERD_AMX) must still compile, checked without code generation.
+    # This machine may have no AMX (its tests then skip): the tile code (amx.h, x86/amx_panel.h,
+    # attention_tile.h, under INFERD_AMX) must still compile, checked without code generation.
     cxx = kernels.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
     amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
     here = Path(kernels.__file__).parent
-    sources = [str(here / s) for s in ("panel_gemm.cpp", "greedy.cpp")]
+    sources = [str(here / s) for s in ("panel_gemm.cpp", "greedy.cpp", "paged_attention.cpp")]
     cmd = [cxx, *kernels.FLAGS, *amx, "-fsyntax-only", *sources]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 and "AVX-512 F/BW/VL/VNNI" in res.stderr:

@@ -6,7 +6,8 @@ There, float32 layers run the panel GEMM, bfloat16 ones oneDNN (no panel GEMM in
 ones the int8 GEMV and fbgemm, and the greedy screen takes float32 lm_heads; the fused ops round
 bfloat16 without VCVTNEPS2BF16. Only the files those need are built (gemv.cpp, panel_gemm.cpp,
 greedy.cpp, fused_ops.cpp: ~10 s of CPU, 60-80 s on a shared, loaded 2-core machine), once for
-the module, into a temporary folder.
+the module, into a temporary folder. Every other source (attention, the one-call decode step) is
+compiled for the class without code generation, so a helper left inside a BF16-only block fails here.
 """
 
 from __future__ import annotations
@@ -168,3 +169,19 @@ def test_fused_ops_round_bfloat16_as_torch(built: Library, rows: int) -> None:
     xf = x.float()
     norm = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(built.ops.rms_norm(x, w, 1e-6).float(), norm, rtol=2**-7, atol=1e-2)
+
+
+def test_every_source_compiles_for_the_class() -> None:
+    cxx = kernels.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    here = Path(kernels.__file__).parent
+    sources = sorted(str(p) for p in here.glob("*.cpp"))
+    res = subprocess.run(
+        [cxx, *kernels.FLAGS, *NO_BF16, "-fsyntax-only", *sources], capture_output=True, text=True
+    )
+    if res.returncode != 0 and "AVX-512 F/BW/VL/VNNI" in res.stderr:
+        pytest.skip("this machine has no AVX-512 VNNI: the native kernels do not build")
+    if res.returncode != 0 and "-mno-" in res.stderr:
+        pytest.skip(f"{cxx} does not take {' '.join(NO_BF16)}")
+    assert res.returncode == 0, res.stderr[-2000:]

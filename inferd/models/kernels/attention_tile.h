@@ -59,7 +59,6 @@ inline uint32_t word(const char* p) {
   return w;
 }
 
-#ifdef __AVX512BF16__
 // VPERMT2W indices that interleave two rows of 32 bfloat16 values value by value: `lo` pairs
 // values 0-15 of the two rows, `hi` values 16-31 (the operand layout VDPBF16PS takes for two keys).
 inline __m512i pair_lo() {
@@ -68,6 +67,7 @@ inline __m512i pair_lo() {
 }
 inline __m512i pair_hi() { return _mm512_add_epi16(pair_lo(), _mm512_set1_epi16(16)); }
 
+#ifdef __AVX512BF16__
 // The softmax weights s[0, n) of one row (n <= kKeys) rounded to bfloat16 into pw[0, kKeys),
 // zero past n (as FlashAttention rounds P for P.V).
 inline void weights_bf16(const float* s, int n, uint16_t* pw) {
