@@ -1,5 +1,5 @@
 """Few-row linear layers over a model's whole decode weight set: oneDNN's prepacked GEMM against
-the native GEMV (kernels/gemv.cpp), alternating in one process.
+the native panel GEMM (kernels/panel_gemm.cpp), alternating in one process.
 
     .venv/bin/python bench/gemv_rows.py --shape qwen2-0.5b-shape --dtype bfloat16
     .venv/bin/python bench/gemv_rows.py --shape llama-32m --dtype float32 --rows 1,2,4,8
@@ -10,11 +10,9 @@ A decode step of R sequences multiplies R rows by every linear weight of every l
 lm_head): this runs exactly that, layer after layer with random weights of the model's shapes,
 so the weights stream from memory as in the engine (the Qwen2-0.5B shape's 1 GB in bfloat16 does
 not fit any cache). `onednn` is `torch.ops.mkldnn._linear_pointwise` on the weights reordered once
-(the engine's `onednn` linear layers); `gemv` is the native kernel on the plain row-major weights
-(no plan of models/linear.py runs it now; kept for the native decode step's plain weights):
-float32 arithmetic on values widened on load; `panel` (up to 128 rows;
-bfloat16 where the CPU has AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of
-64 output columns (the engine's batches of up to 128 rows where it has them) on AVX-512, and
+(the engine's `onednn` linear layers); `panel` (up to 128 rows; bfloat16 where the CPU has
+AVX512_BF16) is kernels/panel_gemm.cpp on the weights packed in panels of 64 output columns (the
+engine's batches of up to 128 rows where it has them) on AVX-512, and
 `amx` the same kernel on AMX tiles (bfloat16, where the CPU has them: the engine's choice there).
 Rows past the panel GEMM's (prefill steps) run oneDNN alone; `--layers-only` leaves the lm_head
 out, as a prefill step does. The allocator keeps freed memory as the engine's does
@@ -53,7 +51,7 @@ def format_row(rows: int, best: dict[str, float], flops: float) -> str:
     """One line of the table: each kernel's best ms, its speed-up over oneDNN, and GFLOP/s of
     the fastest."""
     cells = []
-    for k, width in (("gemv", 11), ("panel", 12), ("amx", 10)):
+    for k, width in (("panel", 12), ("amx", 10)):
         t = best.get(k)
         cells.append(f"{t * 1e3:8.2f}" if t is not None else f"{'-':>8}")
         ratio = f"{best['onednn'] / t:.2f}x" if t is not None else "-"
@@ -64,9 +62,9 @@ def format_row(rows: int, best: dict[str, float], flops: float) -> str:
     )
 
 
-def kernels_for(rows: int, gemv_rows: int, panel_rows: int, amx: bool) -> list[str]:
+def kernels_for(rows: int, panel_rows: int, amx: bool) -> list[str]:
     """The kernels that take `rows` rows here."""
-    kinds = ["onednn", "gemv"] if rows <= gemv_rows else ["onednn"]
+    kinds = ["onednn"]
     if rows <= panel_rows:
         kinds += ["panel", "amx"] if amx else ["panel"]
     return kinds
@@ -95,10 +93,8 @@ def main() -> None:
         xs = {i: torch.randn(rows, i, generator=gen).to(dtype) for i, _ in shapes}
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for n, ((i, _), w, pw) in enumerate(zip(shapes, plain, packed, strict=True)):
-                if kind == "gemv":
-                    gemv(xs[i], w, None)
-                elif kind in ("panel", "amx"):
+            for n, ((i, _), pw) in enumerate(zip(shapes, packed, strict=True)):
+                if kind in ("panel", "amx"):
                     gemv.panel(xs[i], panels[n])
                 else:
                     op(xs[i], pw, None, "none", [], "")
@@ -108,27 +104,22 @@ def main() -> None:
         with gemv.amx_set(kind == "amx"):
             return one_pass(kind, rows)
 
-    most = gemv.max_rows
     table: list[dict[str, Any]] = []
     print(f"{args.shape} {args.dtype}: {len(shapes)} weights, {weight_bytes / 1e9:.2f} GB a pass")
     header = (
         "rows",
         "onednn ms",
-        "gemv ms",
-        "onednn/gemv",
         "panel ms",
         "onednn/panel",
         "amx ms",
         "onednn/amx",
         "GFLOP/s best",
     )
-    widths = (4, 9, 8, 11, 8, 12, 8, 10, 12)
+    widths = (4, 9, 8, 12, 8, 10, 12)
     print("  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     amx = gemv.amx()
     for rows in (int(r) for r in args.rows.split(",")):
-        kinds = kernels_for(
-            rows, most, panel_rows if panels else 0, amx and dtype == torch.bfloat16
-        )
+        kinds = kernels_for(rows, panel_rows if panels else 0, amx and dtype == torch.bfloat16)
         best = {k: float("inf") for k in kinds}
         for k in kinds:
             timed(k, rows)  # builds oneDNN's primitive for this row count
@@ -141,7 +132,7 @@ def main() -> None:
         table.append(row)
     fields = {"shape": args.shape, "dtype": args.dtype, "weight_bytes": weight_bytes}
     fields |= {"layers_only": args.layers_only}
-    fields |= {"gemv_max_rows": most, "rows": table}
+    fields |= {"rows": table}
     save_result(args.out, "gemv_rows", f"{args.shape}-{args.dtype}", fields)
 
 

@@ -20,8 +20,8 @@ The plan, by the layer's kind (`resolve_linear_kind`), dtype and CPU:
 The kernels, each on its own copy of the weight:
 - `dense`: `F.linear` on the dense weight (cuBLAS on CUDA; the reference).
 - `panel`: kernels/panel_gemm.cpp on the weight packed in panels of 64 output columns
-  (`PanelWeight`), 128 rows a call (larger batches in 128-row slices). At 1-128 rows it beats the
-  GEMV and oneDNN's GEMM (bench/NOTES.md); on AMX CPUs bfloat16 runs on its tiles.
+  (`PanelWeight`), 128 rows a call (larger batches in 128-row slices). At 1-128 rows it beats
+  oneDNN's GEMM (bench/NOTES.md); on AMX CPUs bfloat16 runs on its tiles.
 - `onednn`: the weight reordered once into oneDNN's blocked layout, rows padded to a bounded set
   of counts (models/gemm.py). `F.linear` would re-pack it on every call.
 - `int8`: fbgemm's dynamic int8 GEMM on a prepacked per-channel int8 copy (models/gemm.py).

@@ -129,7 +129,7 @@ def _gemv_as_the_step_runs_it(
     """The layer-by-layer path's int8 layers on the int8 GEMV for as many rows as the decode
     step sends it (the plan sends 3 and more rows to fbgemm, which sums in another order)."""
     assert model.decode is not None
-    gemv_rows = min(model.decode.max_rows, native_kernels.gemv.max_rows)
+    gemv_rows = min(model.decode.max_rows, native_kernels.gemv.int8_max_rows)
     for m in model.modules():
         if isinstance(m, linear.Linear):
             routes = [

@@ -160,15 +160,11 @@ class _Counting(Gemv):
 
     def __init__(self, inner: Gemv) -> None:
         self.__dict__.update(inner.__dict__)
-        self.calls = 0
+        self.int8_calls = 0
         self.panel_calls = 0
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        self.calls += 1
-        return super().__call__(x, weight, bias)
-
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
-        self.calls += 1
+        self.int8_calls += 1
         return super().int8(x, w)
 
     def panel(self, x: Tensor, w: PanelWeight, out: Tensor | None = None) -> Tensor:
@@ -178,24 +174,22 @@ class _Counting(Gemv):
 
 @onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_few_rows_run_the_gemv_on_the_kept_dense_weight(gemv: Gemv, dtype: torch.dtype) -> None:
+def test_few_rows_run_the_panel_gemm_where_it_runs(gemv: Gemv, dtype: torch.dtype) -> None:
     m = _linear(True, dtype)
     weight, bias = m.weight.detach().clone(), m.bias.detach().clone()  # type: ignore[union-attr]
     counting = _Counting(gemv)
     prepare_linears(m, "onednn", counting)
-    # The dense weight is kept for the GEMV, unless the panel copy takes all its rows (next test).
+    # The dense weight is kept for oneDNN where no panel GEMM runs in `dtype`, else freed.
     assert m.kind == "onednn"
     assert torch.equal(m.weight, weight) or (gemv.panel_rows[dtype] and m.weight.numel() == 0)
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
-    # The panel GEMM takes more, where it runs (the next test).
     most = gemv.panel_rows[dtype]
     with torch.inference_mode():
         for rows in range(0, most + 3):
             x = torch.randn(rows, 96).to(dtype)
-            before = counting.calls + counting.panel_calls
+            before = counting.panel_calls
             got = m(x)
-            native = counting.calls + counting.panel_calls - before
-            assert native == (1 if 0 < rows <= most else 0), rows
+            assert counting.panel_calls - before == (1 if 0 < rows <= most else 0), rows
             assert m.padded_rows(rows) == rows if rows <= most else m.padded_rows(rows) >= rows
             want = F.linear(x.float(), weight.float(), bias.float())
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
@@ -220,17 +214,17 @@ def _panel_layer(
 def test_batches_of_up_to_128_rows_run_the_panel_gemm(gemv: Gemv, dtype: torch.dtype) -> None:
     m, weight, bias, counting = _panel_layer(gemv, dtype, second_layouts=True)
     most = gemv.panel_rows[dtype]
-    assert m.weight.numel() == 0, "the panel copy takes the GEMV's rows: the plain one is freed"
+    assert m.weight.numel() == 0, "the panel copy takes the few rows too: the plain one is freed"
     assert m.gemv_weight() is not None and m.gemv_weight().shape == (64, 96)  # type: ignore[union-attr]
     atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (0.3, 0.02)
     with torch.inference_mode():
         for rows in (1, 2, 16, 17, 33, 100, most, most + 1, 200):
             x = torch.randn(rows, 96).to(dtype)
-            before = counting.panel_calls + counting.calls
+            before = counting.panel_calls + counting.int8_calls
             got = m(x)
-            # Every row count it takes, the GEMV's too, and nothing past it.
+            # Every row count it takes (no other native kernel), and nothing past it.
             assert counting.panel_calls - before == int(rows <= most), rows
-            assert counting.calls + counting.panel_calls - before == int(rows <= most), rows
+            assert counting.int8_calls + counting.panel_calls - before == int(rows <= most), rows
             # Rows the panel takes are not padded; past it, oneDNN's row counts again.
             assert (m.padded_rows(rows) == rows) == (rows <= most)
             torch.testing.assert_close(
@@ -303,9 +297,9 @@ def test_int8_few_rows_run_the_gemv_on_an_int8_copy(gemv: Gemv) -> None:
     with torch.inference_mode():
         for rows in range(0, 6):
             x = torch.randn(rows, 96)
-            before = counting.calls
+            before = counting.int8_calls
             got = m(x)
-            assert counting.calls - before == (1 if 0 < rows <= GEMV_MAX_ROWS else 0), rows
+            assert counting.int8_calls - before == (1 if 0 < rows <= GEMV_MAX_ROWS else 0), rows
             if rows == 0:
                 continue
             # Both quantize the weight alike and x from its own range (the GEMV per row,

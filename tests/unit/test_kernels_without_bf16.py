@@ -7,7 +7,8 @@ ones the int8 GEMV and fbgemm, and the greedy screen takes float32 lm_heads; the
 bfloat16 without VCVTNEPS2BF16. Only the files those need are built (gemv.cpp, panel_gemm.cpp,
 greedy.cpp, fused_ops.cpp: ~10 s of CPU, 60-80 s on a shared, loaded 2-core machine), once for
 the module, into a temporary folder. Every other source (attention, the one-call decode step) is
-compiled for the class without code generation, so a helper left inside a BF16-only block fails here.
+compiled for the class without code generation, so a helper left inside a BF16-only block fails
+here.
 """
 
 from __future__ import annotations

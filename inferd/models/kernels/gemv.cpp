@@ -1,38 +1,28 @@
-// Few-row linear layers on the plain weight: y = x W^T (+ b) for 1 <= rows <= kMaxGroupedRows
-// (int8: kMaxRows).
+// Few-row int8 linear layers: y = x W^T + b for 1 <= rows <= kMaxRows.
 //
-//   inferd_gemv   x [rows, x_stride], W [n, k] row-major contiguous, b [n] or null,
-//                 y [rows, y_stride]; all in one dtype (float32 or bfloat16), float32 arithmetic
-//   inferd_gemv_int8  the same over an int8 W with one float32 scale per output row (symmetric,
-//                 as `--quantization int8` quantizes), its rows' integer sums, a float32 bias;
-//                 x and y in the model dtype. Each x row is quantized to uint8 from its own range
+//   inferd_gemv_int8  x [rows, x_stride], W [n, k] int8 row-major contiguous with one float32
+//                 scale per output row (symmetric, as `--quantization int8` quantizes), its rows'
+//                 integer sums, a float32 bias or null, y [rows, y_stride]; x and y in the model
+//                 dtype (float32 or bfloat16). Each x row is quantized to uint8 from its own range
 //                 (asymmetric, like the batched int8 GEMM's dynamic activations) and the dot
 //                 products run on VNNI (u8 x s8 summed in int32); y = sx * sw * (dot - zx * sum w)
 //
-// Who runs them (models/linear.py's plan): the int8 GEMV takes an int8 layer's batches of 1-2 rows
-// and the one-call decode step's 1-8, on every CPU the kernels build for (AVX-512 with VNNI).
-// No plan runs the float GEMV: float32 layers, and bfloat16 ones on AVX512_BF16, have their panel
-// copies (panel_gemm.cpp, faster at every row count), and bfloat16 without AVX512_BF16 runs on
-// oneDNN. It stays as the entry point decode_step.cpp calls for a layer given as a plain weight
-// (tests, bench/gemv_rows.py); a layer the plan prepared never is one.
+// Who runs it (models/linear.py's plan): an int8 layer's batches of 1-2 rows and the one-call
+// decode step's 1-8, on every CPU the kernels build for (AVX-512 with VNNI). Float layers run the
+// panel GEMM (panel_gemm.cpp) or oneDNN.
 //
 // Why: a single stream (and any decode step of a few sequences) reads every weight once per token
-// and does almost no arithmetic with it, so its speed is the rate the weights stream from memory.
-// oneDNN's matmul on its prepacked (blocked) weight streams it at ~20 GB/s here for one row; this
-// loop over the plain row-major weight at ~25 GB/s (2 threads, the whole llama-32m weight set,
-// alternating in one process; the same loop in a C++ program alone 28-31 GB/s, the machine's copy
-// bandwidth 31-35 GB/s), see docs/benchmarks.md.
+// and does almost no arithmetic with it, so its speed is the rate the weights stream from memory:
+// a byte per weight here, a quarter of float32's, with no interpreter between the 64-weight steps
+// (offline 1.18x fbgemm's int8 GEMM on llama-32m, docs/benchmarks.md).
 //
 // Layout of the work: 4 weight rows at a time (4 streams the hardware prefetcher follows, plus a
 // software prefetch ~8 KiB ahead into L2; 2 weight rows past 4 x rows, kBlockRows), each weight
 // vector loaded once and multiplied into every x row, so x rows past the first cost no extra
-// memory traffic. Each thread takes one contiguous range of blocks: measured in a C++ loop over
-// the llama-32m / Qwen2-0.5B weight sets, static 41 / 32.4 GB/s, dynamic grabs of 16 blocks
-// 32 / 30.2, guided 35 / 30.8 (one long stream per thread prefetches best; a thread preempted by
-// another process does delay the call, which dynamic would absorb).
-// Accumulation is float32 in 16 lanes, reduced at the end of the row (a different summation order
-// than oneDNN's; both are float32 sums). bfloat16 values are widened on load and y is rounded once
-// (as oneDNN's bf16 matmul rounds its float32 accumulator).
+// memory traffic. Each thread takes one contiguous range of blocks: measured with this loop over
+// the float32 llama-32m / Qwen2-0.5B weight sets, static 41 / 32.4 GB/s, dynamic grabs of 16
+// blocks 32 / 30.2, guided 35 / 30.8 (one long stream per thread prefetches best; a thread
+// preempted by another process does delay the call, which dynamic would absorb).
 
 #include <omp.h>
 
@@ -46,8 +36,6 @@
 namespace {
 
 constexpr int kMaxRows = 8;
-// Float rows past kMaxRows run as two groups (a block of kMaxRows, then the rest).
-constexpr int kMaxGroupedRows = 2 * kMaxRows;
 // Output rows per block: up to 4 x rows, 4 weight rows share each x load (4 * R accumulators);
 // past 4 x rows those would not fit the 32 vector registers beside the x vectors, so 2.
 template <int R>
@@ -56,7 +44,8 @@ constexpr int kBlockRows = R <= 4 ? 4 : 2;
 // displaced the ones being read; measured over whole weight sets, 2 threads: float32 llama-32m
 // 30 -> 37.5 GB/s, Qwen2-0.5B 29.5 -> 32.6; int8 Qwen2-0.5B 20 -> 31 (fbgemm 31.5).
 constexpr int64_t kPrefetchBytes = 8192;
-constexpr int64_t kMinParallelElems = 1 << 15;
+// Layers of fewer weights (bytes) run on the calling thread alone.
+constexpr int64_t kMinParallelWeights = 1 << 17;
 
 inline const char* byte_at(const void* base, int64_t elems, int64_t esz) {
   return static_cast<const char*>(base) + elems * esz;
@@ -72,48 +61,6 @@ inline void store1(void* y, int64_t i, float v) {
     std::memcpy(static_cast<char*>(y) + i * 2, &h, 2);
   }
 }
-
-// y[r, n0 .. n0 + NB) for R rows of x; NB = kBlockRows<R> (a block) or 1 (the last rows). The
-// dtype is a template argument so the inner loop has no branch; full 16-lane steps run unmasked.
-template <int R, int NB, int DT>
-inline void block(const void* x, int64_t x_stride, const void* w, int64_t k, const void* bias,
-                  void* y, int64_t y_stride, int64_t n0) {
-  constexpr int64_t esz = DT == kF32 ? 4 : 2;
-  __m512 acc[NB][R];
-  for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
-  const char* wrow[NB];
-  const char* xrow[R];
-  for (int j = 0; j < NB; ++j) wrow[j] = byte_at(w, (n0 + j) * k, esz);
-  for (int r = 0; r < R; ++r) xrow[r] = byte_at(x, r * x_stride, esz);
-  const int64_t full = k & ~int64_t{15};
-  for (int64_t i = 0; i < full; i += 16) {
-    __m512 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = load16(xrow[r] + i * esz, DT);
-    for (int j = 0; j < NB; ++j) {
-      _mm_prefetch(wrow[j] + i * esz + kPrefetchBytes, _MM_HINT_T1);
-      const __m512 wv = load16(wrow[j] + i * esz, DT);
-      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_fmadd_ps(wv, xv[r], acc[j][r]);
-    }
-  }
-  if (full < k) {
-    const __mmask16 m = tail_mask(k - full);
-    for (int j = 0; j < NB; ++j) {
-      const __m512 wv = load16m(wrow[j] + full * esz, DT, m);
-      for (int r = 0; r < R; ++r)
-        acc[j][r] = _mm512_fmadd_ps(wv, load16m(xrow[r] + full * esz, DT, m), acc[j][r]);
-    }
-  }
-  for (int j = 0; j < NB; ++j) {
-    float b = 0.0f;
-    if (bias != nullptr) b = _mm512_cvtss_f32(load16m(byte_at(bias, n0 + j, esz), DT, 1));
-    for (int r = 0; r < R; ++r) {
-      store1<DT>(y, r * y_stride + n0 + j, _mm512_reduce_add_ps(acc[j][r]) + b);
-    }
-  }
-}
-
-// ---- int8 weights ----------------------------------------------------------------------------
 
 struct Int8Rows {
   const uint8_t* q;  // [R][kpad]
@@ -152,8 +99,6 @@ inline void block_int8(const Int8Rows& xr, const int8_t* w, int64_t k, const flo
   }
 }
 
-// ---- the loop over output rows, shared by both weight kinds --------------------------------
-
 template <int V>
 using Int = std::integral_constant<int, V>;
 
@@ -184,39 +129,12 @@ int with_rows(int64_t rows, const F& f) {
 }
 
 template <int DT>
-int gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n, int64_t k,
-         const void* bias, void* y, int64_t y_stride) {
-  if (rows > kMaxRows && rows <= kMaxGroupedRows) {
-    // Two groups of rows, each weight block multiplied into both while it is in L1 (the weight
-    // still streams from memory once).
-    constexpr int64_t esz = DT == kF32 ? 4 : 2;
-    const void* x2 = byte_at(x, kMaxRows * x_stride, esz);
-    void* y2 = static_cast<char*>(y) + kMaxRows * y_stride * esz;
-    return with_rows(rows - kMaxRows, [&](auto r) {
-      constexpr int R2 = decltype(r)::value;
-      over_blocks<kBlockRows<kMaxRows>>(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
-        constexpr int NB = decltype(nb)::value;
-        block<kMaxRows, NB, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
-        block<R2, NB, DT>(x2, x_stride, w, k, bias, y2, y_stride, n0);
-      });
-    });
-  }
-  return with_rows(rows, [&](auto r) {
-    constexpr int R = decltype(r)::value;
-    over_blocks<kBlockRows<R>>(n, n * k >= kMinParallelElems, [&](auto nb, int64_t n0) {
-      block<R, decltype(nb)::value, DT>(x, x_stride, w, k, bias, y, y_stride, n0);
-    });
-  });
-}
-
-template <int DT>
 int gemv_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int64_t k,
               const float* w_scale, const int32_t* w_sum, const float* bias, void* y,
               int64_t y_stride) {
-  // A byte per weight: the same bytes as the float loop's threshold hold 4x the weights.
   return with_rows(rows, [&](auto r) {
     constexpr int R = decltype(r)::value;
-    over_blocks<kBlockRows<R>>(n, n * k >= 4 * kMinParallelElems, [&](auto nb, int64_t n0) {
+    over_blocks<kBlockRows<R>>(n, n * k >= kMinParallelWeights, [&](auto nb, int64_t n0) {
       block_int8<R, decltype(nb)::value, DT>(xr, w, k, w_scale, w_sum, bias, y, y_stride, n0);
     });
   });
@@ -225,17 +143,6 @@ int gemv_int8(const Int8Rows& xr, int64_t rows, const int8_t* w, int64_t n, int6
 }  // namespace
 
 extern "C" {
-
-// Returns 0; -1 for a bad dtype or a row count outside [1, kMaxGroupedRows].
-int inferd_gemv(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
-                int64_t k, const void* bias, void* y, int64_t y_stride, int dtype) {
-  if (dtype == kF32) return gemv<kF32>(x, rows, x_stride, w, n, k, bias, y, y_stride);
-  if (dtype != kBF16) return -1;
-  return gemv<kBF16>(x, rows, x_stride, w, n, k, bias, y, y_stride);
-}
-
-// The most rows inferd_gemv takes (either float dtype).
-int inferd_gemv_max_rows() { return kMaxGroupedRows; }
 
 // The most rows inferd_gemv_int8 takes.
 int inferd_gemv_int8_max_rows() { return kMaxRows; }

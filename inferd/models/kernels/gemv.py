@@ -1,16 +1,14 @@
-"""`gemv.cpp`'s few-row linear layer and `panel_gemm.cpp`'s panel GEMM as tensor-in, tensor-out
-calls.
+"""`gemv.cpp`'s few-row int8 linear layer and `panel_gemm.cpp`'s panel GEMM as tensor-in,
+tensor-out calls.
 
 `Gemv.int8(x, w8)` computes `x @ W.T + bias` for 1-8 rows of `x` (`int8_max_rows`) over an int8
 weight (`Int8Weight`), quantizing the rows of x as the batched int8 GEMM does, at the rate the
-weight streams from memory (the C++ file says why oneDNN's prepacked GEMM does not reach it).
-`Gemv(x, weight, bias)` does the same for 1-16 rows (`max_rows`) of a plain row-major float32 or
-bfloat16 weight: no plan of models/linear.py runs it (the panel GEMM takes those rows).
+weight streams from memory (gemv.cpp has the design and its measurements).
 `Gemv.panel(x, pw)` multiplies float32 or bfloat16 batches of up to `panel_rows[dtype]` (128) rows
 by a weight packed in panels (`PanelWeight`, `panel_gemm.cpp`; bfloat16 where the CPU has
-AVX512_BF16); it beats both the GEMV and oneDNN at every row count it takes, and the linear
-layers' plan (models/linear.py) sends it larger batches too, 128 rows a call into one output
-(`out`). Inputs are checked here; the C side trusts them.
+AVX512_BF16); it beats oneDNN at every row count it takes, and the linear layers' plan
+(models/linear.py) sends it larger batches too, 128 rows a call into one output (`out`). Inputs
+are checked here; the C side trusts them.
 """
 
 from __future__ import annotations
@@ -113,14 +111,10 @@ class Gemv:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-        self._fn = lib.inferd_gemv
-        self._fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
-        self._fn.restype = ctypes.c_int
         self._fn8 = lib.inferd_gemv_int8
         self._fn8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i32]
         self._fn8.restype = ctypes.c_int
-        # The most rows one call takes; linear layers send larger batches to their GEMM.
-        self.max_rows = int(lib.inferd_gemv_max_rows())
+        # The most rows one int8 call takes; linear layers send larger batches to their GEMM.
         self.int8_max_rows = int(lib.inferd_gemv_int8_max_rows())
         self._panel = lib.inferd_gemm_panel
         self._panel.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32]
@@ -146,36 +140,6 @@ class Gemv:
             yield self.amx(on)
         finally:
             self.amx(had)
-
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        # x: [rows, in] (rows <= max_rows, unit stride along in)  weight: [out, in] contiguous
-        # bias: [out] or None  ->  [rows, out], all in one dtype
-        rows, k = self._rows(x, self.max_rows)
-        n = weight.shape[0]
-        dtype = weight.dtype
-        if weight.shape[1] != k or x.dtype != dtype or dtype not in DTYPE_CODES:
-            raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
-        if not weight.is_contiguous() or x.stride(1) != 1:
-            raise ValueError("gemv needs a contiguous weight and unit-stride rows of x")
-        if bias is not None and (
-            bias.shape != (n,) or bias.dtype != dtype or not bias.is_contiguous()
-        ):
-            raise ValueError(f"gemv: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
-        y = torch.empty(rows, n, dtype=dtype)
-        rc = self._fn(
-            x.data_ptr(),
-            rows,
-            x.stride(0),
-            weight.data_ptr(),
-            n,
-            k,
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            n,
-            DTYPE_CODES[dtype],
-        )
-        check_rc(rc, "gemv")
-        return y
 
     def int8(self, x: Tensor, w: Int8Weight) -> Tensor:
         """[rows, in] (model dtype, rows <= int8_max_rows) -> [rows, out] in x's dtype."""

@@ -14,12 +14,13 @@
 // range of output columns (one sequential stream of weights per thread, which the hardware
 // prefetcher follows) and multiplies every row of x against each block of it while it is in L2.
 // 2 threads, bench/gemv_rows.py (docs/benchmarks.md), over the Qwen2-0.5B shape's decode weights:
-//   bfloat16 (0.99 GB): 30 ms at 1 row (33 GB/s, the memory's copy bandwidth; the GEMV 34 ms),
-//     65 ms at 24 rows (364 GFLOP/s; oneDNN 77 ms), ~400 GFLOP/s from 48 rows (oneDNN's rate on
-//     2048-row prefill batches; the CPU's VDPBF16PS peak is ~465);
-//   float32 (1.98 GB): 60 ms at 1 row (the GEMV 67, oneDNN 85), 1.10-1.13x oneDNN at 16-64 rows
-//     (173-178 GFLOP/s; the FMA peak is ~230).
-// Over llama-32m's it is 1.05-1.3x oneDNN at 16-128 rows and 1.1-1.5x the GEMV at 1-16 in both.
+//   bfloat16 (0.99 GB): 30 ms at 1 row (33 GB/s, the memory's copy bandwidth; a row-major GEMV
+//     34 ms), 65 ms at 24 rows (364 GFLOP/s; oneDNN 77 ms), ~400 GFLOP/s from 48 rows (oneDNN's
+//     rate on 2048-row prefill batches; the CPU's VDPBF16PS peak is ~465);
+//   float32 (1.98 GB): 60 ms at 1 row (a row-major GEMV 67, oneDNN 85), 1.10-1.13x oneDNN at
+//     16-64 rows (173-178 GFLOP/s; the FMA peak is ~230).
+// Over llama-32m's it is 1.05-1.3x oneDNN at 16-128 rows and 1.1-1.5x a row-major GEMV at 1-16
+// in both.
 //
 // The block size is what made it that fast. With blocks of 16 KiB, in L1 across the row tiles,
 // the first tile of each block waited on memory and the kernel ran at ~63 % of the peak (~290
