@@ -48,7 +48,6 @@ Prints a table and writes JSON (command, machine, every run) to bench/results/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import subprocess
@@ -339,13 +338,17 @@ def main() -> None:
     names = list(VARIANTS)
     rounds: list[dict[str, Run]] = []
     peer_rounds: list[dict[str, dict[str, float]]] = []
-    with contextlib.ExitStack() as stack:
-        peers = llama_servers(args, stack)
-        for i in range(args.rounds):
-            order = names[i % len(names) :] + names[: i % len(names)]
-            runs = {n: run_variant(engine, n, prompts, args.max_tokens, method) for n in order}
-            rounds.append(runs)
-            peer_rounds.append({n: run_llama(url, prompts, args.max_tokens) for n, url in peers})
+    peers = llama_servers(args)
+    logs = Path(args.out or "bench/results/spec-llama").with_suffix("")
+    for i in range(args.rounds):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        rounds.append({n: run_variant(engine, n, prompts, args.max_tokens, method) for n in order})
+        # Each server only while it is measured: an idle llama-server's threads still poll.
+        peer_runs = {}
+        for system in peers:
+            with launched(system, logs / f"{system.name}.log") as server:
+                peer_runs[system.name] = run_llama(server.url, prompts, args.max_tokens)
+        peer_rounds.append(peer_runs)
     rows = summarize(rounds)
     print(
         f"load average {os.getloadavg()[0]:.2f}; {args.shape}, {args.method}, "
@@ -359,15 +362,16 @@ def main() -> None:
         )
     peer_rows = summarize_llama(rounds, peer_rounds)
     fields = {"args": vars(args), "summary": rows, "rounds": rounds, "llama_server": peer_rows}
+    fields["llama_server_rounds"] = peer_rounds
     save_result(args.out, f"spec-{args.method}", args.shape, fields)
 
 
 # -- llama.cpp's server beside it ---------------------------------------------------------------
 
 
-def llama_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list[tuple[str, str]]:
-    """(name, url) of llama-server without drafts and with the same draft model (k = 4, the
-    variants' k_max), started for the whole run; none without --llama-server."""
+def llama_servers(args: argparse.Namespace) -> list[System]:
+    """llama-server without drafts and with the same draft model (k = 4, the variants' k_max);
+    none without --llama-server."""
     if args.llama_server is None or args.method != "draft_model":
         return []
     target, draft = spec_folders(args)
@@ -379,14 +383,7 @@ def llama_servers(args: argparse.Namespace, stack: contextlib.ExitStack) -> list
     argv += ["-c", "2048", "--temp", "0"]
     k = str(VARIANTS["k=4"]["num_speculative_tokens"])  # type: ignore[index]
     spec = ["-md", str(draft_gguf), *_draft_flags(args.llama_server, k)]
-    logs = Path(args.out or "bench/results/spec-llama").with_suffix("")
-    out = []
-    for name, extra in (("llama.cpp", []), ("llama.cpp-draft", spec)):
-        server = stack.enter_context(
-            launched(System(name, argv + extra, "/health"), logs / f"{name}.log")
-        )
-        out.append((name, server.url))
-    return out
+    return [System("llama.cpp", argv, "/health"), System("llama.cpp-draft", argv + spec, "/health")]
 
 
 def _draft_flags(server: Path, k: str) -> list[str]:
