@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common import DEFAULT_CACHE_DIR, ensure_model_folder, save_result
+from common import DEFAULT_CACHE_DIR, REPO_ROOT, ensure_model_folder, save_result
 from peers import (
     MIXED_REQUESTS,
     SHAPES,
@@ -339,14 +339,14 @@ def main() -> None:
     rounds: list[dict[str, Run]] = []
     peer_rounds: list[dict[str, dict[str, float]]] = []
     peers = llama_servers(args)
-    logs = Path(args.out or "bench/results/spec-llama").with_suffix("")
+    logs = REPO_ROOT / "bench" / "results" / "logs"  # git-ignored
     for i in range(args.rounds):
         order = names[i % len(names) :] + names[: i % len(names)]
         rounds.append({n: run_variant(engine, n, prompts, args.max_tokens, method) for n in order})
         # Each server only while it is measured: an idle llama-server's threads still poll.
         peer_runs = {}
         for system in peers:
-            with launched(system, logs / f"{system.name}.log") as server:
+            with launched(system, logs / f"spec-{system.name}.log") as server:
                 peer_runs[system.name] = run_llama(server.url, prompts, args.max_tokens)
         peer_rounds.append(peer_runs)
     rows = summarize(rounds)
