@@ -177,7 +177,9 @@ class SpeculativeConfig(_Frozen):
 
     "ngram" (prompt lookup) proposes the tokens that followed the latest earlier occurrence of
     the longest suffix n-gram, n in [lookup_min, lookup_max] (one bound given: both are it;
-    none: [1, 4]); "draft_model" is refused at load for now. `adaptive` (inferd's own key):
+    none: [1, 4]); "draft_model" runs `model`, a smaller model folder with the target's
+    vocabulary, k greedy steps a proposal (spec_decode/draft_model.py); vLLM's
+    `draft_tensor_parallel_size` is accepted as 1 only. `adaptive` (inferd's own key):
     the engine chooses each request's k per step in [0, num_speculative_tokens] from its
     measured acceptance and the step's cost (spec_decode/policy.py); false: always
     num_speculative_tokens.
@@ -188,6 +190,7 @@ class SpeculativeConfig(_Frozen):
     prompt_lookup_min: int | None = Field(default=None, gt=0)
     prompt_lookup_max: int | None = Field(default=None, gt=0)
     model: str | None = None
+    draft_tensor_parallel_size: int = 1
     adaptive: bool = True
 
     @model_validator(mode="after")
@@ -196,6 +199,11 @@ class SpeculativeConfig(_Frozen):
             raise ValueError("method ngram takes no draft model")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("method draft_model needs `model` (a draft model folder)")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(
+                f"draft_tensor_parallel_size {self.draft_tensor_parallel_size}: only 1 is "
+                "supported (the draft runs in the engine process, on the target's device)"
+            )
         if self.lookup_max < self.lookup_min:
             raise ValueError(
                 f"prompt_lookup_max ({self.lookup_max}) must be >= prompt_lookup_min "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 
 from inferd.admission.prompt_check import check_prompt
-from inferd.config import EngineConfig, Environment, read_environment
+from inferd.config import EngineConfig, Environment, SpeculativeConfig, read_environment
 from inferd.engine.info import EngineInfo
 from inferd.engine.output_processor import OutputKind, OutputProcessor
 from inferd.engine.waits import Ready, Wait, Waits
@@ -31,27 +31,19 @@ from inferd.executor.device import (
     keep_freed_memory,
     release_freed_memory,
     resolve_device,
-    resolve_dtype,
 )
-from inferd.executor.kv_pool import kv_cache_dtype
-from inferd.executor.model_runner import ModelRunner
+from inferd.executor.draft_runner import DraftRunner
+from inferd.executor.loading import load_runner
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
 from inferd.lora.request import LoRARequest
-from inferd.models import kernels
-from inferd.models.config import ArchConfig
-from inferd.models.linear import (
-    checkpoint_quantization,
-    native_linear,
-    prepare_linears,
-    resolve_linear_kind,
-)
-from inferd.models.loader import load_model, resolve_model_path
+from inferd.models.loader import resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
 from inferd.scheduler.output import SchedulerOutput
 from inferd.scheduler.request import Request, RequestStatus
 from inferd.scheduler.scheduler import Scheduler
+from inferd.spec_decode.draft_model import DraftModelProposer
 from inferd.spec_decode.drafter import Drafter
 from inferd.telemetry.step_stats import StepStat, StepStats, timed
 from inferd.types import RequestOutput
@@ -82,43 +74,14 @@ class LLMEngine:
         configure_threads(self.device, config.device.num_threads)
         keep_freed_memory(self.device)
         torch.manual_seed(config.model.seed)
-        path = resolve_model_path(config.model.model, config.model.revision, env)
+        target = load_runner(config, config.model, self.device, env)
+        path, dtype = target.path, target.dtype
+        self.model, self.arch, self.runner = target.model, target.arch, target.runner
         tok_path = path
         if config.model.tokenizer is not None:
             tok_path = resolve_model_path(config.model.tokenizer, None, env)
-        arch = ArchConfig.from_json(path / "config.json")
-        dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, self.device)
-        self.model, self.arch = load_model(
-            path, dtype, self.device, config.model.load_format, config.model.seed, arch
-        )
-        quantization = config.model.quantization
-        if quantization is None and arch.quantization is not None:
-            quantization = checkpoint_quantization(self.device)
-        backend = config.device.linear_backend
-        kind = resolve_linear_kind(backend, quantization, self.device, dtype)
-        kv_dtype = kv_cache_dtype(config.cache, dtype)
-        native = kernels.select(
-            config.cache.attention_backend, self.device, dtype, kv_dtype, arch.head_dim, env
-        )
-        if native is not None and arch.attention_sinks:
-            # The native attention kernel has no sinks (models/attention.py): the PyTorch path.
-            logger.info("attention: PyTorch path (the native kernel has no attention sinks)")
-            native = None
-        float_kind = resolve_linear_kind(backend, None, self.device, dtype)
-        gemv = native.gemv if native else None
-        on_native = native_linear(config.device.native_linear, kind, gemv, self.model, float_kind)
-        prepare_linears(self.model, kind, on_native, float_kind)
         self.tokenizer = Tokenizer.from_pretrained(tok_path)
         self.tokenizer_path = tok_path
-        self.runner = ModelRunner(
-            self.model,
-            self.arch,
-            self.device,
-            dtype,
-            config.cache,
-            native,
-            greedy_screen=config.device.greedy_screen != "off",
-        )
         release_freed_memory(self.device)
         events_endpoint = config.cache.kv_events_endpoint
         block_manager = BlockManager(
@@ -147,7 +110,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer.hf)
         self.eos_token_ids = self.tokenizer.eos_token_ids | frozenset(self.arch.eos_token_ids)
         self.step_stats = StepStats()
-        self.drafter = self._drafter()
+        self.drafter = self._drafter(env, dtype)
         self._aborted: list[str] = []
         # Structured outputs: the compiler (made with the first constrained request, so xgrammar
         # loads only when used). Requests waiting for their grammar or adapter, and those refused
@@ -181,15 +144,35 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _drafter(self) -> Drafter | None:
+    def _drafter(self, env: Environment, dtype: torch.dtype) -> Drafter | None:
         spec = self.config.speculative.speculative_config
         if spec is None:
             return None
-        if spec.method != "ngram":
+        if spec.method == "ngram":
+            return Drafter(spec)
+        return Drafter(spec, self._draft_model(spec, env, dtype))
+
+    def _draft_model(
+        self, spec: SpeculativeConfig, env: Environment, dtype: torch.dtype
+    ) -> DraftModelProposer:
+        """The draft model in this process, in the target's dtype, with a KV pool of the target's
+        blocks plus room for every sequence's drafts (spec_decode/draft_model.py)."""
+        assert spec.model is not None
+        bs = self.config.cache.block_size
+        max_seqs = self.config.scheduler.max_num_seqs
+        num_blocks = self.runner.num_blocks + max_seqs * (-(-spec.num_speculative_tokens // bs) + 1)
+        model = self.config.model.model_copy(
+            update={"model": spec.model, "tokenizer": None, "revision": None}
+        )
+        draft = load_runner(self.config, model, self.device, env, dtype, num_blocks)
+        if draft.arch.vocab_size != self.arch.vocab_size:
             raise ModelLoadError(
-                f"speculative method {spec.method!r} is not supported yet; use 'ngram'"
+                f"draft model {spec.model!r} has vocab_size {draft.arch.vocab_size}, the model "
+                f"{self.config.model.model!r} {self.arch.vocab_size}: a draft must share the "
+                "target's vocabulary"
             )
-        return Drafter(spec)
+        blocks = BlockManager(num_blocks, bs, enable_prefix_caching=False)
+        return DraftModelProposer(DraftRunner(draft.runner), blocks, self.max_model_len)
 
     def _max_model_len(self, bm: BlockManager) -> int:
         # How far rope reaches (scaled); a sliding window limits what a layer attends to, not this.
@@ -411,7 +394,7 @@ class LLMEngine:
             child_ids = self.outputs.abort(rid, status)
             if child_ids:
                 self.scheduler.finish_requests(child_ids, status)
-                self.runner.release(child_ids)
+                self._release(child_ids)
                 self._aborted.append(rid)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -457,7 +440,7 @@ class LLMEngine:
             new_outputs, stopped = self.outputs.process(updated, logprobs)
             if stopped:
                 self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-            self.runner.release([r.request_id for r in updated if r.is_finished] + stopped)
+            self._release([r.request_id for r in updated if r.is_finished] + stopped)
         stat.num_running = len(sched.chunks)
         stat.num_waiting = self.scheduler.num_waiting
         stat.num_batched_tokens = sched.num_batched_tokens
@@ -488,8 +471,14 @@ class LLMEngine:
         """Finishes requests past their deadline; their final outputs leave with this step."""
         expired = self.scheduler.expire(now)
         if expired:
-            self.runner.release([r.request_id for r in expired])
+            self._release([r.request_id for r in expired])
             self._aborted.extend(self.outputs.finish_children(expired))
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Forgets finished requests' per-request state in the runner and the drafter."""
+        self.runner.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.proposer.release(request_ids)
 
     def run_to_completion(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -66,17 +66,19 @@ class ModelRunner:
         cache: CacheConfig,
         native: kernels.NativeKernels | None,
         greedy_screen: bool = True,
+        num_blocks: int | None = None,
     ) -> None:
         """`native`: the native CPU kernels (kernels.select), None for the PyTorch path.
         `greedy_screen`: plain greedy batches take their tokens from the lm_head's greedy screen
-        (kernels/greedy.py) where it runs."""
+        (kernels/greedy.py) where it runs. `num_blocks`: the KV pool's size (a draft model's);
+        None: what `cache`'s budget holds."""
         self.model = model
         self.arch = arch
         self.device = device
         self.dtype = dtype
         self.block_size = cache.block_size
         self.kv_dtype = kv_cache_dtype(cache, dtype)
-        self.num_blocks = num_kv_blocks(arch, cache, self.kv_dtype, device)
+        self.num_blocks = num_blocks or num_kv_blocks(arch, cache, self.kv_dtype, device)
         # One block more than the block manager hands out: the scratch block that padded rows of a
         # CUDA-graph decode batch write to.
         kv_shape = (

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from inferd.cache_folders import build_once
@@ -264,6 +266,37 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
         cache_dir / "models" / TINY_FOLDER,
         lambda tmp: write_model_folder(TINY_CONFIG, tmp, tokenizer_vocab=TINY_CONFIG["vocab_size"]),
     )
+
+
+def write_truncated_draft(target: Path, out_dir: Path, num_layers: int) -> Path:
+    """A draft model for speculative decoding cut from `target`'s folder: its embeddings, its
+    first `num_layers` decoder layers, its final norm and lm_head, its tokenizer files. Random
+    weights agree with nothing, but a draft that is the target's own first layers agrees with it
+    as far as the later layers change little (how far is measured, not assumed: the engine's
+    acceptance counters). A normal model folder; returns `out_dir`."""
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    total = config["num_hidden_layers"]
+    if not 0 < num_layers <= total:
+        raise ValueError(f"num_layers {num_layers}: the target has {total}")
+    config["num_hidden_layers"] = num_layers
+    # Per-layer lists (Qwen3's, Gemma's layer_types) keep their first num_layers entries.
+    for key, value in list(config.items()):
+        if isinstance(value, list) and len(value) == total and key.startswith("layer"):
+            config[key] = value[:num_layers]
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    state = {
+        name: t
+        for f in sorted(target.glob("*.safetensors"))
+        for name, t in load_file(f).items()
+        if (m := layer.search(name)) is None or int(m.group(1)) < num_layers
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), {"format": "pt"})
+    _write_json(out_dir / "config.json", config)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

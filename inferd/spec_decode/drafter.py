@@ -7,15 +7,17 @@
 A request drafts when it is in steady decode (one known token to compute) and its grammar, if it
 has one, applies (structured outputs: not while the model is still reasoning). Its k comes from
 `AdaptiveK` (policy.py), from its own measured acceptance; the scheduler may verify fewer drafts
-than proposed (budget, max_tokens). A grammar request's drafts are the same n-gram drafts: the
-grammar masks every draft row, so a draft it refuses is rejected at verification
-(sampling/grammar.py, `fill_draft_masks`).
+than proposed (budget, max_tokens). The drafts come from a `Proposer`, all decoding requests in
+one call: n-gram lookup (ngram.py) or a draft model (draft_model.py). A grammar request's drafts
+are proposed as any other's: the grammar masks every draft row, so a draft it refuses is rejected
+at verification (sampling/grammar.py, `fill_draft_masks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from inferd.config import SpeculativeConfig
 from inferd.scheduler.output import SchedulerOutput
@@ -23,6 +25,15 @@ from inferd.scheduler.request import Request
 from inferd.spec_decode.ngram import NgramProposer
 from inferd.spec_decode.policy import AdaptiveK, recovered_acceptance, updated_acceptance
 from inferd.types import ModelRunnerOutput
+
+
+class Proposer(Protocol):
+    """Where drafts come from: `propose_batch` gives each request up to its k drafts (k = 0:
+    none; the proposer may give fewer); `release` forgets finished requests' state."""
+
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
 
 
 @dataclass
@@ -41,8 +52,9 @@ class SpecDecodeCounters:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.proposer = NgramProposer(config.lookup_min, config.lookup_max)
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        """`proposer`: None for `config`'s n-gram lookup."""
+        self.proposer = proposer or NgramProposer(config.lookup_min, config.lookup_max)
         self.policy = AdaptiveK(config.num_speculative_tokens, config.adaptive)
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
 
@@ -53,10 +65,11 @@ class Drafter:
             for r in running
             if r.num_tokens - r.num_computed_tokens == 1 and (r.grammar is None or r.grammar.active)
         ]
-        for r in decoding:
-            k = self.policy.choose(r.draft_acceptance, len(decoding))
-            r.draft_token_ids = self.proposer.propose(r.all_token_ids, k) if k else []
-            if not r.draft_token_ids:
+        ks = [self.policy.choose(r.draft_acceptance, len(decoding)) for r in decoding]
+        drafts = self.proposer.propose_batch(decoding, ks)
+        for r, draft in zip(decoding, drafts, strict=True):
+            r.draft_token_ids = draft
+            if not draft:
                 r.draft_acceptance = recovered_acceptance(r.draft_acceptance)
 
     def observe(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> tuple[int, int]:

@@ -18,9 +18,13 @@ Pure Python + numpy: the engine calls it once per decoding request and step, on 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from inferd.scheduler.request import Request
 
 # Tokens searched back from the end: enough for a long quoted document, bounded per step.
 _WINDOW = 4096
@@ -44,6 +48,13 @@ class NgramProposer:
                 follow = start + n
                 return s[follow : follow + k].tolist()  # type: ignore[no-any-return]
         return []
+
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
+        """drafter.Proposer: each request's drafts, one lookup each."""
+        return [self.propose(r.all_token_ids, k) for r, k in zip(requests, ks, strict=True)]
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """drafter.Proposer: no per-request state."""
 
 
 def _latest_match(s: np.ndarray, n: int) -> int | None:

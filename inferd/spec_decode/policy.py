@@ -8,7 +8,8 @@ tokens a step. Each draft is one more row in the step, and the step's seconds gr
 
   - D: the seconds of a recent step without drafts (an average; it grows with the batch),
   - c: the marginal seconds of one verified row, measured on steps with drafts as
-       (seconds - D) / (draft rows) (an average; it includes leaving the one-call decode path).
+       (seconds - D) / (draft rows) (an average; it includes leaving the one-call decode path,
+       and with a draft model the draft's forwards, which run within the step's time).
 
 Without drafts the step makes N / D tokens a second (N decoding requests). The rule: a request
 verifies its j-th draft only if that draft's expected tokens per second of its own cost beat the

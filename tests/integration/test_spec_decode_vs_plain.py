@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from test_engine_vs_hf import CONFIGS, DEVICES
 from test_engine_vs_hf import _engine as engine_vs_hf_engine
 
 from inferd import LLMEngine, RequestOutput, SamplingParams
-from inferd.errors import ModelLoadError
 from inferd.executor.kv_pool import kv_bytes_per_block
 from inferd.models.config import ArchConfig
 
@@ -179,11 +177,3 @@ def test_adaptive_k_keeps_outputs(tmp_path: Path) -> None:
     engine = _engine(path, {**NGRAM, "adaptive": True})
     assert _choices(_run(engine, prompts, params)) == _choices(want)
     _check_drained(engine)
-
-
-def test_draft_model_is_refused(tmp_path: Path) -> None:
-    path = save_checkpoint("LlamaConfig", {}, tmp_path / "llama", seed=1)
-    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
-    with pytest.raises(ModelLoadError, match="not supported"):
-        _engine(path, spec)
-    shutil.rmtree(path)

@@ -242,6 +242,12 @@ def test_config_checks_its_keys() -> None:
     assert SpeculativeConfig(num_speculative_tokens=1).lookup_min == 1
     for bad in (
         {"method": "draft_model", "num_speculative_tokens": 2},
+        {
+            "method": "draft_model",
+            "model": "x",
+            "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 2,
+        },
         {"method": "ngram", "model": "x", "num_speculative_tokens": 2},
         {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
         {"num_speculative_tokens": 0},
