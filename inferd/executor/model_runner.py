@@ -70,8 +70,7 @@ class ModelRunner:
     ) -> None:
         """`native`: the native CPU kernels (kernels.select), None for the PyTorch path.
         `greedy_screen`: plain greedy batches take their tokens from the lm_head's greedy screen
-        (kernels/greedy.py) where it runs. `num_blocks`: the KV pool's size (a draft model's);
-        None: what `cache`'s budget holds."""
+        (kernels/greedy.py). `num_blocks`: the KV pool's size (None: what `cache` holds)."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -92,8 +91,7 @@ class ModelRunner:
             zeroed_pool(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = None if native is None else native.attention
-        # CUDA: eager steps run all their rows' attention in one varlen call per layer (not with
-        # a sliding window or sinks, which it lacks: those run SDPA with masks).
+        # CUDA: eager steps' attention in one varlen call a layer (SDPA for windows and sinks).
         self.varlen = native is None and not (arch.layer_windows or arch.attention_sinks)
         self.varlen = self.varlen and varlen_supported(
             device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
