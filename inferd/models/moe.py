@@ -4,8 +4,9 @@ Each token's router scores every expert (a linear layer without bias), and the t
 `top_k` experts of highest softmax probability, renormalised to sum to 1 where the config says
 (`norm_topk_prob`; always for Mixtral). The router runs as Hugging Face runs it — `F.linear` in
 the model dtype, the softmax in float32, `torch.topk` — so in float32 the logits and the experts
-chosen are transformers' own, bit for bit (the router is a plain parameter: `prepare_linears`
-never repacks it, since another GEMM could sum in another order and flip a near tie).
+chosen are transformers' own, bit for bit (the router is a plain parameter, not a `Linear`:
+`prepare_linears` never repacks it, since another GEMM could sum in another order and flip a
+near tie).
 
 The experts run as grouped GEMMs: the T * k (token, expert) assignments are sorted by expert
 (stable, so each expert's rows keep token order), the tokens' rows gathered once in that order,
@@ -14,36 +15,75 @@ contiguous slice, never a loop over tokens. The outputs, times their routing wei
 back into each token's row with one index_add_, in ascending expert order per token (the order
 transformers adds them in).
 
-Weights: gate and up of every expert stacked in one [E * 2I, H] parameter (expert e's gate rows
-at e * 2I, its up rows after them), down in one [E * H, I]; `layout()` maps each expert's
-checkpoint tensors (Qwen's `experts.E.{gate,up,down}_proj`, Mixtral's `experts.E.{w1,w3,w2}`)
-into them.
+Each expert is two `Linear` layers (`Expert`): gate and up stacked in `gate_up_proj`, as the
+dense MLP's, and `down_proj`, under the checkpoint's names (the block sits at the checkpoint's
+path, `model.layers.N.mlp` or `.block_sparse_moe`, its experts at `experts.E`, and the shards
+carry Qwen's `gate_proj`/`up_proj`/`down_proj` or Mixtral's `w1`/`w3`/`w2`). So `prepare_linears`
+gives every expert the dense layers' dispatch plan (models/linear.py): on CPU the panel GEMM at
+any row count in float32 and bfloat16, int8 with `--quantization int8` (the int8 GEMV at 1-2
+rows, a decode step's usual count per expert), each weight held once in its kernel's layout;
+an int8 checkpoint's experts load as any int8 linear layer.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.models.config import ArchConfig, MoEConfig
+from inferd.models.kernels.fused import FusedOps
+from inferd.models.linear import Linear
 from inferd.models.weights import WeightTarget
 
 # Checkpoint names of each expert's gate, up and down projections, per naming style.
 _EXPERT_NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
 
+class StepRows(Protocol):
+    """What the block reads of the layer's step (models/layers.py's Step)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def fused(self) -> FusedOps | None: ...
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(
+        self, hidden: int, inter: int, names: tuple[str, str, str], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        gate, up, down = names
+        self.gate_up_proj = Linear(hidden, [(gate, inter), (up, inter)], False, dtype)
+        self.down_proj = Linear(inter, [(down, hidden)], False, dtype)
+
+    def forward(self, x: Tensor, fused: FusedOps | None) -> Tensor:
+        # x: [n, H] -> gate_up: [n, 2I] -> [n, H]
+        n = x.shape[0]
+        gate_up = self.gate_up_proj(x)
+        if fused is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        # SiLU * up written padded to the rows the down GEMM runs (oneDNN's counts).
+        return self.down_proj(fused.silu_mul(gate_up, self.down_proj.padded_rows(n)))[:n]
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ArchConfig, moe: MoEConfig, dtype: torch.dtype) -> None:
         super().__init__()
         e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size
-        self.num_experts, self.top_k, self.inter = e, moe.top_k, i
+        self.num_experts, self.top_k = e, moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
-        self.style = moe.style
         # The router's weight: checkpoint name `<block>.gate.weight`.
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
-        self.w13 = nn.Parameter(torch.empty(e * 2 * i, h, dtype=dtype), False)
-        self.w2 = nn.Parameter(torch.empty(e * h, i, dtype=dtype), False)
+        names = _EXPERT_NAMES[moe.style]
+        self.experts = nn.ModuleList(Expert(h, i, names, dtype) for _ in range(e))
         # Rows routed to each expert by the forwards since `take_counts` (step statistics).
         self.counts: list[int] = [0] * e
 
@@ -56,43 +96,40 @@ class SparseMoE(nn.Module):
             top_w /= top_w.sum(dim=-1, keepdim=True)
         return top_w.to(x.dtype), top_i
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, H] -> [T, H]
-        h = x.shape[1]
+    def forward(self, step: StepRows, x: Tensor) -> Tensor:
+        # x: [T', H] (T' >= step.rows; rows past T are padding) -> [T, H]
+        return self.mix(x[: step.rows], step.fused)
+
+    def mix(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
+        """x [T, H] -> the experts' outputs summed with their routing weights, [T, H]; `fused`:
+        the native ops for SiLU * up (None: PyTorch's)."""
         weights, experts = self.route(x)
         flat = experts.flatten()  # [T * k]: assignment a is token a // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
         self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
         rows = order // self.top_k  # the token of each sorted assignment
-        xs = x.index_select(0, rows)  # [T * k, H], grouped by expert
-        out = torch.empty_like(xs)
-        w13 = self.w13.view(self.num_experts, 2 * self.inter, h)
-        w2 = self.w2.view(self.num_experts, h, self.inter)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                sl = slice(start, start + n)
-                gate, up = F.linear(xs[sl], w13[e]).chunk(2, dim=-1)
-                out[sl] = F.linear(F.silu(gate) * up, w2[e])
-                start += n
+        out = self._grouped(x.index_select(0, rows), counts, fused)  # [T * k, H]
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
+
+    def _grouped(self, xs: Tensor, counts: list[int], fused: FusedOps | None) -> Tensor:
+        """xs [T * k, H], grouped by expert (`counts[e]` rows each) -> each group through its
+        expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
+        out = torch.empty_like(xs)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                out[start : start + n] = expert(xs[start : start + n], fused)
+                start += n
+        return out
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""
         counts, self.counts = self.counts, [0] * self.num_experts
         return counts
 
-    def layout(self, prefix: str, params: str) -> dict[str, WeightTarget]:
-        """Checkpoint tensor name -> target: `prefix` the block's name in the checkpoint
-        (`model.layers.0.mlp` / `model.layers.0.block_sparse_moe`), `params` this module's."""
-        gate, up, down = _EXPERT_NAMES[self.style]
-        i, h = self.inter, self.router.shape[1]
-        out = {f"{prefix}.gate.weight": WeightTarget(f"{params}.router", 0, self.num_experts)}
-        for e in range(self.num_experts):
-            name = f"{prefix}.experts.{e}"
-            out[f"{name}.{gate}.weight"] = WeightTarget(f"{params}.w13", e * 2 * i, i)
-            out[f"{name}.{up}.weight"] = WeightTarget(f"{params}.w13", e * 2 * i + i, i)
-            out[f"{name}.{down}.weight"] = WeightTarget(f"{params}.w2", e * h, h)
-        return out
+    def layout(self, name: str) -> dict[str, WeightTarget]:
+        """The router's checkpoint tensor -> its target, `name` this block's (and the
+        checkpoint's) name; the experts' Linear layers are laid out as any other's."""
+        return {f"{name}.gate.weight": WeightTarget(f"{name}.router", 0, self.num_experts)}
