@@ -5,8 +5,9 @@ elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache writ
 `gemv.cpp` (linear layers of 1-16 rows on the plain weight, at memory speed; `gemv.py`),
 `panel_gemm.cpp` (batches of up to 128 rows on weights packed in panels, `gemv.py`; the kernel in
 `panel.h`, on AMX tiles in `amx.h` where the CPU has them), `greedy.cpp` (the int8 greedy screen
-of the lm_head over the same loop and the candidates' exact logits, `greedy.py`) and
+of the lm_head over the same loop and the candidates' exact logits, `greedy.py`),
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
+and `moe_experts.cpp` (an MoE layer's active experts in one call over the same panels; `fused.py`)
 are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
@@ -65,6 +66,7 @@ SOURCES = tuple(
         "panel_gemm.cpp",
         "greedy.cpp",
         "decode_step.cpp",
+        "moe_experts.cpp",
     )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.

@@ -1,4 +1,5 @@
-"""The fused elementwise kernels of `fused_ops.cpp`, as tensor-in, tensor-out calls.
+"""The fused elementwise kernels of `fused_ops.cpp`, as tensor-in, tensor-out calls, and an MoE
+layer's experts in one call (`moe_experts`, `moe_experts.cpp`: their GEMMs and SiLU * up).
 
 Each call replaces several eager PyTorch ops of a decoder layer with one pass over the rows (the
 C++ file lists them). Inputs are checked here (shape, dtype, contiguity): the C side trusts them.
@@ -40,7 +41,9 @@ class FusedOps:
         self._rope = lib.inferd_rope_qkv
         self._rope.argtypes = [ptr, i64, i32, i64, i32, i32, i32, ptr, ptr, ptr, i64]
         self._rope.argtypes += [ptr, ptr, f32, ptr, ptr, i32, i64, ptr]
-        for fn in (self._norm, self._silu, self._argmax, self._rope):
+        self._experts = lib.inferd_moe_experts
+        self._experts.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i32]
+        for fn in (self._norm, self._silu, self._argmax, self._rope, self._experts):
             fn.restype = ctypes.c_int
 
     def rms_norm(
@@ -83,6 +86,35 @@ class FusedOps:
             out.data_ptr(), gate_up.data_ptr(), DTYPE_CODES[gate_up.dtype], rows, width // 2
         )
         check_rc(rc, "silu_mul")
+        return out
+
+    def moe_experts(
+        self, xs: Tensor, rows: list[int], gate_up: list[int], down: list[int], inter: int
+    ) -> Tensor:
+        """An MoE layer's active experts in one call (moe_experts.cpp): xs [T, H] grouped by
+        expert, `rows[j]` rows for the j-th, whose packed panels (PanelWeight.packed of its
+        [2I, H] gate/up and [H, I] down weights, in xs's dtype) are at addresses `gate_up[j]`
+        and `down[j]` -> [T, H], each row through its expert's gated MLP."""
+        t, h = xs.shape
+        assert xs.is_contiguous() and sum(rows) == t and len(rows) == len(gate_up) == len(down)
+        n = len(rows)
+        ptrs = ctypes.c_void_p * n
+        scratch = xs.new_empty(t * 3 * inter)  # gate/up [T, 2I], then SiLU * up [T, I]
+        out = torch.empty_like(xs)
+        rc = self._experts(
+            xs.data_ptr(),
+            (ctypes.c_int64 * n)(*rows),
+            n,
+            ptrs(*gate_up),
+            ptrs(*down),
+            h,
+            inter,
+            scratch.data_ptr(),
+            scratch[t * 2 * inter :].data_ptr(),
+            out.data_ptr(),
+            DTYPE_CODES[xs.dtype],
+        )
+        check_rc(rc, "moe_experts")
         return out
 
     def argmax(self, x: Tensor) -> Tensor:
