@@ -24,17 +24,16 @@ any row count in float32 and bfloat16, int8 with `--quantization int8` (the int8
 rows, a decode step's usual count per expert), each weight held once in its kernel's layout;
 an int8 checkpoint's experts load as any int8 linear layer.
 
-Where every expert's plan runs the panel GEMM at the step's rows per expert (float32 and
-bfloat16 on the native kernels), the whole grouped pass is one native call
-(`FusedOps.moe_experts`, kernels/moe_experts.cpp: the threads split all active experts' panels,
-two barriers for the layer) instead of three calls per active expert from Python; its sums are
-the panel GEMM's, so the output is the same bits. Per step at 1-32 rows on the qwen3-moe bench
-shape's layer it ran 1.6-2.8x faster than the per-expert calls (bench/NOTES.md).
+Where every expert's plan runs the panel GEMM (float32 and bfloat16 on the native kernels),
+everything past the router is one native call (`FusedOps.moe_layer`, kernels/moe_experts.cpp:
+the sort, the gather, all active experts' panels split over the threads with two barriers, the
+weighted sum) instead of ~30 ops and calls from Python; it takes the same steps in the same
+order, rounding where they round, so its output equals theirs
+(tests/integration/test_families_vs_hf.py). bench/NOTES.md has what it saved.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.models.config import ArchConfig, MoEConfig
-from inferd.models.kernels.fused import FusedOps
+from inferd.models.kernels.fused import FusedOps, MoEPanels
 from inferd.models.linear import ANY_ROWS, Linear
 from inferd.models.weights import WeightTarget
 
@@ -83,16 +82,6 @@ class Expert(nn.Module):
         return self.down_proj(fused.silu_mul(gate_up, self.down_proj.padded_rows(n)))[:n]
 
 
-@dataclass(frozen=True)
-class ExpertPanels:
-    """Where every expert's panel copies are (PanelWeight.packed addresses, by expert), for the
-    one-call experts kernel, and the most rows per expert their plans send to the panel GEMM."""
-
-    gate_up: list[int]
-    down: list[int]
-    max_rows: int
-
-
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ArchConfig, moe: MoEConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -121,26 +110,30 @@ class SparseMoE(nn.Module):
 
     def mix(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
         """x [T, H] -> the experts' outputs summed with their routing weights, [T, H]; `fused`:
-        the native ops for SiLU * up (None: PyTorch's)."""
+        the native kernels (the layer in one call where every expert runs the panel GEMM, else
+        SiLU * up; None: PyTorch's ops)."""
         weights, experts = self.route(x)
+        panels = None if fused is None else self.panels
+        # An expert takes at most one row per token, so T bounds its rows.
+        if fused is not None and panels is not None and x.shape[0] <= panels.max_rows:
+            y, counts = fused.moe_layer(x, experts, weights, panels, self.inter)
+            self._count(counts)
+            return y
         flat = experts.flatten()  # [T * k]: assignment a is token a // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
-        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+        self._count(counts)
         rows = order // self.top_k  # the token of each sorted assignment
         out = self._grouped(x.index_select(0, rows), counts, fused)  # [T * k, H]
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
 
+    def _count(self, counts: list[int]) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+
     def _grouped(self, xs: Tensor, counts: list[int], fused: FusedOps | None) -> Tensor:
         """xs [T * k, H], grouped by expert (`counts[e]` rows each) -> each group through its
-        expert, [T * k, H]: one GEMM per projection of each expert that received rows; in one
-        native call where every expert runs the panel GEMM at its row count."""
-        panels = None if fused is None else self.panels
-        if fused is not None and panels is not None and max(counts) <= panels.max_rows:
-            active = [e for e, n in enumerate(counts) if n]
-            gate_up, down = [panels.gate_up[e] for e in active], [panels.down[e] for e in active]
-            return fused.moe_experts(xs, [counts[e] for e in active], gate_up, down, self.inter)
+        expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
         out = torch.empty_like(xs)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
@@ -150,7 +143,7 @@ class SparseMoE(nn.Module):
         return out
 
     @cached_property
-    def panels(self) -> ExpertPanels | None:
+    def panels(self) -> MoEPanels | None:
         """The experts' panel copies, or None where a plan runs another kernel first (int8,
         oneDNN, dense). Read on the first fused forward, once prepare_linears has packed them."""
         gate_up: list[int] = []
@@ -164,7 +157,7 @@ class SparseMoE(nn.Module):
                     return None
                 ptrs.append(panel.packed.data_ptr())
                 most = min(most, route.max_rows)
-        return ExpertPanels(gate_up, down, most)
+        return MoEPanels(gate_up, down, most)
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""

@@ -272,6 +272,8 @@ def test_moe_experts_run_the_dense_layers_plan(
                 block.panels = one_call
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
+    calls = 2 if block.panels is not None else 1  # each path counts its rows
+    assert sum(block.take_counts()) == (1 + 37) * 2 * calls  # top 2
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:

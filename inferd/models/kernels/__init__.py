@@ -7,7 +7,7 @@ elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache writ
 `panel.h`, on AMX tiles in `amx.h` where the CPU has them), `greedy.cpp` (the int8 greedy screen
 of the lm_head over the same loop and the candidates' exact logits, `greedy.py`),
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
-and `moe_experts.cpp` (an MoE layer's active experts in one call over the same panels; `fused.py`)
+and `moe_experts.cpp` (an MoE layer past its router in one call, on the same panels; `fused.py`)
 are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
