@@ -211,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             # One tensor, two names: the checkpoint stores only model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
+        # The MoE blocks, found once: a walk over an MoE model's ~1,000 modules each step took
+        # 16 ms of a step (a plain list: not registered again as children).
+        self._moe_blocks = [m for m in self.modules() if isinstance(m, SparseMoE)]
 
     def forward(
         self,
@@ -237,9 +240,9 @@ class LlamaForCausalLM(nn.Module):
     def expert_rows(self) -> list[int]:
         """Rows routed to each expert since the last call, summed over the MoE layers (empty for
         a dense model): the step statistics' load balance."""
-        if self.config.moe is None:
-            return []  # every step of a dense model: no walk over the modules
-        counts = [m.take_counts() for m in self.modules() if isinstance(m, SparseMoE)]
+        if not self._moe_blocks:
+            return []
+        counts = [m.take_counts() for m in self._moe_blocks]
         return [sum(c) for c in zip(*counts, strict=True)]
 
     def fold_norms(self) -> None:
