@@ -50,6 +50,11 @@ class ModelShape:
     max_position_embeddings: int = 2048
     # Qwen2 puts a bias on q/k/v; counted in the linear FLOPs so the rate stays honest.
     qkv_bias: bool = False
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
+    # `moe_intermediate_size`, `experts_per_token` of them run per token (0: a dense MLP).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -59,8 +64,14 @@ class ModelShape:
         """Weights of q, k, v, o and the gated MLP (gate, up, down) of one layer."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * (self.num_heads * self.head_dim) * 2 + h * kv * 2
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp
+        if self.num_experts:
+            # The active experts only (what a token multiplies by), and the router.
+            return (
+                attn
+                + self.experts_per_token * 3 * h * self.moe_intermediate_size
+                + (h * self.num_experts)
+            )
+        return attn + 3 * h * self.intermediate_size
 
     def linear_params_per_token(self) -> int:
         """Linear weights every computed token multiplies by (lm_head excluded)."""
@@ -94,6 +105,17 @@ class ModelShape:
         }
         if self.model_type == "qwen2":
             cfg |= {"use_sliding_window": False, "sliding_window": None}
+        elif self.num_experts:
+            cfg |= {
+                "head_dim": self.head_dim,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.experts_per_token,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "attention_bias": False,
+            }
         else:
             cfg |= {"attention_bias": self.qkv_bias, "mlp_bias": False}
         return cfg

@@ -67,8 +67,31 @@ from serve import (
 # The model A: the tiny Llama with an 8k vocabulary (~32 M parameters).
 SHAPES = common.SHAPES | {
     "llama-32m": dataclasses.replace(common.SHAPES["tiny"], name="llama-32m", vocab_size=8192),
+    # Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 128 experts of 768, top 8, 32 / 4 heads,
+    # untied 152k vocab) scaled to this machine: half the width, a third of the layers, a
+    # quarter of the experts, the same top 8 and head ratio. 507 M parameters (2.0 GB float32,
+    # so a peer's load-time peak fits beside the other jobs in 24 GiB), 172 M of them active per
+    # token (0.69 GB: the single stream's bandwidth bound).
+    "qwen3-moe": common.ModelShape(
+        name="qwen3-moe",
+        architecture="Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        default_num_requests=32,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        num_experts=32,
+        experts_per_token=8,
+        moe_intermediate_size=256,
+    ),
 }
-MIXED_REQUESTS = {"llama-32m": 96, "tiny": 96, "qwen2-0.5b-shape": 32}
+MIXED_REQUESTS = {"llama-32m": 96, "tiny": 96, "qwen2-0.5b-shape": 32, "qwen3-moe": 32}
 READY_TIMEOUT_S = 600.0
 TO_GGUF = REPO_ROOT.parent / "shared" / "peers" / "to_gguf.py"
 

@@ -1,5 +1,9 @@
 """gpt-oss's mixture-of-experts pieces (`GptOssForCausalLM`), used by models/moe.py's SparseMoE.
 
+Its experts (`Experts`) keep the checkpoint's stacked form, one gate/up and one down matrix per
+expert with biases, and run on PyTorch's ops: gpt-oss runs the PyTorch path (the native attention
+kernel has no sinks), so they never take the dense layers' kernels.
+
 - **Routing**: router logits with a bias, the top k of the logits, then a softmax over those k
   (in the logits' dtype, as transformers does).
 - **Clamped SwiGLU**: gate clamped to at most `limit`, up to [-limit, limit], then
@@ -8,7 +12,7 @@
   [E, H, 2I] (input-major: x @ W) whose columns interleave gate and up (gate 2j, up 2j + 1), and
   `experts.down_proj` [E, I, H], each with a bias (`gate_up_proj_bias` [E, 2I], `down_proj_bias`
   [E, H]); the router is `router.weight` [E, H] and `router.bias` [E]. They are turned into
-  SparseMoE's rows at load: transposed to [out, in], gate rows before up rows.
+  `Experts`' rows at load: transposed to [out, in], gate rows before up rows.
 - **MXFP4** (the Hub's checkpoints, `quantization_config.quant_method: mxfp4`): each expert
   matrix as `<name>_blocks` [E, out, in / 32, 16] uint8, two 4-bit E2M1 values a byte (low
   nibble first), and `<name>_scales` [E, out, in / 32] uint8, one E8M0 exponent per 32 values
@@ -19,8 +23,10 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
+from inferd.models.config import MoEConfig
 from inferd.models.weights import Convert, WeightTarget
 
 # The 16 values of an E2M1 nibble: sign bit 3, then 2 exponent bits and 1 mantissa bit.
@@ -38,6 +44,37 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tens
         exponents = scales[e].to(torch.int32).unsqueeze(-1) - 127
         out[e] = torch.ldexp(values, exponents).flatten(-2).to(dtype)
     return out
+
+
+class Experts(nn.Module):
+    """One layer's experts, stacked: `w13` [E * 2I, H] (each expert's gate rows, then its up
+    rows), `w2` [E * H, I], biases `b13` [E * 2I] and `b2` [E * H]."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, i = moe.num_experts, moe.intermediate_size
+        self.spec = moe
+        self.w13 = nn.Parameter(torch.empty(e * 2 * i, hidden, dtype=dtype), False)
+        self.w2 = nn.Parameter(torch.empty(e * hidden, i, dtype=dtype), False)
+        self.b13 = nn.Parameter(torch.empty(e * 2 * i, dtype=dtype), False)
+        self.b2 = nn.Parameter(torch.empty(e * hidden, dtype=dtype), False)
+
+    def grouped(self, xs: Tensor, counts: list[int]) -> Tensor:
+        """xs [T * k, H] grouped by expert (`counts[e]` rows each) -> each group through its
+        expert: one gate/up and one down GEMM per expert that received rows."""
+        e = self.spec.num_experts
+        w13, w2 = self.w13.view(e, -1, xs.shape[1]), self.w2.view(e, xs.shape[1], -1)
+        b13, b2 = self.b13.view(e, -1), self.b2.view(e, -1)
+        alpha, limit = self.spec.swiglu_alpha, self.spec.swiglu_limit
+        out = torch.empty_like(xs)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                sl = slice(start, start + n)
+                gate, up = F.linear(xs[sl], w13[expert], b13[expert]).chunk(2, dim=-1)
+                out[sl] = F.linear(clamped_swiglu(gate, up, alpha, limit), w2[expert], b2[expert])
+                start += n
+        return out
 
 
 def route(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
@@ -84,15 +121,15 @@ def _mxfp4_w2(parts: list[Tensor]) -> Tensor:  # [E, H, I / 32, 16] + scales -> 
 
 
 def expert_layout(
-    prefix: str, params: str, num_experts: int, hidden: int, inter: int, mxfp4: bool
+    prefix: str, num_experts: int, hidden: int, inter: int, mxfp4: bool
 ) -> dict[str, WeightTarget]:
     """Checkpoint tensor name -> target for one layer's router and experts: `prefix` the block's
-    name in the checkpoint (`model.layers.0.mlp`), `params` SparseMoE's (`w13` [E * 2I, H] gate
-    then up rows per expert, `w2` [E * H, I], biases `b13`, `b2`, `router`, `router_bias`)."""
+    name, in the checkpoint (`model.layers.0.mlp`) and in the model (SparseMoE's `router`,
+    `router_bias`, and its `Experts`' stacked `w13`, `w2`, `b13`, `b2`)."""
     e, experts = num_experts, f"{prefix}.experts"
     out = {
-        f"{prefix}.router.weight": WeightTarget(f"{params}.router", 0, e),
-        f"{prefix}.router.bias": WeightTarget(f"{params}.router_bias", 0, e),
+        f"{prefix}.router.weight": WeightTarget(f"{prefix}.router", 0, e),
+        f"{prefix}.router.bias": WeightTarget(f"{prefix}.router_bias", 0, e),
     }
     w13, w2 = f"{experts}.gate_up_proj", f"{experts}.down_proj"
     w13_names = (f"{w13}_blocks", f"{w13}_scales") if mxfp4 else (w13,)
@@ -105,5 +142,5 @@ def expert_layout(
     ]
     for convert, param, rows in converts:
         for name in convert.names:
-            out[name] = WeightTarget(f"{params}.{param}", 0, rows, convert)
+            out[name] = WeightTarget(f"{experts}.{param}", 0, rows, convert)
     return out

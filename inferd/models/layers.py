@@ -201,17 +201,6 @@ class MLP(nn.Module):
         return self.down_proj(step.fused.silu_mul(gate_up, step.padded_rows))
 
 
-class MoEBlock(nn.Module):
-    """The MoE block where a layer has one (models/moe.py), on either path."""
-
-    def __init__(self, moe: SparseMoE) -> None:
-        super().__init__()
-        self.moe = moe
-
-    def forward(self, step: Step, x: Tensor) -> Tensor:
-        return self.moe(x[: step.rows])
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
@@ -221,7 +210,7 @@ class DecoderLayer(nn.Module):
         # The MLP, or the MoE block under its checkpoint name (Qwen: mlp; Mixtral:
         # block_sparse_moe).
         self.ffn_name = "block_sparse_moe" if moe is not None and moe.style == "mixtral" else "mlp"
-        ffn = MLP(cfg, dtype) if moe is None else MoEBlock(SparseMoE(cfg, moe, dtype))
+        ffn = MLP(cfg, dtype) if moe is None else SparseMoE(cfg, moe, dtype)
         self.add_module(self.ffn_name, ffn)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, offset)
         # Llama: the norm before the MLP. Gemma 3 (sandwich norms): the norm of attention's
@@ -233,9 +222,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, offset)
 
     @property
-    def ffn(self) -> MLP | MoEBlock:
+    def ffn(self) -> MLP | SparseMoE:
         module = getattr(self, self.ffn_name)
-        assert isinstance(module, MLP | MoEBlock)
+        assert isinstance(module, MLP | SparseMoE)
         return module
 
     def forward(self, step: Step, h: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:

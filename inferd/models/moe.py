@@ -4,8 +4,9 @@ Each token's router scores every expert (a linear layer without bias), and the t
 `top_k` experts of highest softmax probability, renormalised to sum to 1 where the config says
 (`norm_topk_prob`; always for Mixtral). The router runs as Hugging Face runs it — `F.linear` in
 the model dtype, the softmax in float32, `torch.topk` — so in float32 the logits and the experts
-chosen are transformers' own, bit for bit (the router is a plain parameter: `prepare_linears`
-never repacks it, since another GEMM could sum in another order and flip a near tie).
+chosen are transformers' own, bit for bit (the router is a plain parameter, not a `Linear`:
+`prepare_linears` never repacks it, since another GEMM could sum in another order and flip a
+near tie).
 
 The experts run as grouped GEMMs: the T * k (token, expert) assignments are sorted by expert
 (stable, so each expert's rows keep token order), the tokens' rows gathered once in that order,
@@ -14,17 +15,32 @@ contiguous slice, never a loop over tokens. The outputs, times their routing wei
 back into each token's row with one index_add_, in ascending expert order per token (the order
 transformers adds them in).
 
-Weights: gate and up of every expert stacked in one [E * 2I, H] parameter (expert e's gate rows
-at e * 2I, its up rows after them), down in one [E * H, I]; `layout()` maps each expert's
-checkpoint tensors (Qwen's `experts.E.{gate,up,down}_proj`, Mixtral's `experts.E.{w1,w3,w2}`)
-into them.
+Each expert is two `Linear` layers (`Expert`): gate and up stacked in `gate_up_proj`, as the
+dense MLP's, and `down_proj`, under the checkpoint's names (the block sits at the checkpoint's
+path, `model.layers.N.mlp` or `.block_sparse_moe`, its experts at `experts.E`, and the shards
+carry Qwen's `gate_proj`/`up_proj`/`down_proj` or Mixtral's `w1`/`w3`/`w2`). So `prepare_linears`
+gives every expert the dense layers' dispatch plan (models/linear.py): on CPU the panel GEMM at
+any row count in float32 and bfloat16, int8 with `--quantization int8` (the int8 GEMV at 1-2
+rows, a decode step's usual count per expert), each weight held once in its kernel's layout;
+an int8 checkpoint's experts load as any int8 linear layer.
 
-gpt-oss (models/gpt_oss.py) adds three hooks: biases on the router and on each expert's gate/up
-and down (`router_bias`, `b13`, `b2`), its routing (a softmax over the top k logits) and its
-clamped SwiGLU in place of SiLU(gate) * up; its checkpoint layout is its own.
+Where every expert's plan runs the panel GEMM (float32 and bfloat16 on the native kernels),
+everything past the router is one native call (`FusedOps.moe_layer`, kernels/moe_experts.cpp:
+the sort, the gather, all active experts' panels split over the threads with two barriers, the
+weighted sum) instead of ~30 ops and calls from Python; it takes the same steps in the same
+order, rounding where they round, so its output equals theirs
+(tests/integration/test_families_vs_hf.py). bench/NOTES.md has what it saved.
+
+gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
+softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
+biases and a clamped SwiGLU (`gpt_oss.Experts`, PyTorch's ops: gpt-oss runs the PyTorch path,
+since the native attention kernel has no sinks).
 """
 
 from __future__ import annotations
+
+from functools import cached_property
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +48,44 @@ from torch import Tensor, nn
 
 from inferd.models import gpt_oss
 from inferd.models.config import ArchConfig, MoEConfig
+from inferd.models.kernels.fused import FusedOps, MoEPanels
+from inferd.models.linear import ANY_ROWS, Linear
 from inferd.models.weights import WeightTarget
 
 # Checkpoint names of each expert's gate, up and down projections, per naming style.
 _EXPERT_NAMES = {"qwen": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+class StepRows(Protocol):
+    """What the block reads of the layer's step (models/layers.py's Step)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def fused(self) -> FusedOps | None: ...
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(
+        self, hidden: int, inter: int, names: tuple[str, str, str], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        gate, up, down = names
+        self.gate_up_proj = Linear(hidden, [(gate, inter), (up, inter)], False, dtype)
+        self.down_proj = Linear(inter, [(down, hidden)], False, dtype)
+
+    def forward(self, x: Tensor, fused: FusedOps | None) -> Tensor:
+        # x: [n, H] -> gate_up: [n, 2I] -> [n, H]
+        n = x.shape[0]
+        gate_up = self.gate_up_proj(x)
+        if fused is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        # SiLU * up written padded to the rows the down GEMM runs (oneDNN's counts).
+        return self.down_proj(fused.silu_mul(gate_up, self.down_proj.padded_rows(n)))[:n]
 
 
 class SparseMoE(nn.Module):
@@ -44,24 +94,25 @@ class SparseMoE(nn.Module):
         e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size
         self.num_experts, self.top_k, self.inter = e, moe.top_k, i
         self.norm_topk_prob = moe.norm_topk_prob
-        self.style = moe.style
-        # The router's weight: checkpoint name `<block>.gate.weight`.
-        self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
-        self.w13 = nn.Parameter(torch.empty(e * 2 * i, h, dtype=dtype), False)
-        self.w2 = nn.Parameter(torch.empty(e * h, i, dtype=dtype), False)
         self.spec = moe
-        # gpt-oss: biases on the router and the experts' two GEMMs (None: none).
-        biased = moe.style == "gpt_oss"
-        self.router_bias = nn.Parameter(torch.empty(e, dtype=dtype), False) if biased else None
-        self.b13 = nn.Parameter(torch.empty(e * 2 * i, dtype=dtype), False) if biased else None
-        self.b2 = nn.Parameter(torch.empty(e * h, dtype=dtype), False) if biased else None
+        # The router's weight: checkpoint name `<block>.gate.weight` (gpt-oss: router.weight,
+        # with a bias).
+        self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
+        self.router_bias: nn.Parameter | None = None
+        self.experts: nn.ModuleList | gpt_oss.Experts
+        if moe.style == "gpt_oss":
+            self.router_bias = nn.Parameter(torch.empty(e, dtype=dtype), False)
+            self.experts = gpt_oss.Experts(moe, h, dtype)
+        else:
+            names = _EXPERT_NAMES[moe.style]
+            self.experts = nn.ModuleList(Expert(h, i, names, dtype) for _ in range(e))
         # Rows routed to each expert by the forwards since `take_counts` (step statistics).
         self.counts: list[int] = [0] * e
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] int64), as HF's router."""
         logits = F.linear(x, self.router, self.router_bias)  # [T, E]
-        if self.style == "gpt_oss":
+        if self.spec.style == "gpt_oss":
             return gpt_oss.route(logits, self.top_k)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
@@ -69,54 +120,74 @@ class SparseMoE(nn.Module):
             top_w /= top_w.sum(dim=-1, keepdim=True)
         return top_w.to(x.dtype), top_i
 
-    def forward(self, x: Tensor) -> Tensor:
-        # x: [T, H] -> [T, H]
-        h = x.shape[1]
+    def forward(self, step: StepRows, x: Tensor) -> Tensor:
+        # x: [T', H] (T' >= step.rows; rows past T are padding) -> [T, H]
+        return self.mix(x[: step.rows], step.fused)
+
+    def mix(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
+        """x [T, H] -> the experts' outputs summed with their routing weights, [T, H]; `fused`:
+        the native kernels (the layer in one call where every expert runs the panel GEMM, else
+        SiLU * up; None: PyTorch's ops)."""
         weights, experts = self.route(x)
+        panels = None if fused is None else self.panels
+        # An expert takes at most one row per token, so T bounds its rows.
+        if fused is not None and panels is not None and x.shape[0] <= panels.max_rows:
+            y, counts = fused.moe_layer(x, experts, weights, panels, self.inter)
+            self._count(counts)
+            return y
         flat = experts.flatten()  # [T * k]: assignment a is token a // k
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host read
-        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
+        self._count(counts)
         rows = order // self.top_k  # the token of each sorted assignment
-        xs = x.index_select(0, rows)  # [T * k, H], grouped by expert
-        out = torch.empty_like(xs)
-        w13 = self.w13.view(self.num_experts, 2 * self.inter, h)
-        w2 = self.w2.view(self.num_experts, h, self.inter)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                sl = slice(start, start + n)
-                gate, up = F.linear(xs[sl], w13[e], self._bias(self.b13, e)).chunk(2, dim=-1)
-                out[sl] = F.linear(self._act(gate, up), w2[e], self._bias(self.b2, e))
-                start += n
+        out = self._grouped(x.index_select(0, rows), counts, fused)  # [T * k, H]
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
 
-    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.style == "gpt_oss":
-            return gpt_oss.clamped_swiglu(gate, up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
-        return F.silu(gate) * up
+    def _count(self, counts: list[int]) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
 
-    def _bias(self, bias: Tensor | None, expert: int) -> Tensor | None:
-        """Expert `expert`'s part of a stacked bias (None: no bias)."""
-        return None if bias is None else bias.view(self.num_experts, -1)[expert]
+    def _grouped(self, xs: Tensor, counts: list[int], fused: FusedOps | None) -> Tensor:
+        """xs [T * k, H], grouped by expert (`counts[e]` rows each) -> each group through its
+        expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
+        if isinstance(self.experts, gpt_oss.Experts):
+            return self.experts.grouped(xs, counts)
+        out = torch.empty_like(xs)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                out[start : start + n] = expert(xs[start : start + n], fused)
+                start += n
+        return out
+
+    @cached_property
+    def panels(self) -> MoEPanels | None:
+        """The experts' panel copies, or None where a plan runs another kernel first (int8,
+        oneDNN, dense). Read on the first fused forward, once prepare_linears has packed them."""
+        if isinstance(self.experts, gpt_oss.Experts):
+            return None
+        gate_up: list[int] = []
+        down: list[int] = []
+        most = ANY_ROWS
+        for expert in self.experts:
+            assert isinstance(expert, Expert)
+            for linear, ptrs in ((expert.gate_up_proj, gate_up), (expert.down_proj, down)):
+                panel, route = linear.panel_copy(), linear.plan[0]
+                if panel is None or route.kernel != "panel":
+                    return None
+                ptrs.append(panel.packed.data_ptr())
+                most = min(most, route.max_rows)
+        return MoEPanels(gate_up, down, most)
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""
         counts, self.counts = self.counts, [0] * self.num_experts
         return counts
 
-    def layout(self, prefix: str, params: str) -> dict[str, WeightTarget]:
-        """Checkpoint tensor name -> target: `prefix` the block's name in the checkpoint
-        (`model.layers.0.mlp` / `model.layers.0.block_sparse_moe`), `params` this module's."""
-        i, h = self.inter, self.router.shape[1]
-        if self.style == "gpt_oss":
-            return gpt_oss.expert_layout(prefix, params, self.num_experts, h, i, self.spec.mxfp4)
-        gate, up, down = _EXPERT_NAMES[self.style]
-        out = {f"{prefix}.gate.weight": WeightTarget(f"{params}.router", 0, self.num_experts)}
-        for e in range(self.num_experts):
-            name = f"{prefix}.experts.{e}"
-            out[f"{name}.{gate}.weight"] = WeightTarget(f"{params}.w13", e * 2 * i, i)
-            out[f"{name}.{up}.weight"] = WeightTarget(f"{params}.w13", e * 2 * i + i, i)
-            out[f"{name}.{down}.weight"] = WeightTarget(f"{params}.w2", e * h, h)
-        return out
+    def layout(self, name: str) -> dict[str, WeightTarget]:
+        """The router's checkpoint tensor -> its target, `name` this block's (and the
+        checkpoint's) name; the experts' Linear layers are laid out as any other's."""
+        if self.spec.style == "gpt_oss":
+            h, i, mxfp4 = self.router.shape[1], self.inter, self.spec.mxfp4
+            return gpt_oss.expert_layout(name, self.num_experts, h, i, mxfp4)
+        return {f"{name}.gate.weight": WeightTarget(f"{name}.router", 0, self.num_experts)}

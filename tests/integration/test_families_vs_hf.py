@@ -37,9 +37,15 @@ from inferd.errors import ModelLoadError  # noqa: E402
 from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import SUPPORTED_ARCHITECTURES, ArchConfig  # noqa: E402
 from inferd.models.gpt_oss import dequantize_mxfp4  # noqa: E402
-from inferd.models.kernels import kernel_available  # noqa: E402
-from inferd.models.layers import MoEBlock  # noqa: E402
+from inferd.models.kernels import NativeKernels, kernel_available  # noqa: E402
+from inferd.models.linear import (  # noqa: E402
+    LinearKind,
+    NativeLinear,
+    has_int8_gemm,
+    prepare_linears,
+)
 from inferd.models.loader import load_model  # noqa: E402
+from inferd.models.moe import Expert, SparseMoE  # noqa: E402
 
 _IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _LONGROPE = {
@@ -316,15 +322,67 @@ def test_moe_router_and_experts_match_transformers(tmp_path: Path) -> None:
     hf, folder = _checkpoint("qwen3-moe", tmp_path)
     model, _ = load_model(folder, torch.float32, torch.device("cpu"), "auto", seed=0)
     block = model.model.layers[0].ffn
-    assert isinstance(block, MoEBlock)
+    assert isinstance(block, SparseMoE)
     x = torch.randn(37, ENGINE_BASE["hidden_size"], generator=torch.Generator().manual_seed(0))
     hf_block = hf.model.layers[0].mlp
     with torch.no_grad():
         _, hf_weights, hf_experts = hf_block.gate(x)
-        weights, experts = block.moe.route(x)
+        weights, experts = block.route(x)
         assert torch.equal(experts, hf_experts) and torch.equal(weights, hf_weights)
-        torch.testing.assert_close(block.moe(x), hf_block(x[None])[0], atol=1e-6, rtol=1e-6)
-    assert sum(block.moe.take_counts()) == 37 * 2  # 37 rows, top 2
+        torch.testing.assert_close(block.mix(x), hf_block(x[None])[0], atol=1e-6, rtol=1e-6)
+    assert sum(block.take_counts()) == 37 * 2  # 37 rows, top 2
+
+
+# (kind, dtype) -> the kernels every expert's plan runs (models/linear.py's table).
+_EXPERT_PLANS = {
+    ("onednn", torch.float32): {"panel"},
+    ("onednn", torch.bfloat16): {"panel"},
+    ("int8", torch.float32): {"gemv_int8", "int8"},
+}
+# The relative error each allows against F.linear on the model dtype's weights: float32 sums in
+# another order; bfloat16 rounds the activations between GEMMs; int8 rounds weights and inputs.
+_EXPERT_ERROR = {("onednn", torch.float32): 1e-6, ("onednn", torch.bfloat16): 2e-2}
+_EXPERT_ERROR[("int8", torch.float32)] = 3e-2
+
+
+@pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
+def test_moe_experts_run_the_dense_layers_plan(
+    kind: LinearKind, dtype: torch.dtype, tmp_path: Path, native_kernels: NativeKernels
+) -> None:
+    # Each expert's gate/up and down are Linear layers, so prepare_linears gives them the dense
+    # layers' kernels, each weight held once in its kernel's layout; the block's output stays
+    # the dense F.linear one's within the kernel's precision, at a decode step's row (1 row per
+    # expert: the int8 GEMV) and a prefill's (several per expert).
+    gemv = native_kernels.gemv
+    if kind == "onednn" and not gemv.panel_rows[dtype]:
+        pytest.skip(f"no {dtype} panel GEMM on this CPU")
+    if kind == "int8" and not has_int8_gemm():
+        pytest.skip("no VNNI int8 dot products on this CPU")
+    _, folder = _checkpoint("qwen3-moe", tmp_path)
+    ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
+    block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
+    assert isinstance(block, SparseMoE) and isinstance(want_block, SparseMoE)
+    for expert in block.experts:
+        assert isinstance(expert, Expert)
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            assert {r.kernel for r in linear.plan} == _EXPERT_PLANS[kind, dtype]
+            assert linear.weight.numel() == 0, "one copy: the kernel's"
+    assert (block.panels is not None) == (kind == "onednn"), "one native call: panels only"
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 37):
+        x = torch.randn(rows, ENGINE_BASE["hidden_size"], generator=g).to(dtype)
+        with torch.no_grad():
+            got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
+            if block.panels is not None:  # the one-call kernel gives the per-expert calls' bits
+                one_call, block.panels = block.panels, None
+                assert torch.equal(got, block.mix(x, native_kernels.ops))
+                block.panels = one_call
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < _EXPERT_ERROR[kind, dtype], err
+    calls = 2 if block.panels is not None else 1  # each path counts its rows
+    assert sum(block.take_counts()) == (1 + 37) * 2 * calls  # top 2
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:

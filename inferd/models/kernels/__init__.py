@@ -6,8 +6,9 @@ elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache writ
 (batches of up to 128 rows on weights packed in panels, `gemv.py`; the op in `panel.h`, its loops
 per instruction set in `x86/`: AVX-512, and AMX tiles where the CPU has them, whose permission and
 configuration `amx.h` shares with attention), `greedy.cpp` (the int8 greedy screen
-of the lm_head over the same loop and the candidates' exact logits, `greedy.py`) and
+of the lm_head over the same loop and the candidates' exact logits, `greedy.py`),
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
+and `moe_experts.cpp` (an MoE layer past its router in one call, on the same panels; `fused.py`)
 are compiled into one plain shared library (no torch headers) with the machine's C++ compiler,
 `-O3 -march=native -fopenmp`, and called through ctypes. Why not a
 `torch.utils.cpp_extension` TORCH_LIBRARY op — measured here (2 cores, gcc 12, torch 2.13 CPU):
@@ -68,6 +69,7 @@ SOURCES = tuple(
         "panel_gemm.cpp",
         "greedy.cpp",
         "decode_step.cpp",
+        "moe_experts.cpp",
     )
 )
 # Hashed with the sources (a header edit must rebuild too), not passed to the compiler.

@@ -1,4 +1,5 @@
-"""The fused elementwise kernels of `fused_ops.cpp`, as tensor-in, tensor-out calls.
+"""The fused elementwise kernels of `fused_ops.cpp`, as tensor-in, tensor-out calls, and an MoE
+layer past its router in one call (`moe_layer`, `moe_experts.cpp`).
 
 Each call replaces several eager PyTorch ops of a decoder layer with one pass over the rows (the
 C++ file lists them). Inputs are checked here (shape, dtype, contiguity): the C side trusts them.
@@ -13,6 +14,7 @@ linear's result.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,6 +26,16 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # The KV cache may also be float8_e5m2 (--kv-cache-dtype fp8): simd.h's kFP8E5M2, or int8 rows
 # with their scale (--kv-cache-dtype int8, models/kv_int8.py): kI8.
 KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 2, torch.int8: 3}
+
+
+@dataclass(frozen=True)
+class MoEPanels:
+    """Where every expert of an MoE layer keeps its panel copies (PanelWeight.packed addresses,
+    by expert id), and the most rows per expert their plans send to the panel GEMM."""
+
+    gate_up: list[int]
+    down: list[int]
+    max_rows: int
 
 
 class FusedOps:
@@ -40,7 +52,10 @@ class FusedOps:
         self._rope = lib.inferd_rope_qkv
         self._rope.argtypes = [ptr, i64, i32, i64, i32, i32, i32, ptr, ptr, ptr, i64]
         self._rope.argtypes += [ptr, ptr, f32, ptr, ptr, i32, i64, ptr]
-        for fn in (self._norm, self._silu, self._argmax, self._rope):
+        self._moe = lib.inferd_moe_layer
+        self._moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
+        self._moe.argtypes += [ptr, i32]
+        for fn in (self._norm, self._silu, self._argmax, self._rope, self._moe):
             fn.restype = ctypes.c_int
 
     def rms_norm(
@@ -84,6 +99,46 @@ class FusedOps:
         )
         check_rc(rc, "silu_mul")
         return out
+
+    def moe_layer(
+        self, x: Tensor, experts: Tensor, weights: Tensor, panels: MoEPanels, inter: int
+    ) -> tuple[Tensor, list[int]]:
+        """An MoE layer past its router in one call (moe_experts.cpp): x [T, H] (unit-stride
+        rows), each token's experts [T, k] int64 and routing weights [T, k] in x's dtype, and
+        every expert's packed panels by expert id (PanelWeight.packed addresses of its [2I, H]
+        gate/up and [H, I] down weights, in x's dtype) -> (y [T, H], the rows each expert
+        received)."""
+        t, h = x.shape
+        k = experts.shape[1]
+        e = len(panels.gate_up)
+        assert x.stride(1) == 1 and x.dtype in DTYPE_CODES and weights.dtype == x.dtype
+        assert experts.shape == weights.shape == (t, k) and len(panels.down) == e
+        experts, weights = experts.contiguous(), weights.contiguous()
+        counts = torch.empty(e, dtype=torch.int64)
+        scratch = x.new_empty(t * k * (2 * h + 3 * inter))
+        y = x.new_empty(t, h)
+        ptrs = ctypes.c_void_p * e
+        rc = self._moe(
+            x.data_ptr(),
+            x.stride(0),
+            t,
+            experts.data_ptr(),
+            weights.data_ptr(),
+            e,
+            k,
+            ptrs(*panels.gate_up),
+            ptrs(*panels.down),
+            h,
+            inter,
+            counts.data_ptr(),
+            scratch.data_ptr(),
+            y.data_ptr(),
+            DTYPE_CODES[x.dtype],
+        )
+        if rc == -2:
+            raise IndexError("moe_layer: an expert id is out of range")
+        check_rc(rc, "moe_layer")
+        return y, counts.tolist()
 
     def argmax(self, x: Tensor) -> Tensor:
         """[N] int64: the index of the largest value of each row of x [N, V] (float32 or

@@ -1,0 +1,215 @@
+// A mixture-of-experts layer past its router in one call (models/moe.py's grouped GEMMs):
+//
+//   inferd_moe_layer  x [T, H], each token's top-k experts and routing weights, every expert's
+//                     gate/up and down weights packed in panels (gemv.py's PanelWeight: [2I] x [H]
+//                     and [H] x [I]) -> y [T, H] = sum over a token's experts, ascending, of
+//                     weight * down(silu(gate(x)) * up(x)); the rows each expert received. One
+//                     dtype throughout: float32, or bfloat16 on AVX512_BF16.
+//
+// The assignments are counting-sorted by expert (stable), the rows gathered in that order, each
+// active expert runs over its contiguous rows (`moe_experts`), and the outputs are weighted and
+// summed back per token in ascending expert order, rounding where torch's `out *= w` and
+// `index_add_` round: the same steps, in the same order, as the per-expert path in PyTorch.
+//
+// Why: from Python a decode step's MoE layer was an argsort, a bincount, a gather, then a panel
+// GEMM, a SiLU * up and a panel GEMM for each of its top-k experts (24 native calls at top 8,
+// each an OpenMP fork and join), then a multiply and an index_add_, at 1 row each, for weights
+// that stream from memory in a few microseconds; on a busy machine every fork and join waited
+// for a descheduled thread. Here the layer is one parallel region with two barriers: the threads split
+// the (expert, panel) pairs of all gate/up weights, then the rows' SiLU * up, then the (expert,
+// panel) pairs of all down weights, each thread a contiguous range (its own sequential stream of
+// weights), balanced by the row tiles each pair runs. The sums are panel.h's, in the same order
+// as Gemv.panel's, so an expert's output is bit for bit what its two Linear layers give
+// (tests/integration/test_families_vs_hf.py); SiLU * up is fused_ops.cpp's.
+// Panels run on the AVX-512 loop, not AMX tiles: the layers it serves are a few rows per expert.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "panel.h"
+
+extern "C" int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows,
+                               int64_t inter);
+
+namespace {
+
+// One (expert, panel) pair of a phase: its weight panel, its rows, where they start.
+struct Item {
+  int64_t expert;
+  int64_t panel;
+};
+
+// The range [i0, i1) of `items` thread t of nt takes: contiguous, near-equal in `cost`.
+void share(const std::vector<int64_t>& cost_prefix, int64_t t, int64_t nt, int64_t* i0,
+           int64_t* i1) {
+  const int64_t n = static_cast<int64_t>(cost_prefix.size()) - 1;
+  const int64_t total = cost_prefix[n];
+  auto first_at = [&](int64_t c) {
+    return std::lower_bound(cost_prefix.begin(), cost_prefix.end(), c) - cost_prefix.begin();
+  };
+  *i0 = t == 0 ? 0 : std::min(n, first_at(total * t / nt));
+  *i1 = t == nt - 1 ? n : std::min(n, first_at(total * (t + 1) / nt));
+}
+
+// y[r0 .. r0 + rows) of each item's expert = x rows . its panel, for items [i0, i1).
+template <class S>
+void run_items(const std::vector<Item>& items, int64_t i0, int64_t i1, const int64_t* rows,
+               const int64_t* row0, const void* x, int64_t x_stride, const void* const* w,
+               int64_t n, int64_t k, void* y, int64_t y_stride, float* acc) {
+  using W = typename S::W;
+  const int64_t steps = k / S::kInputsPerStep;
+  const int64_t panel_values = steps * kPanel * S::kInputsPerStep;
+  for (int64_t i = i0; i < i1; ++i) {
+    const Item& it = items[i];
+    const W* wj = static_cast<const W*>(w[it.expert]);
+    // Prefetch stops at the end of this thread's panels of this expert (the next expert's
+    // weights are elsewhere in memory).
+    const int64_t last = (i1 - 1 >= i && items[i1 - 1].expert == it.expert)
+                             ? items[i1 - 1].panel
+                             : it.panel;
+    const W* w_end = wj + (last + 1) * panel_values;
+    for (int64_t r = 0; r < rows[it.expert]; r += kMaxRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows[it.expert] - r));
+      const int64_t at = row0[it.expert] + r;
+      panel_sums<S>(static_cast<const W*>(x) + at * x_stride, nr, x_stride, wj, steps, it.panel,
+                    acc, w_end);
+      store_panel<S>(acc, nr, nullptr, n, static_cast<W*>(y) + at * y_stride, y_stride, it.panel);
+    }
+  }
+}
+
+// The items of a phase (every active expert's panels of an n-column weight) and their costs'
+// prefix sums: a pair costs the row tiles it runs, at least one.
+void phase_items(const int64_t* rows, int64_t experts, int64_t n, std::vector<Item>* items,
+                 std::vector<int64_t>* prefix) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  prefix->assign(1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t cost = std::max<int64_t>(1, (rows[e] + kTileRows - 1) / kTileRows);
+    for (int64_t p = 0; rows[e] > 0 && p < panels; ++p) {
+      items->push_back({e, p});
+      prefix->push_back(prefix->back() + cost);
+    }
+  }
+}
+
+template <class S>
+int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void* const* w13,
+                const void* const* w2, int64_t hidden, int64_t inter, void* gate_up, void* act,
+                void* out, int dtype) {
+  std::vector<int64_t> row0(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const int64_t total = row0[experts];
+  std::vector<Item> up_items, down_items;
+  std::vector<int64_t> up_cost, down_cost;
+  phase_items(rows, experts, 2 * inter, &up_items, &up_cost);
+  phase_items(rows, experts, hidden, &down_items, &down_cost);
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+#pragma omp parallel
+  {
+    alignas(64) float acc[kMaxRows * kPanel];
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t i0, i1;
+    share(up_cost, t, nt, &i0, &i1);
+    run_items<S>(up_items, i0, i1, rows, row0.data(), xs, hidden, w13, 2 * inter, hidden,
+                 gate_up, 2 * inter, acc);
+#pragma omp barrier
+    // SiLU * up of this thread's rows (a nested region: serial here).
+    const int64_t r0 = total * t / nt, r1 = total * (t + 1) / nt;
+    if (r1 > r0)
+      inferd_silu_mul(static_cast<char*>(act) + r0 * inter * esz,
+                      static_cast<const char*>(gate_up) + r0 * 2 * inter * esz, dtype, r1 - r0,
+                      inter);
+#pragma omp barrier
+    share(down_cost, t, nt, &i0, &i1);
+    run_items<S>(down_items, i0, i1, rows, row0.data(), act, inter, w2, hidden, inter, out,
+                 hidden, acc);
+  }
+  return 0;
+}
+
+// y[t] = sum over token t's assignments, in ascending expert order, of w * out[its row]: each
+// product rounded to the dtype, then each sum (torch's `out *= w` and `index_add_`, in order).
+// The product is kept from contracting into an FMA with the add (GCC contracts vector ops).
+void combine(const void* out, const int64_t* pos, const int64_t* experts, const void* weights,
+             int64_t tokens, int64_t k, int64_t hidden, void* y, int dtype) {
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  std::vector<int64_t> a(k);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < k; ++j) a[j] = t * k + j;
+    std::sort(a.begin(), a.end(), [&](int64_t u, int64_t v) { return experts[u] < experts[v]; });
+    char* yt = static_cast<char*>(y) + t * hidden * esz;
+    for (int64_t i = 0; i < hidden; i += 16) {
+      const __mmask16 m = tail_mask(hidden - i);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < k; ++j) {
+        const char* w = static_cast<const char*>(weights) + a[j] * esz;
+        const float wj = dtype == kF32 ? *reinterpret_cast<const float*>(w)
+                                       : _mm512_cvtss_f32(load16m(w, dtype, 1));
+        const char* o = static_cast<const char*>(out) + (pos[a[j]] * hidden + i) * esz;
+        __m512 prod = as_dtype(_mm512_mul_ps(load16m(o, dtype, m), _mm512_set1_ps(wj)), dtype);
+        __asm__("" : "+v"(prod));
+        sum = as_dtype(_mm512_add_ps(sum, prod), dtype);
+      }
+      store16m(yt + i * esz, sum, dtype, m);
+    }
+  }
+}
+
+template <class S>
+int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
+              const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
+              const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
+              void* scratch, void* y, int dtype) {
+  const int64_t n = tokens * k, esz = dtype == kF32 ? 4 : 2;
+  for (int64_t a = 0; a < n; ++a)
+    if (experts[a] < 0 || experts[a] >= num_experts) return -2;
+  // Counting sort of the assignments by expert (stable: token order within an expert).
+  std::vector<int64_t> start(num_experts + 1, 0), pos(n);
+  for (int64_t e = 0; e < num_experts; ++e) counts[e] = 0;
+  for (int64_t a = 0; a < n; ++a) ++counts[experts[a]];
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] = start[e] + counts[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t a = 0; a < n; ++a) pos[a] = fill[experts[a]]++;
+  // Scratch: xs [n, H] (the rows grouped), gate_up [n, 2I], act [n, I], out [n, H].
+  char* xs = static_cast<char*>(scratch);
+  char* gate_up = xs + n * hidden * esz;
+  char* act = gate_up + n * 2 * inter * esz;
+  char* out = act + n * inter * esz;
+  for (int64_t a = 0; a < n; ++a)
+    std::memcpy(xs + pos[a] * hidden * esz,
+                static_cast<const char*>(x) + (a / k) * x_stride * esz, hidden * esz);
+  std::vector<int64_t> rows;
+  std::vector<const void*> up, down;
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (counts[e] > 0) rows.push_back(counts[e]), up.push_back(w13[e]), down.push_back(w2[e]);
+  moe_experts<S>(xs, rows.data(), static_cast<int64_t>(rows.size()), up.data(), down.data(),
+                 hidden, inter, gate_up, act, out, dtype);
+  combine(out, pos.data(), experts, weights, tokens, k, hidden, y, dtype);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The whole layer past the router: x [T, H] (rows x_stride apart), each token's k experts and
+// routing weights ([T, k], weights in the dtype) and every expert's packed weights by expert id
+// -> y [T, H]; counts [E] <- rows each expert received. scratch: T * k * (2H + 3I) values.
+// Returns -2 for an expert id out of range.
+int inferd_moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
+                     const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
+                     const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
+                     void* scratch, void* y, int dtype) {
+  if (panel_rows(dtype) == 0) return -1;
+  if (dtype == kF32)
+    return moe_layer<StepF32>(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2,
+                              hidden, inter, counts, scratch, y, dtype);
+  if (hidden % 2 != 0 || inter % 2 != 0) return -1;
+  return moe_layer<StepBF16>(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2,
+                             hidden, inter, counts, scratch, y, dtype);
+}
+
+}  // extern "C"
