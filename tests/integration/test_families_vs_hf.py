@@ -364,6 +364,7 @@ def test_moe_experts_run_the_dense_layers_plan(
     prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
     block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
     assert isinstance(block, SparseMoE) and isinstance(want_block, SparseMoE)
+    assert isinstance(block.experts, torch.nn.ModuleList)
     for expert in block.experts:
         assert isinstance(expert, Expert)
         for linear in (expert.gate_up_proj, expert.down_proj):
