@@ -5,10 +5,10 @@ AVX512_BF16 or AMX (Cascade Lake, Ice Lake). The native tier supports it, and wh
 There, float32 layers run the panel GEMM, bfloat16 ones oneDNN (no panel GEMM in bfloat16), int8
 ones the int8 GEMV and fbgemm, and the greedy screen takes float32 lm_heads; the fused ops round
 bfloat16 without VCVTNEPS2BF16. Only the files those need are built (gemv.cpp, panel_gemm.cpp,
-greedy.cpp, fused_ops.cpp: ~10 s of CPU, 60-80 s on a shared, loaded 2-core machine), once for
-the module, into a temporary folder. Every other source (attention, the one-call decode step) is
-compiled for the class without code generation, so a helper left inside a BF16-only block fails
-here.
+greedy.cpp, fused_ops.cpp, and moe_experts.cpp, whose entry FusedOps binds: ~10 s of CPU, 60-80 s
+on a shared, loaded 2-core machine), once for the module, into a temporary folder. Every other
+source (attention, the one-call decode step) is compiled for the class without code generation,
+so a helper left inside a BF16-only block fails here.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.unit
 
 # What the class lacks, whatever -march=native found here.
 NO_BF16 = ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
-SOURCES = ("gemv.cpp", "panel_gemm.cpp", "greedy.cpp", "fused_ops.cpp")
+SOURCES = ("gemv.cpp", "panel_gemm.cpp", "greedy.cpp", "fused_ops.cpp", "moe_experts.cpp")
 
 
 class Library:
