@@ -48,8 +48,9 @@ _ORT_TYPES = {
 _CUDA = "CUDAExecutionProvider"
 # Model files up to this size get the spinning twin session under `allow_spinning: auto`.
 _TWIN_MAX_BYTES = 256 << 20
-_SPIN_MODES = {"auto": "auto", "run": "run", "1": "1", "true": "1", "yes": "1"}
-_SPIN_MODES |= {"0": "0", "false": "0", "no": "0"}
+# Each spelling of `allow_spinning` -> its mode.
+_SPIN_MODES = {"auto": "auto", "run": "run"}
+_SPIN_MODES |= dict.fromkeys(("1", "true", "yes"), "1") | dict.fromkeys(("0", "false", "no"), "0")
 _CPU = "CPUExecutionProvider"
 
 

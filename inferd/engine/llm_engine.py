@@ -37,6 +37,7 @@ from inferd.executor.loading import load_runner
 from inferd.kv_cache.block_manager import BlockManager
 from inferd.kv_cache.events import KVEventPublisher
 from inferd.lora.request import LoRARequest
+from inferd.models.config import ArchConfig
 from inferd.models.loader import resolve_model_path
 from inferd.preprocess.tokenizer import Tokenizer
 from inferd.sampling.params import SamplingParams
@@ -164,13 +165,16 @@ class LLMEngine:
         model = self.config.model.model_copy(
             update={"model": spec.model, "tokenizer": None, "revision": None}
         )
-        draft = load_runner(self.config, model, self.device, env, dtype, num_blocks)
-        if draft.arch.vocab_size != self.arch.vocab_size:
+        # Checked from its config.json, before its weights are read.
+        draft_path = resolve_model_path(spec.model, None, env)
+        vocab_size = ArchConfig.from_json(draft_path / "config.json").vocab_size
+        if vocab_size != self.arch.vocab_size:
             raise ModelLoadError(
-                f"draft model {spec.model!r} has vocab_size {draft.arch.vocab_size}, the model "
+                f"draft model {spec.model!r} has vocab_size {vocab_size}, the model "
                 f"{self.config.model.model!r} {self.arch.vocab_size}: a draft must share the "
                 "target's vocabulary"
             )
+        draft = load_runner(self.config, model, self.device, env, dtype, num_blocks)
         blocks = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         return DraftModelProposer(DraftRunner(draft.runner), blocks, self.max_model_len)
 

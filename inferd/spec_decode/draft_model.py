@@ -112,7 +112,9 @@ class DraftModelProposer:
             self.release([r.request_id])
             return None
         self.blocks.trim(r.request_id, need)
-        s.seq.all_token_ids = list(tokens)
+        # The first num_known tokens are the request's own and never change: replace the rest.
+        del fed[s.num_known :]
+        fed.extend(tokens[s.num_known :])
         return s
 
     def _chunk(self, s: _DraftSeq, start: int) -> ScheduledChunk:
