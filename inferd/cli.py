@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from inferd.config import (
     DEFAULT_MODEL,
@@ -201,6 +202,12 @@ def _check_tls(args: argparse.Namespace) -> None:
             raise InferdError(f"--{flag.replace('_', '-')} {path!r} is not a file")
 
 
+def _help(field: FieldInfo) -> str:
+    """A server flag's one line of help: its config field's description and default."""
+    text = (field.description or "").replace("%", "%%")
+    return text if field.default is None else f"{text} (default: {field.default})"
+
+
 def add_security_args(p: argparse.ArgumentParser) -> None:
     """Keys, per-key limits, TLS and hostile-connection bounds (docs/configuration.md)."""
     srv = ServerConfig.model_fields
@@ -217,7 +224,12 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM), HTTP and gRPC")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA bundle: require client certs")
-    g.add_argument("--timeout-keep-alive", type=float, default=srv["timeout_keep_alive"].default)
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=srv["timeout_keep_alive"].default,
+        help=_help(srv["timeout_keep_alive"]),
+    )
     g.add_argument(
         "--read-timeout",
         type=float,
@@ -245,32 +257,30 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """Server flags, vLLM's names where the concept is the same."""
     adm, srv = AdmissionConfig.model_fields, ServerConfig.model_fields
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="same as --model")
-    p.add_argument("--host", default=srv["host"].default)
-    p.add_argument("--port", type=int, default=srv["port"].default)
-    p.add_argument("--max-queued-requests", type=int, default=adm["max_queued_requests"].default)
-    p.add_argument("--max-queued-tokens", type=int, default=adm["max_queued_tokens"].default)
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=adm["request_timeout_s"].default,
-        help="seconds from arrival; a request may only shorten it",
+    g = p.add_argument_group("server (address, admission queue, telemetry)")
+    for flag, field, kind in (
+        ("--host", srv["host"], str),
+        ("--port", srv["port"], int),
+        ("--max-queued-requests", adm["max_queued_requests"], int),
+        ("--max-queued-tokens", adm["max_queued_tokens"], int),
+        ("--request-timeout", adm["request_timeout_s"], float),
+        ("--min-engine-waiting", adm["min_engine_waiting"], int),
+        ("--shutdown-timeout", srv["shutdown_timeout_s"], float),
+        ("--otlp-traces-endpoint", srv["otlp_traces_endpoint"], str),
+        ("--served-model-name", srv["served_model_name"], str),
+    ):
+        g.add_argument(flag, type=kind, default=field.default, help=_help(field))
+    g.add_argument(
+        "--disable-access-log",
+        action="store_true",
+        help="turn off: " + (srv["access_log"].description or ""),
     )
-    p.add_argument(
-        "--min-engine-waiting",
-        type=int,
-        default=adm["min_engine_waiting"].default,
-        help="requests the engine may hold waiting beyond its free slots (the rest queue in front)",
-    )
-    p.add_argument("--shutdown-timeout", type=float, default=srv["shutdown_timeout_s"].default)
-    p.add_argument("--otlp-traces-endpoint", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--disable-access-log", action="store_true")
-    p.add_argument(
+    g.add_argument(
         "--disable-telemetry",
         action="store_true",
         help="no per-request timings, stage histograms, traces or access log (to measure them)",
     )
-    p.add_argument(
+    g.add_argument(
         "--disable-dashboard",
         action="store_true",
         help="no /dashboard page, /v1/requests timelines or request log",

@@ -360,19 +360,32 @@ def read_environment() -> Environment:
 
 
 class AdmissionConfig(_Frozen):
-    """The front's bounded queue of requests not yet handed to the engine."""
+    """The front's bounded queue of requests not yet handed to the engine.
 
-    # Over either bound a new request is rejected at once (HTTP 429 with Retry-After).
-    max_queued_requests: int = Field(default=1024, gt=0)
-    max_queued_tokens: int = Field(default=1_048_576, gt=0)  # prompt tokens of queued requests
-    # Server default deadline, from arrival; a request may only shorten it. None: no deadline.
-    # Waiting past it fails with "queue_timeout"; generating past it finishes with "timeout".
-    request_timeout_s: float | None = Field(default=600.0, gt=0)
+    Over either bound a new request is rejected at once (HTTP 429 with Retry-After). Waiting past
+    the deadline fails with "queue_timeout"; generating past it finishes with "timeout"."""
+
+    max_queued_requests: int = Field(
+        default=1024, gt=0, description="requests waiting in front of the engine (over it: 429)"
+    )
+    max_queued_tokens: int = Field(
+        default=1_048_576, gt=0, description="prompt tokens of the waiting requests (over it: 429)"
+    )
+    request_timeout_s: float | None = Field(
+        default=600.0,
+        gt=0,
+        description="seconds from arrival; a request may only shorten it",
+    )
     # Unread output tokens one stream may buffer before it is aborted as a stalled reader.
     max_pending_output_tokens: int = Field(default=65_536, gt=0)
-    # Requests the engine keeps waiting beyond its free sequence slots, so a slot that frees
-    # mid-step is refilled without a round trip; the rest wait here, where policy applies.
-    min_engine_waiting: int = Field(default=4, ge=0)
+    # Waiting beyond the free slots lets a slot that frees mid-step be refilled without a round
+    # trip; the rest wait in front, where policy applies.
+    min_engine_waiting: int = Field(
+        default=4,
+        ge=0,
+        description="requests the engine may hold waiting beyond its free slots "
+        "(the rest queue in front)",
+    )
 
 
 class ServerConfig(_Frozen):
@@ -380,8 +393,8 @@ class ServerConfig(_Frozen):
 
     Admission bounds and deadlines live in AdmissionConfig; this is everything else."""
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="0.0.0.0", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port")
     # Bearer keys accepted on every inference route (/v1/*, /v2/*; not health, /metrics, docs);
     # empty (and no api_key_file): no authentication. These keys (--api-key, INFERD_API_KEY)
     # have the admin scope.
@@ -397,8 +410,9 @@ class ServerConfig(_Frozen):
     ssl_certfile: str | None = None
     # CA bundle for client certificates: given, clients must present one it signed (mTLS).
     ssl_ca_certs: str | None = None
-    # Idle seconds before a keep-alive connection is closed (uvicorn's default).
-    timeout_keep_alive: float = Field(default=5.0, gt=0)
+    timeout_keep_alive: float = Field(
+        default=5.0, gt=0, description="idle seconds before a keep-alive connection is closed"
+    )
     # Seconds a request's headers and body may take to arrive (slow clients are cut off);
     # None: no limit.
     read_timeout_s: float | None = Field(default=None, gt=0)
@@ -406,18 +420,25 @@ class ServerConfig(_Frozen):
     limit_concurrency: int | None = Field(default=None, gt=0)
     # Request bodies over this many bytes get 413 before they are parsed.
     max_body_bytes: int = Field(default=4 * 2**20, gt=0)
-    # After SIGTERM: seconds in-flight requests may take to finish before they are aborted.
-    shutdown_timeout_s: float = Field(default=30.0, ge=0.0)
-    # OTLP/gRPC collector (e.g. http://localhost:4317); None: tracing off, at no cost.
-    otlp_traces_endpoint: str | None = None
+    shutdown_timeout_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="after SIGTERM: seconds in-flight requests may take before they are aborted",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/gRPC collector for traces, e.g. http://localhost:4317 (default: off)",
+    )
     # Tool calling with tool_choice "auto" (the default when tools are sent): the model's tool
     # calls are parsed from its text by this parser (postprocess/tool_parsers.py), vLLM's flags.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    # The model id clients send and /v1/models lists; None: the --model value.
-    served_model_name: str | None = None
-    # One JSON line per request on the `inferd.access` logger.
-    access_log: bool = True
+    served_model_name: str | None = Field(
+        default=None, description="the model id clients send and /v1/models lists (default: MODEL)"
+    )
+    access_log: bool = Field(
+        default=True, description="one JSON line per request on the `inferd.access` logger"
+    )
     # Per-request telemetry: stage timelines, `timings` in responses, stage histograms, traces.
     # Off (`--disable-telemetry`) only to measure what it costs; the engine gauges stay.
     telemetry: bool = True
