@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from inferd.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from inferd.gateway.contract import json_or_binary, kserve_errors, raw_body
@@ -219,10 +220,20 @@ def serve_infer_first(app: FastAPI) -> None:
     included router before this one ~10 % (py-spy, 64 clients); no other route shares these
     paths, so the order changes nothing else."""
     routes = [
-        Route(path, infer, methods=["POST"], include_in_schema=False)
+        Route(path, _InferApp(), methods=["POST"], include_in_schema=False)
         for path in (_MODEL + "/infer", _VERSION + "/infer")
     ]
     app.router.routes[:0] = routes
+
+
+class _InferApp:
+    """`infer` as a bare ASGI app, which a Route calls as it is: the wrapper Starlette puts
+    around an endpoint function (a second exception-handler layer wrapping every `send`)
+    repeats what the app's ExceptionMiddleware does with the same handlers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await infer(Request(scope, receive, send))
+        await response(scope, receive, send)
 
 
 async def _read_body(request: Request, state: GatewayState) -> bytes:
@@ -266,15 +277,14 @@ def _respond(
             state.model_metrics.observe_gateway(
                 response.model_name, response.timings.seconds[Stage.RECEIVE], stream_s
             )
-        request.state.access_extra = {
-            "model": response.model_name,
-            "model_version": response.model_version,
-            "timings": {**response.timings.as_dict(digits=None), "stream": stream_s},
-        }
+        if state.server.access_log:  # its only reader (no tokens to charge on this lane)
+            request.state.access_extra = {
+                "model": response.model_name,
+                "model_version": response.model_version,
+                "timings": {**response.timings.as_dict(digits=None), "stream": stream_s},
+            }
 
-    out = FinalizingResponse(body, done, media_type=encoded.media_type)
-    out.headers.update(headers)
-    return out
+    return FinalizingResponse(body, done, encoded.media_type, headers)
 
 
 @router.post(
