@@ -202,7 +202,7 @@ class ModelMetrics:
 class _ModelChildren:
     """One model's labelled metrics and statistics, each child looked up once, when first
     used (a series appears in /metrics only once observed): `labels()` on every observation
-    (a lock, a tuple, a dict) was a tenth of the event loop's time at load."""
+    (a lock, a tuple, a dict) cost the event loop several percent of its time at load."""
 
     def __init__(self, metrics: ModelMetrics, model: str, stats: ModelStats) -> None:
         self._metrics = metrics
