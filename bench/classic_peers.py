@@ -21,6 +21,9 @@ Servers:
 - `litserve`, `mosec`, `ray` (`@serve.batch`), `pytriton`: bench/classic_peer_servers.py run by
   `--peers-python` / `--pytriton-python` (their own environments: none is a dependency of
   inferd). A peer whose Python is not given, or that does not start, is reported as skipped.
+- `baseline` (with `--baseline-tree DIR`): inferd again, from another checkout (its PYTHONPATH
+  set to DIR), for an A/B of two versions in the same run; reported beside the others, left out
+  of the targets.
 Only one server runs at a time (started, measured at every client count, stopped); `--rounds`
 rounds, the order rotated each round, so a slow spell of the machine hits every server. Reported
 per model, server and client count: the median over rounds of requests/s, p50 and p99, the
@@ -58,7 +61,7 @@ from serve import free_port, launched_server
 
 MODELS = ("minilm", "image")
 PEERS = ("litserve", "mosec", "ray", "pytriton")
-SERVERS = ("inferd", "plain", *PEERS)
+SERVERS = ("inferd", "baseline", "plain", *PEERS)
 TARGET_THROUGHPUT_X = 1.3
 TARGET_P50_MS = 1.0
 START_TIMEOUT_S = 240.0
@@ -152,12 +155,15 @@ def endpoint(name: str, base: str, model: str) -> Endpoint:
 @contextlib.contextmanager
 def running(name: str, args: argparse.Namespace, work: Workload) -> Iterator[Endpoint]:
     """One server, started and ready, until the block ends."""
-    if name == "inferd":
+    if name in ("inferd", "baseline"):
         server_args = ["--model-repository", str(args.repository), "--grpc-port", "-1"]
+        env = None
+        if name == "baseline":
+            env = os.environ | {"PYTHONPATH": str(args.baseline_tree.resolve())}
         with launched_server(
-            [*server_args, "--disable-access-log"], LOGS / "classic_inferd.log"
+            [*server_args, "--disable-access-log"], LOGS / f"classic_{name}.log", env
         ) as s:
-            yield endpoint(name, s.url, work.model)
+            yield endpoint("inferd", s.url, work.model)
     elif name == "plain":
         with plain_server(work.model_dir, work.threads, LOGS / "classic_plain.log") as base:
             yield endpoint(name, base, work.model)
@@ -248,8 +254,12 @@ def measure(name: str, ep: Endpoint, args: argparse.Namespace, items: list[Any])
 
 def run(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
     """Every server on one model: `--rounds` rounds in rotated order, then the model alone."""
-    servers = [s for s in args.servers if s in ("inferd", "plain") or _python_for(s, args)]
-    skipped = {s: "no Python environment given" for s in args.servers if s not in servers}
+    servers = [s for s in args.servers if _runnable(s, args)]
+    skipped = {
+        s: "no Python environment given"
+        for s in args.servers
+        if s not in servers and s != "baseline"  # no --baseline-tree: no A/B asked for
+    }
     if work.model != "minilm" and "plain" in servers:
         servers.remove("plain")
         skipped["plain"] = "bench/plain_embed_server.py serves embeddings only"
@@ -302,6 +312,12 @@ def model_alone(work: Workload) -> dict[str, float]:
         f"batched_{work.max_batch_size}_rps": batched,
         "ratio": batched / single,
     }
+
+
+def _runnable(name: str, args: argparse.Namespace) -> bool:
+    if name == "baseline":
+        return args.baseline_tree is not None
+    return name in ("inferd", "plain") or _python_for(name, args) is not None
 
 
 def _python_for(name: str, args: argparse.Namespace) -> Path | None:
@@ -359,6 +375,19 @@ def targets(table: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def ab_ratios(table: dict[str, Any], clients: list[int]) -> dict[str, dict[str, float]]:
+    """Per client count: inferd's requests/s over the baseline's, and each one's p50."""
+    a, b = table["inferd"], table["baseline"]
+    return {
+        str(c): {
+            "rps_x": round(a[str(c)]["rps"] / b[str(c)]["rps"], 3),
+            "p50_ms": round(a[str(c)]["p50_ms"], 2),
+            "baseline_p50_ms": round(b[str(c)]["p50_ms"], 2),
+        }
+        for c in clients
+    }
+
+
 def print_table(table: dict[str, Any], clients: list[int]) -> None:
     print(f"\n{'clients':>8} " + " ".join(f"{s:>24}" for s in table))
     for c in map(str, clients):
@@ -384,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repository", type=Path, default=None, help="default: the examples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--baseline-tree", type=Path, default=None, help="inferd from this checkout too (A/B)"
+    )
     args = p.parse_args(argv)
     args.repository = args.repository or ensure_example_repository()
     results = {m: run(args, workload(m, args.repository, args.seed)) for m in args.models}
@@ -392,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result["table"], args.clients)
         print("skipped:", result["skipped"] or "none")
         print("targets:", result["targets"])
+        if "baseline" in result["table"] and "inferd" in result["table"]:
+            print("inferd / baseline:", ab_ratios(result["table"], args.clients))
     out = args.out or RESULTS_DIR / f"classic_peers_{time.strftime('%Y%m%d-%H%M%S')}.json"
     write_result(
         out,

@@ -412,15 +412,18 @@ def process_cpu_seconds(pid: int) -> dict[str, float]:
 
 
 @contextmanager
-def launched_server(server_args: list[str], log_path: Path) -> Iterator[Launched]:
-    """`inferd serve` on a free loopback port until the block ends; yields its URL and pid."""
+def launched_server(
+    server_args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[Launched]:
+    """`inferd serve` on a free loopback port until the block ends; yields its URL and pid.
+    `env`: the server's environment (default: this process's)."""
     port = free_port()
     exe = Path(sys.executable).parent / "inferd"
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"launching: {shlex.join(cmd)} (log: {log_path})")
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(f"{base}/health/ready", proc)

@@ -77,6 +77,7 @@ def create_app(
     app.include_router(images.router)
     app.include_router(image_websocket.router)
     app.include_router(kserve_http.router)
+    kserve_http.serve_infer_first(app)
     app.include_router(kv_cache.router)
     if lora_updates:
         app.include_router(adapters.router)

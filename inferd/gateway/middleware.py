@@ -13,9 +13,9 @@ reach the app.
 
 from __future__ import annotations
 
+import random
 import re
 import time
-import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -54,7 +54,9 @@ def _request_id(scope: Scope) -> str:
     given = _header(scope, b"x-request-id")
     if given is not None and _REQUEST_ID_RE.match(given):
         return given
-    return uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, as uuid4().hex gave, at a tenth of its cost (no
+    # syscall, no UUID object): an id needs to be unique, not unpredictable.
+    return f"{random.getrandbits(128):032x}"
 
 
 def _needs_auth(path: str) -> bool:

@@ -9,7 +9,7 @@ any response started (so admission errors get their own status).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import suppress
 from typing import Any, Generic, TypeVar
 
@@ -82,9 +82,13 @@ class _Finalizing:
 
 class FinalizingResponse(_Finalizing, Response):
     def __init__(
-        self, content: bytes, on_done: Callable[[], Awaitable[None]], media_type: str
+        self,
+        content: bytes,
+        on_done: Callable[[], Awaitable[None]],
+        media_type: str,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        super().__init__(content, media_type=media_type)
+        super().__init__(content, headers=headers, media_type=media_type)
         self.on_done = on_done
 
 

@@ -97,7 +97,9 @@ class ImageStep:
         """Color-convert, resize and crop one image: float32 [H, W, C], not yet normalized."""
         o = self.options
         height, width = o.size
-        image = image.convert(o.color).resize((width, height), _RESAMPLE[o.resample])
+        if image.mode != o.color:  # convert() to the same mode would only copy it
+            image = image.convert(o.color)
+        image = image.resize((width, height), _RESAMPLE[o.resample])
         if o.center_crop is not None:
             ch, cw = o.center_crop
             top, left = (height - ch) // 2, (width - cw) // 2
