@@ -13,6 +13,11 @@ four streaming completions (32-token prompts, 32 tokens each, two at once), then
 where the served precision counts every parameter at the dtype's size, but, under int8, the
 linear layers' weights at a byte each (the embeddings stay in the model dtype). Prints a table,
 writes JSON to bench/results/.
+
+With `--llama-server` (and `--gguf-python --llama-src` to convert, as bench/peers.py takes them),
+llama.cpp's server is measured the same way for each of `--gguf-types` (default f32, bf16, q8_0):
+one slot, its context sized so its float16 K/V take the same budget, the weights mapped from the
+GGUF file (llama.cpp's default; the resident set counts the pages it touched).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import httpx
 from common import DEFAULT_CACHE_DIR, save_result
-from peers import SHAPES, single_workload, weights_folder
+from peers import SHAPES, System, gguf_file, launched, single_workload, weights_folder
 from safetensors import safe_open
 from serve import completion_body, launched_server, proc_table
 
@@ -109,6 +114,31 @@ def measure(folder: Path, name: str, extra: str, args: argparse.Namespace) -> di
     }
 
 
+def measure_llama(folder: Path, outtype: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    gguf = gguf_file(folder, outtype, args)
+    if gguf is None:
+        print(f"llama.cpp {outtype}: skipped (no GGUF and no --gguf-python/--llama-src)")
+        return None
+    cfg = SHAPES[args.shape]
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, float16
+    ctx = _parse_bytes(args.kv_cache) // kv_per_token
+    argv = [str(args.llama_server), "-m", str(gguf), "-np", "1", "-c", str(ctx)]
+    argv += ["-t", str(args.threads)]
+    log = Path("bench/results") / f"memory-llama-{outtype}.log"
+    with launched(System(f"llama.cpp-{outtype}", argv, "/health"), log) as server:
+        started = tree_rss_bytes(server.pid)
+        four_requests(server.url, args.shape)
+        after = tree_rss_bytes(server.pid)
+    return {
+        "variant": f"llama.cpp-{outtype}",
+        "args": shlex.join(argv[1:]),
+        "gguf_bytes": gguf.stat().st_size,
+        "kv_bytes": ctx * kv_per_token,
+        "rss_started": started,
+        "rss_after": after,
+    }
+
+
 def _parse_bytes(text: str) -> int:
     units = {"GiB": GIB, "MiB": 2**20, "KiB": 2**10}
     for unit, scale in units.items():
@@ -123,6 +153,10 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help="name=serve args")
     p.add_argument("--kv-cache", default="256MiB", help="the KV budget (--kv-cache-memory)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-server", type=Path, default=None)
+    p.add_argument("--gguf-python", type=Path, default=None)
+    p.add_argument("--llama-src", type=Path, default=None)
+    p.add_argument("--gguf-types", nargs="+", default=["f32", "bf16", "q8_0"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     folder = weights_folder(SHAPES[args.shape], DEFAULT_CACHE_DIR)
@@ -139,6 +173,16 @@ def main() -> None:
         )
         for line in r["log"]:
             print("    " + line.split("] ", 1)[-1])
+    for outtype in args.gguf_types if args.llama_server else []:
+        row = measure_llama(folder, outtype, args)
+        if row is not None:
+            rows.append(row)
+            print(
+                f"llama.cpp {outtype:5s} RSS after start {row['rss_started'] / GIB:5.2f} GiB,"
+                f" after four requests {row['rss_after'] / GIB:5.2f} GiB"
+                f" (GGUF {row['gguf_bytes'] / GIB:.2f} GiB, K/V {row['kv_bytes'] / GIB:.2f} GiB)",
+                flush=True,
+            )
     save_result(args.out, "memory", args.shape, {"rows": rows})
 
 
