@@ -30,7 +30,9 @@ from common import command_line, default_result_path, machine_info, torch_thread
 
 from inferd.config import read_environment
 from inferd.models import kernels, kv_int8
-from inferd.models.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from inferd.models.attention import PagedAttention
+from inferd.models.attention.native import NativeMetadata
+from inferd.models.attention.sdpa import PrefillSpan, SdpaMetadata
 
 HEADS = {"tiny": (8, 4), "qwen2-0.5b-shape": (14, 2)}
 HEAD_DIM = 64
@@ -71,9 +73,9 @@ class Case:
         values = torch.randn(2, self.num_blocks, BLOCK_SIZE, self.hkv, HEAD_DIM)
         return kv_int8.quantize(values) if dtype == torch.int8 else values.to(dtype)
 
-    def torch_meta(self) -> AttentionMetadata:
+    def torch_meta(self) -> SdpaMetadata:
         """What the runner builds without the kernel (decode: one group, all lengths equal)."""
-        meta = AttentionMetadata(slot_mapping=self.slots)
+        meta = SdpaMetadata(slot_mapping=self.slots)
         if self.q_len == 1:
             keys = np.arange(self.tables.shape[1] * BLOCK_SIZE)
             mask = torch.from_numpy(keys < self.ctx).view(1, 1, 1, -1).expand(self.b, 1, 1, -1)
@@ -91,8 +93,8 @@ class Case:
         meta.prefills = [span]
         return meta
 
-    def kernel_meta(self) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=self.slots, num_decode_tokens=self.b)
+    def kernel_meta(self) -> NativeMetadata:
+        meta = NativeMetadata(slot_mapping=self.slots, num_decode_tokens=self.b)
         meta.paged = kernels.PagedBatch(
             block_tables=torch.from_numpy(self.tables.astype(np.int32)),
             q_start=torch.arange(self.b, dtype=torch.int32) * self.q_len,

@@ -9,7 +9,7 @@ block spans (half precision), against the previous path: one SDPA call per prefi
 per decode length group, and SDPA with a padding mask in the graphs.
 
 `--compare sdpa` (on the SDPA path, varlen off): SDPA without cuDNN (inferd's
-`attention.CUDA_SDPA_BACKENDS`) against PyTorch's own backend choice. On Hopper PyTorch prefers
+`attention.sdpa.CUDA_SDPA_BACKENDS`) against PyTorch's own backend choice. On Hopper PyTorch prefers
 cuDNN's attention for bfloat16, which builds an execution plan per new shape, and every prefill
 chunk is a new length.
 
@@ -47,7 +47,7 @@ def main() -> None:
     import torch
 
     from inferd import LLM, SamplingParams
-    from inferd.models import attention
+    from inferd.models.attention import sdpa
 
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark compares CUDA attention paths")
@@ -64,8 +64,9 @@ def main() -> None:
     )
     engine = llm.llm_engine
     runner = engine.runner
-    inferd_backends = attention.CUDA_SDPA_BACKENDS
-    varlen, varlen_blocks, varlen_graphs = runner.varlen, runner.varlen_blocks, runner.decode_graphs
+    inferd_backends = sdpa.CUDA_SDPA_BACKENDS
+    varlen_builder, varlen_graphs = runner.attention, runner.decode_graphs
+    sdpa_builder = sdpa.SdpaBuilder(runner.block_size, engine.arch.kv_window, runner.device)
     # A second set of decode graphs for the SDPA path (graphs capture their attention).
     runner.enable_decode_graphs(engine.max_model_len, 256, capture=True)
     sdpa_graphs = runner.decode_graphs
@@ -75,9 +76,9 @@ def main() -> None:
 
     def use(label: str) -> None:
         on = label == "varlen"
-        runner.varlen, runner.varlen_blocks = varlen and on, varlen_blocks and on
+        runner.attention = varlen_builder if on else sdpa_builder
         runner.decode_graphs = varlen_graphs if on else sdpa_graphs
-        attention.CUDA_SDPA_BACKENDS = None if label == "torch_default" else inferd_backends
+        sdpa.CUDA_SDPA_BACKENDS = None if label == "torch_default" else inferd_backends
 
     def run(n: int, seed: int) -> dict[str, float]:
         reqs = make_workload(WorkloadSpec(n, shape.vocab_size, seed))
@@ -115,7 +116,7 @@ def main() -> None:
                 flush=True,
             )
     use(labels[0])
-    attention.CUDA_SDPA_BACKENDS = inferd_backends
+    sdpa.CUDA_SDPA_BACKENDS = inferd_backends
     best = {k: max(x["tok_s"] for x in v) for k, v in results.items()}
     a, b = labels
     print(f"{a} / {b}, best of {args.rounds}: {best[a] / best[b]:.2f}x")

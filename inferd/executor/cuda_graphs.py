@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from inferd.models.attention import AttentionMetadata, VarlenBatch
+from inferd.models.attention.sdpa import graph_decode_metadata as sdpa_decode
+from inferd.models.attention.varlen import graph_decode_metadata as varlen_decode
 from inferd.scheduler.output import ScheduledChunk
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.capture = capture
         # Attention by the varlen kernel over each row's padded span, reading only its real keys
-        # (no padding mask): half precision on CUDA (the runner decides).
+        # (no padding mask), else SDPA with a padding mask (models/attention/select.py's rule).
         self.varlen = varlen
         self.batch_buckets = [b for b in _BATCH_BUCKETS if b <= max_num_seqs] or [1]
         if self.batch_buckets[-1] < min(max_num_seqs, _BATCH_BUCKETS[-1]):
@@ -108,22 +109,8 @@ class DecodeGraphs:
         self.tables[:b, :nb].copy_(table, non_blocking=True)
 
     def _forward(self, b: int, nb: int) -> Tensor:
-        keys = torch.arange(nb * self.block_size, device=self.device)
-        meta = AttentionMetadata(slot_mapping=self.slots[:b], num_decode_tokens=b)
-        if self.varlen:
-            # Row r's span is its nb blocks' slots; seqused_k keeps the keys past its context out.
-            offsets = torch.arange(b + 1, dtype=torch.int32, device=self.device)
-            meta.varlen = VarlenBatch(
-                cu_q=offsets,
-                cu_k=offsets * len(keys),
-                max_q=1,
-                max_k=len(keys),
-                seqused_k=self.ctx_lens[:b].to(torch.int32),
-                kv_blocks=self.tables[:b, :nb].flatten(),
-            )
-        else:
-            mask = (keys[None, :] < self.ctx_lens[:b, None]).view(b, 1, 1, -1)
-            meta.decode_groups = [(self.tables[:b, :nb], mask)]
+        build = varlen_decode if self.varlen else sdpa_decode
+        meta = build(self.slots[:b], self.tables[:b, :nb], self.ctx_lens[:b], self.block_size)
         hidden: Tensor = self.model(self.input_ids[:b], self.positions[:b], meta)
         return hidden
 

@@ -2,9 +2,8 @@
 
 The only stage that touches the device. A step's batch is flat: decode tokens first (one per
 sequence, sorted longest context first), then each prefill chunk. No padding tokens are computed;
-logits are computed only for rows that sample. Attention metadata takes one of three forms: the
-native CPU kernel's (`PagedBatch`), CUDA's single varlen call (`VarlenBatch`), or PyTorch's
-fallback (decode length groups and per-chunk spans).
+logits are computed only for rows that sample. The attention backend's builder, chosen at load
+(models/attention/select.py), turns the step's sequences into its metadata.
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ from inferd.config import CacheConfig, LoRAConfig
 from inferd.executor.cuda_graphs import DecodeGraphs
 from inferd.executor.kv_pool import kv_cache_dtype, num_kv_blocks, zeroed_pool
 from inferd.executor.spec_verify import Rewind, accept, draft_rows
-from inferd.kv_cache.block_manager import first_kept_block
 from inferd.lora.manager import LoRAManager
 from inferd.models import kernels, kv_int8
-from inferd.models.attention import AttentionMetadata, PrefillSpan, VarlenBatch, varlen_supported
+from inferd.models.attention import AttentionMetadata, ScheduledBatch
+from inferd.models.attention.base import cache_slots, device_tensor
+from inferd.models.attention.select import AttentionBuilder, graph_varlen, select_attention
+from inferd.models.attention.varlen import VarlenBuilder
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.greedy import GreedyHead
 from inferd.models.registry import CausalLM
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
     from inferd.sampling.grammar import GrammarMasks
 
 logger = logging.getLogger("inferd.executor")
-
-# A decode group keeps adding (shorter) sequences while their block count is at least this share of
-# the group's longest, bounding the padded keys each group reads to 1 / ratio of the real ones.
-_DECODE_GROUP_RATIO = 0.85
 
 
 @dataclass
@@ -91,13 +88,10 @@ class ModelRunner:
             zeroed_pool(kv_shape, self.kv_dtype, device) for _ in range(arch.num_hidden_layers)
         ]
         self.attn_kernel = None if native is None else native.attention
-        # CUDA: eager steps' attention in one varlen call a layer (SDPA for windows and sinks).
-        self.varlen = native is None and not (arch.layer_windows or arch.attention_sinks)
-        self.varlen = self.varlen and varlen_supported(
-            device, dtype, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        # The attention backend of eager steps, as its metadata builder (select.py has the rule).
+        self.attention: AttentionBuilder = select_attention(
+            self.attn_kernel, arch, device, dtype, cache.block_size
         )
-        # Half precision (FlashAttention) reads padded spans, so K/V are gathered by whole blocks.
-        self.varlen_blocks = self.varlen and dtype in (torch.float16, torch.bfloat16)
         for attn, kv in zip(model.attention_layers(), self.kv_caches, strict=True):
             attn.kv_cache = kv
             attn.kernel = self.attn_kernel
@@ -129,8 +123,13 @@ class ModelRunner:
             max_num_seqs,
             scratch_block=self.num_blocks,
             capture=capture,
-            varlen=self.varlen_blocks,
+            varlen=graph_varlen(self.attention),
         )
+
+    @property
+    def varlen(self) -> bool:
+        """Whether eager steps take CUDA's varlen call."""
+        return isinstance(self.attention, VarlenBuilder)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -250,167 +249,44 @@ class ModelRunner:
         if self.lora is not None:
             prefill.sort(key=lambda c: c.request.lora_name or "")
             self.lora.set_step(_row_runs(decode + prefill))
+        chunks = decode + prefill
         ids: list[int] = [c.request.all_token_ids[c.start] for c in decode]
         positions: list[int] = [c.start for c in decode]
         bs = self.block_size
         slots: list[int] = [c.block_ids[c.start // bs] * bs + c.start % bs for c in decode]
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=len(decode))
-        if self.attn_kernel is not None:
-            meta.paged, meta.sampled = self._paged_batches(decode, prefill)
-        elif self.varlen:
-            meta.varlen = self._varlen_batch(decode + prefill)
-        else:
-            meta.decode_groups = self._decode_groups(decode)
         for c in prefill:
-            span = self._prefill_span(c, len(ids), slots)
-            if span is not None:
-                meta.prefills.append(span)
+            end = c.start + c.num_tokens
+            slots.extend(cache_slots(c.block_ids, c.start, end, bs).tolist())
             ids.extend(c.token_ids())
-            positions.extend(range(c.start, c.start + c.num_tokens))
-        chunks = decode + prefill
+            positions.extend(range(c.start, end))
+        # A sampling chunk's rows: its last known token's, then one per draft.
+        sample_rows = [c.num_drafts + 1 if c.samples else 0 for c in chunks]
         sampling_rows: list[int] = []
         sampling_chunks: list[ScheduledChunk] = []
         row = 0
-        for c in chunks:
+        for c, n in zip(chunks, sample_rows, strict=True):
             row += c.num_tokens
-            if c.samples:
-                # The last known token's row, then one row per draft.
-                sampling_rows.extend(range(row - 1 - c.num_drafts, row))
+            if n:
+                sampling_rows.extend(range(row - n, row))
                 sampling_chunks.append(c)
-        meta.slot_mapping = self._tensor(slots)
+        batch = ScheduledBatch(
+            starts=[c.start for c in chunks],
+            q_lens=[c.num_tokens for c in chunks],
+            block_ids=[c.block_ids for c in chunks],
+            sample_rows=sample_rows,
+            num_decode=len(decode),
+            slot_mapping=self._tensor(slots),
+        )
         return ModelInput(
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            meta=meta,
+            meta=self.attention.build(batch),
             logits_indices=self._tensor(sampling_rows),
             sampling_chunks=sampling_chunks,
         )
 
-    def _tensor(self, values: list[int] | np.ndarray, dtype: type = np.int64) -> Tensor:
-        t = torch.from_numpy(np.asarray(values, dtype=dtype))
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
-
-    def _decode_groups(self, decode: list[ScheduledChunk]) -> list[tuple[Tensor, Tensor]]:
-        """Cut decode rows (sorted longest first, per adapter) into groups of similar block
-        counts."""
-        groups: list[tuple[Tensor, Tensor]] = []
-        bs = self.block_size
-        # Each row's blocks from the first its window reads (released ones are never gathered).
-        first = [first_kept_block(c.start, self.arch.kv_window, bs) for c in decode]
-        width = [c.start // bs + 1 - f for c, f in zip(decode, first, strict=True)]
-        i = 0
-        while i < len(decode):
-            max_nb = width[i]
-            j = i
-            # Rows come longest first, within each LoRA adapter's run (prepare_inputs).
-            while j < len(decode) and _DECODE_GROUP_RATIO * max_nb <= width[j] <= max_nb:
-                j += 1
-            table = np.zeros((j - i, max_nb), dtype=np.int64)
-            ctx = np.empty(j - i, dtype=np.int64)
-            for r, c in enumerate(decode[i:j]):
-                fb = first[i + r]
-                table[r, : width[i + r]] = c.block_ids[fb : fb + width[i + r]]
-                ctx[r] = c.start + 1 - fb * bs
-            keys = np.arange(max_nb * bs)
-            mask = torch.from_numpy(keys[None, :] < ctx[:, None]).view(j - i, 1, 1, max_nb * bs)
-            groups.append((self._tensor(table), mask.to(self.device)))
-            i = j
-        return groups
-
-    def _paged_batches(
-        self, decode: list[ScheduledChunk], prefill: list[ScheduledChunk]
-    ) -> tuple[kernels.PagedBatch | None, kernels.PagedBatch | None]:
-        """Kernel metadata for every row of the batch (decode rows first, then prefill chunks)
-        and, where some rows do not sample, for the sampling rows alone (AttentionMetadata's
-        `sampled`)."""
-        chunks = decode + prefill
-        if not chunks:
-            return None, None
-        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int32)
-        starts = np.cumsum(q_len, dtype=np.int32) - q_len
-        bs = self.block_size
-        ctx = np.array([c.start + c.num_tokens for c in chunks], dtype=np.int32)
-        nbs = (ctx + bs - 1) // bs
-        table = np.zeros((len(chunks), int(nbs.max())), dtype=np.int32)
-        for r, c in enumerate(chunks):
-            table[r, : nbs[r]] = c.block_ids[: nbs[r]]
-        paged = kernels.PagedBatch(
-            block_tables=torch.from_numpy(table),
-            q_start=torch.from_numpy(starts),
-            q_len=torch.from_numpy(q_len),
-            ctx_len=torch.from_numpy(ctx),
-        )
-        # Rows per chunk that sample: its last known token's and its drafts'.
-        rows = np.array([c.num_drafts + 1 if c.samples else 0 for c in chunks], dtype=np.int64)
-        n = int(rows.sum())
-        if n == int(q_len.sum()):
-            return paged, None  # every row samples
-        owner = np.repeat(np.arange(len(chunks)), rows)
-        # A sampling row's context ends at its own position: the chunk's end minus the rows
-        # after it.
-        after = np.cumsum(rows)[owner] - 1 - np.arange(n)
-        sampled = kernels.PagedBatch(
-            block_tables=torch.from_numpy(np.ascontiguousarray(table[owner])),
-            q_start=torch.from_numpy(np.arange(n, dtype=np.int32)),
-            q_len=torch.from_numpy(np.ones(n, dtype=np.int32)),
-            ctx_len=torch.from_numpy((ctx[owner] - after).astype(np.int32)),
-        )
-        return paged, sampled
-
-    def _varlen_batch(self, chunks: list[ScheduledChunk]) -> VarlenBatch | None:
-        """Varlen metadata for every row of the batch: each chunk's queries against its whole
-        context (cached prefix + this step's tokens), in the flat batch's order."""
-        if not chunks:
-            return None
-        q_len = [c.num_tokens for c in chunks]
-        ctx = [c.start + c.num_tokens for c in chunks]
-        cu_q = self._tensor(np.cumsum([0, *q_len]), np.int32)
-        if self.varlen_blocks:
-            # Whole blocks (a tile copy each); each span ends in its last block's unused slots.
-            bs = self.block_size
-            nbs = [(n + bs - 1) // bs for n in ctx]
-            blocks = [b for c, nb in zip(chunks, nbs, strict=True) for b in c.block_ids[:nb]]
-            return VarlenBatch(
-                cu_q=cu_q,
-                cu_k=self._tensor(np.cumsum([0, *nbs]) * bs, np.int32),
-                max_q=max(q_len),
-                max_k=max(nbs) * bs,
-                kv_blocks=self._tensor(blocks),
-                seqused_k=self._tensor(ctx, np.int32),
-            )
-        slots = np.concatenate([self._slots(c, 0, n) for c, n in zip(chunks, ctx, strict=True)])
-        return VarlenBatch(
-            cu_q=cu_q,
-            cu_k=self._tensor(np.cumsum([0, *ctx]), np.int32),
-            max_q=max(q_len),
-            max_k=max(ctx),
-            kv_slots=self._tensor(slots),
-        )
-
-    def _prefill_span(
-        self, c: ScheduledChunk, query_start: int, slots: list[int]
-    ) -> PrefillSpan | None:
-        """The chunk's SDPA span (None when the native kernel or varlen serves it), its context
-        from the first block its window reads (key index = position - lo); appends its slots."""
-        end = c.start + c.num_tokens
-        slots.extend(self._slots(c, c.start, end).tolist())
-        if self.attn_kernel is not None or self.varlen:
-            return None
-        lo = first_kept_block(c.start, self.arch.kv_window, self.block_size) * self.block_size
-        span = PrefillSpan(query_start=query_start, query_len=c.num_tokens, context_len=end - lo)
-        if c.start > 0:
-            # Queries are the last num_tokens positions; query i sees keys 0 .. start + i.
-            span.context_slots = self._tensor(self._slots(c, lo, end))
-            pos, q_pos = np.arange(lo, end), np.arange(c.start, end)
-            span.mask = torch.from_numpy(pos[None, :] <= q_pos[:, None]).to(self.device)
-        return span
-
-    def _slots(self, c: ScheduledChunk, lo: int, hi: int) -> np.ndarray:
-        """Cache slots of c's positions [lo, hi): block_ids[pos // bs] * bs + pos % bs."""
-        bs = self.block_size
-        pos = np.arange(lo, hi)
-        blocks = np.asarray(c.block_ids[lo // bs : (hi + bs - 1) // bs], dtype=np.int64)
-        return blocks[pos // bs - lo // bs] * bs + pos % bs
+    def _tensor(self, values: list[int] | np.ndarray) -> Tensor:
+        return device_tensor(values, self.device)
 
     def _sampling_row(self, c: ScheduledChunk) -> SamplingRow:
         req = c.request

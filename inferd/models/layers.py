@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.models.attention import AttentionMetadata, PagedAttention
+from inferd.models.attention.native import NATIVE, NativeMetadata
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.fused import FusedOps, padded_empty
 from inferd.models.kernels.gemv import PanelWeight
@@ -160,7 +161,8 @@ class Attention(nn.Module):
 
     def attend(self, step: Step, q: Tensor) -> Tensor:
         """Fused path: q [T, Hq, D] (contiguous) over the cache -> o_proj's output [T', hidden]."""
-        o = self.attn.forward_cached(q, step.meta, step.padded_rows)  # [T', Hq, D]
+        assert isinstance(step.meta, NativeMetadata), "the fused path runs the native kernel"
+        o = NATIVE.forward_cached(self.attn, q, step.meta, step.padded_rows)  # [T', Hq, D]
         return self.o_proj(o.view(step.padded_rows, self.q_size))
 
     def _eager(self, rope: RopeCosSin, qkv: Tensor, meta: AttentionMetadata) -> Tensor:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from inferd.errors import ModelLoadError
 from inferd.models.attention import AttentionMetadata, PagedAttention
+from inferd.models.attention.native import NativeMetadata
 from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
@@ -102,12 +103,15 @@ class LlamaModel(nn.Module):
         if out_rows is not None and out_rows.shape[0] == t:
             out_rows = None  # every row (ascending and distinct): nothing to select
         lora = self.lora is not None and self.lora.active
-        paged, plan = meta.paged, None if lora else self.decode
+        # The native kernel's metadata (the native attention backend's steps), else None.
+        native = meta if isinstance(meta, NativeMetadata) else None
+        paged = None if native is None else native.paged
+        plan = None if lora else self.decode
         if plan is not None and paged is not None and out_rows is None and plan.takes(t, paged):
             # Every row samples (decode rows; a verify step's rows): the whole step natively.
             return plan(h, positions, meta.slot_mapping, paged)
         # The fused path needs the native attention kernel's batch (it writes K/V for it).
-        fused = self.fused if meta.paged is not None else None
+        fused = self.fused if paged is not None else None
         local = self.local_rotary_emb
         if fused is None:
             # cos/sin of each token's position, gathered once and shared by every layer.
@@ -122,20 +126,19 @@ class LlamaModel(nn.Module):
         # layer's K/V by nothing: there, attention, o_proj and the MLP run for the sampling rows
         # alone. Llama-32m's prompt tokens skip 10 % of their multiply-adds, Qwen2-0.5B's 4 %
         # (docs/benchmarks.md).
-        rows_only = step.fused is not None and out_rows is not None and meta.sampled is not None
-        rows_only = rows_only and not lora
+        rows_only = native is not None and native.sampled is not None and step.fused is not None
+        rows_only = rows_only and out_rows is not None and not lora
         layers = list(self.layers)
         for layer in layers[:-1] if rows_only else layers:
             h, residual = layer(step, h, residual)
         if not rows_only:
             out = self.norm.add_norm(step, h, residual, pad=False)[0]
             return out if out_rows is None else out[out_rows]
-        assert out_rows is not None and meta.sampled is not None
+        assert out_rows is not None and native is not None
         n = int(out_rows.shape[0])
-        part_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[out_rows], paged=meta.sampled)
         part = Step(
             positions[out_rows],
-            part_meta,
+            native.sampled_rows(out_rows),
             n,
             self._padded_rows(n),
             fused,

@@ -13,8 +13,8 @@ import torch
 from varlen_reference import reference_varlen
 
 from inferd import LLM, SamplingParams
-from inferd.models import attention
-from inferd.models.attention import VarlenBatch
+from inferd.models.attention import varlen
+from inferd.models.attention.varlen import VarlenBatch
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -56,7 +56,7 @@ def test_static_decode_path_varlen_layout(monkeypatch: pytest.MonkeyPatch) -> No
         assert vb.seqused_k is not None and vb.max_q == 1
         return reference_varlen(q, k, v, vb, scale)
 
-    monkeypatch.setattr(attention, "varlen_attention", counted)
+    monkeypatch.setattr(varlen, "varlen_attention", counted)
     llm = LLM(
         dtype="float32", device="cpu", block_size=8, max_num_seqs=8, attention_backend="torch"
     )

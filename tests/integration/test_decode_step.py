@@ -21,7 +21,7 @@ from hf_cases import save_checkpoint
 
 from inferd import LLM, SamplingParams
 from inferd.models import linear
-from inferd.models.attention import AttentionMetadata
+from inferd.models.attention.native import NativeMetadata
 from inferd.models.kernels import NativeKernels, PagedBatch
 from inferd.models.kernels.decode import DecodePlan, DecodeShape, GemvWeight, LayerWeights
 from inferd.models.kernels.gemv import PanelWeight
@@ -213,7 +213,7 @@ def test_multi_row_step_equals_the_layer_by_layer_path(
 
 def _step_inputs(
     tables: torch.Tensor, seqs: list[tuple[int, int]], gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+) -> tuple[torch.Tensor, torch.Tensor, NativeMetadata]:
     """Random tokens for `seqs` ((context after the step, rows), the rows the context's last)
     over `tables`: input ids, positions and the native kernel's metadata."""
     q_len = torch.tensor([q for _, q in seqs], dtype=torch.int32)
@@ -231,7 +231,7 @@ def _step_inputs(
         ctx_len=torch.tensor([ctx for ctx, _ in seqs], dtype=torch.int32),
     )
     ids = torch.randint(1, 256, (int(q_len.sum()),), generator=gen)
-    return ids, positions, AttentionMetadata(slot_mapping=slots, paged=paged)
+    return ids, positions, NativeMetadata(slot_mapping=slots, paged=paged)
 
 
 def _layer(hidden: int, inter: int, heads: tuple[int, int, int], kv: torch.Tensor) -> LayerWeights:

@@ -29,9 +29,12 @@ from inferd import LLMEngine, RequestOutput, SamplingParams, cli  # noqa: E402
 from inferd.config import EngineConfig  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
 from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
-from inferd.executor.model_runner import ModelRunner  # noqa: E402
-from inferd.models import attention  # noqa: E402
-from inferd.models.attention import VarlenBatch, varlen_attention  # noqa: E402
+from inferd.models.attention import native, varlen  # noqa: E402
+from inferd.models.attention.varlen import (  # noqa: E402
+    VarlenBatch,
+    VarlenBuilder,
+    varlen_attention,
+)
 from inferd.models.config import ArchConfig  # noqa: E402
 from inferd.models.kernels import kernel_available  # noqa: E402
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight  # noqa: E402
@@ -247,13 +250,13 @@ def test_varlen_layout_matches_transformers(
         calls[0] += 1
         return reference_varlen(*args)
 
-    monkeypatch.setattr(attention, "varlen_attention", counted)
+    monkeypatch.setattr(varlen, "varlen_attention", counted)
     path = _make_checkpoint(name, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     work = _workload(seed=len(name))
     engine = _engine(path, attention_backend="torch")
-    engine.runner.varlen = True
-    engine.runner.varlen_blocks = gather == "blocks"
+    runner = engine.runner
+    runner.attention = VarlenBuilder(runner.block_size, runner.device, blocks=gather == "blocks")
     got = _tokens(_run(engine, work))
     for i, (prompt, n) in enumerate(work):
         assert got[str(i)] == _hf_greedy(hf, prompt, n), f"request {i} (prompt {len(prompt)})"
@@ -510,12 +513,12 @@ def test_last_layer_runs_only_the_sampling_rows(
     assert any(n == 0 for _, n in seen), "no step without a sampling row"
     assert any(0 < n < t for t, n in seen), "no step with both kinds of rows"
 
-    real_batches = ModelRunner._paged_batches
+    real_batches = native._paged_batches
 
-    def unpruned(runner: ModelRunner, *args: Any) -> Any:
-        return real_batches(runner, *args)[0], None
+    def unpruned(*args: Any) -> Any:
+        return real_batches(*args)[0], None
 
-    monkeypatch.setattr(ModelRunner, "_paged_batches", unpruned)
+    monkeypatch.setattr(native, "_paged_batches", unpruned)
     seen.clear()
     full = _first_logprobs(_engine(path), work)
     assert not seen and full.keys() == pruned.keys() and len(full) == len(work)

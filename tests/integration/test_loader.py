@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from inferd.config import Environment
 from inferd.errors import ModelLoadError
-from inferd.models.attention import AttentionMetadata, PrefillSpan
+from inferd.models.attention.sdpa import PrefillSpan, SdpaMetadata
 from inferd.models.config import ArchConfig
 from inferd.models.loader import DUMMY_RANGE, load_model, resolve_model_path
 from inferd.models.registry import SUPPORTED_ARCHITECTURES
@@ -63,7 +63,7 @@ def _env(tmp_path: Path, offline: bool = True) -> Environment:
 
 
 def _forward(model: Any, n: int = 6) -> torch.Tensor:
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, n)])
+    meta = SdpaMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, n)])
     with torch.inference_mode():
         return model.compute_logits(model(torch.arange(n), torch.arange(n), meta))
 

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_cases import LLAMA3_ROPE_SCALING  # noqa: E402
 
-from inferd.models.attention import AttentionMetadata, PrefillSpan  # noqa: E402
+from inferd.models.attention.sdpa import PrefillSpan, SdpaMetadata  # noqa: E402
 from inferd.models.linear import Linear, LinearKind, has_int8_gemm, prepare_linears  # noqa: E402
 from inferd.models.llama import LlamaForCausalLM  # noqa: E402
 from inferd.models.loader import load_model  # noqa: E402
@@ -83,7 +83,7 @@ def _hf_checkpoint(case: str, root: Path, max_shard_size: str | None = None) -> 
 
 def _prefill_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     t = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(t), prefills=[PrefillSpan(0, t, t)])
+    meta = SdpaMetadata(slot_mapping=torch.arange(t), prefills=[PrefillSpan(0, t, t)])
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(t), meta)
         return model.compute_logits(hidden)
@@ -130,7 +130,7 @@ def test_two_sequences_in_one_flat_batch(tmp_path: Path) -> None:
     a, b = _prompt(arch.vocab_size, 7, seed=1), _prompt(arch.vocab_size, 12, seed=2)
     ids = torch.tensor(a + b)
     positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])
-    meta = AttentionMetadata(
+    meta = SdpaMetadata(
         slot_mapping=torch.arange(len(ids)),
         prefills=[PrefillSpan(0, len(a), len(a)), PrefillSpan(len(a), len(b), len(b))],
     )

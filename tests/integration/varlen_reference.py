@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferd.models.attention import VarlenBatch
+from inferd.models.attention.varlen import VarlenBatch
 
 
 def reference_varlen(
