@@ -117,10 +117,15 @@ template <int NC>
 struct Kernel {
   static constexpr int D = NC * 16;
 
+  // locate, gather and TilePrefetch::plan run per key tile in every path's loop and are always
+  // inlined there: called instead (GCC's choice once five paths instantiate the loop), decode
+  // items ran 3-9 % slower (bench/kernel_ab.py's decode-96 cases, 1 thread).
+
   // Where the rows of keys [t0, t0 + n) of heads [head, ...) start in `plane` (n <= kKeyTile).
   // Block and offset advance incrementally (no division per key).
-  static void locate(const Problem& p, const char* plane, int seq, int head, int t0, int n,
-                     const char** row) {
+  static inline __attribute__((always_inline)) void locate(const Problem& p, const char* plane,
+                                                          int seq, int head, int t0, int n,
+                                                          const char** row) {
     const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
     const int bs = p.block_size;
     const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
@@ -136,8 +141,9 @@ struct Kernel {
   // Row pointers to the K or V rows (`plane`: p.k_cache or p.v_cache) of keys [t0, t0 + n),
   // heads [head, head + nh): fp32 rows point into the cache (read in place); others are widened
   // into `buf` ([n][nh][D], int8 rows times their scale) once and shared by the G rows.
-  static void gather(const Problem& p, const char* plane, int seq, int head, int nh, int t0, int n,
-                     float* buf, const float** row) {
+  static inline __attribute__((always_inline)) void gather(const Problem& p, const char* plane,
+                                                          int seq, int head, int nh, int t0,
+                                                          int n, float* buf, const float** row) {
     const char* at[kKeyTile];
     locate(p, plane, seq, head, t0, n, at);
     const int esz = static_cast<int>(dtype_size(p.kv_dtype));
@@ -176,7 +182,8 @@ struct Kernel {
     int lines_per_key = 0, lines = 0, issued = 0;
 
     // Rows of keys [t0, t1) of heads [head, head + nh).
-    void plan(const Problem& p, int seq, int head, int nh, int t0, int t1) {
+    inline __attribute__((always_inline)) void plan(const Problem& p, int seq, int head, int nh,
+                                                    int t0, int t1) {
       const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
       locate(p, p.k_cache, seq, head, t0, t1 - t0, k);
       plane_off = p.v_cache - p.k_cache;
