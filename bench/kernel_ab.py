@@ -75,20 +75,27 @@ def build(sources: dict[str, str], out: Path) -> Path:
 
 
 def sources_at(rev: str | None) -> dict[str, str]:
-    """The kernel sources at a git revision, or (None) in the working tree."""
+    """The kernel sources (.cpp and .h files, path under the kernels folder -> text) at a git
+    revision, or (None) in the working tree."""
     here = Path(kernels.__file__).parent
-    files = [f.relative_to(here).as_posix() for f in (*kernels.SOURCES, *kernels.HEADERS)]
     if rev is None:
+        files = [f.relative_to(here).as_posix() for f in (*kernels.SOURCES, *kernels.HEADERS)]
         return {f: (here / f).read_text() for f in files}
-    show = ["git", "-C", str(REPO_ROOT), "show"]
-    out = {}
-    for f in files:
-        res = subprocess.run(
-            [*show, f"{rev}:{(here / f).relative_to(REPO_ROOT).as_posix()}"], capture_output=True
-        )
-        if res.returncode == 0:  # a file added since `rev` is left out of its build
-            out[f] = res.stdout.decode()
-    return out
+    folder = here.relative_to(REPO_ROOT).as_posix()
+    git = ["git", "-C", str(REPO_ROOT)]
+    listed = subprocess.run(
+        [*git, "ls-tree", "-r", "--name-only", rev, "--", folder],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return {
+        Path(f).relative_to(folder).as_posix(): subprocess.run(
+            [*git, "show", f"{rev}:{f}"], capture_output=True, check=True
+        ).stdout.decode()
+        for f in listed
+        if f.endswith((".cpp", ".h"))
+    }
 
 
 def batch(case: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, PagedBatch, int]:

@@ -87,19 +87,40 @@ def test_a_compiler_that_does_not_run_is_not_cached(
     assert not kernels.failure_marker(kernels.library_path(tmp_path, cxx)).exists()
 
 
-def test_the_amx_paths_compile() -> None:
-    # This machine may have no AMX (its tests then skip): the tile code (amx.h, x86/amx_panel.h,
-    # attention_tile.h, under INFERD_AMX) must still compile, checked without code generation.
+AMX = ("-mamx-tile", "-mamx-bf16", "-mamx-int8")
+NO_BF16 = ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+def _syntax_check(flags: tuple[str, ...], sources: list[Path]) -> None:
+    """Compiles `sources` with the library's flags and `flags`, without code generation
+    (templates are instantiated), skipping where this machine or compiler cannot."""
     cxx = kernels.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
-    amx = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
-    here = Path(kernels.__file__).parent
-    sources = [str(here / s) for s in ("panel_gemm.cpp", "greedy.cpp", "paged_attention.cpp")]
-    cmd = [cxx, *kernels.FLAGS, *amx, "-fsyntax-only", *sources]
+    cmd = [cxx, *kernels.FLAGS, *flags, "-fsyntax-only", *map(str, sources)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0 and "AVX-512 F/BW/VL/VNNI" in res.stderr:
         pytest.skip("no AVX-512 VNNI here: the native kernels do not build")
-    if res.returncode != 0 and "-mamx" in res.stderr:
-        pytest.skip(f"{cxx} does not take {' '.join(amx)}")
+    if res.returncode != 0 and "-m" in res.stderr and "unrecognized" in res.stderr:
+        pytest.skip(f"{cxx} does not take {' '.join(flags)}")
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_amx_paths_compile() -> None:
+    # This machine may have no AMX (its tests then skip): the tile code (kernels/x86/amx*.h, under
+    # INFERD_AMX) must still compile.
+    here = Path(kernels.__file__).parent
+    names = ("panel_gemm.cpp", "greedy.cpp", "moe_experts.cpp", "paged_attention.cpp")
+    _syntax_check(AMX, [here / s for s in names])
+
+
+@pytest.mark.parametrize("flags", [AMX, NO_BF16], ids=["amx", "no_bf16"])
+def test_every_header_compiles_on_its_own(flags: tuple[str, ...], tmp_path: Path) -> None:
+    # Each header includes what it uses, with AMX and on a CPU class without AVX512_BF16 (whose
+    # headers then leave their BF16-only parts out).
+    units = []
+    for header in kernels.HEADERS:
+        unit = tmp_path / f"{header.stem}.cpp"
+        unit.write_text(f'#include "{header}"\n')
+        units.append(unit)
+    _syntax_check(flags, units)

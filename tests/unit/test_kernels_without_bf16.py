@@ -1,13 +1,15 @@
-"""The linear kernels built for a CPU class this machine may not be: AVX-512 with VNNI but without
+"""The native kernels built for a CPU class this machine may not be: AVX-512 with VNNI but without
 AVX512_BF16 or AMX (Cascade Lake, Ice Lake). The native tier supports it, and what it runs there
-(models/linear.py's plan, panel.h's table) is compiled and checked against PyTorch here.
+(models/linear.py's plan, panel.h's and paged_attention.cpp's tables) is compiled and checked
+against PyTorch here.
 
 There, float32 layers run the panel GEMM, bfloat16 ones oneDNN (no panel GEMM in bfloat16), int8
 ones the int8 GEMV and fbgemm, and the greedy screen takes float32 lm_heads; the fused ops round
-bfloat16 without VCVTNEPS2BF16. Only the files those need are built (gemv.cpp, panel_gemm.cpp,
-greedy.cpp, fused_ops.cpp, and moe_experts.cpp, whose entry FusedOps binds: ~10 s of CPU, 60-80 s
-on a shared, loaded 2-core machine), once for the module, into a temporary folder. Every other
-source (attention, the one-call decode step) is compiled for the class without code generation,
+bfloat16 without VCVTNEPS2BF16; attention runs its float32 paths for every dtype (a bfloat16
+model's rows widened). Only the files those need are built (gemv.cpp, panel_gemm.cpp, greedy.cpp,
+fused_ops.cpp, paged_attention.cpp, and moe_experts.cpp, whose entry FusedOps binds: ~15 s of
+CPU, 60-90 s on a shared, loaded 2-core machine), once for the module, into a temporary folder.
+Every other source (the one-call decode step) is compiled for the class without code generation,
 so a helper left inside a BF16-only block fails here.
 """
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from inferd.models import kernels
+from inferd.models.kernels import PagedAttentionKernel, PagedBatch
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.kernels.gemv import Gemv, Int8Weight, PanelWeight
 from inferd.models.kernels.greedy import GreedyHead, GreedyScreen
@@ -41,7 +44,14 @@ pytestmark = pytest.mark.unit
 
 # What the class lacks, whatever -march=native found here.
 NO_BF16 = ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
-SOURCES = ("gemv.cpp", "panel_gemm.cpp", "greedy.cpp", "fused_ops.cpp", "moe_experts.cpp")
+SOURCES = (
+    "gemv.cpp",
+    "panel_gemm.cpp",
+    "greedy.cpp",
+    "fused_ops.cpp",
+    "moe_experts.cpp",
+    "paged_attention.cpp",
+)
 
 
 class Library:
@@ -50,6 +60,7 @@ class Library:
         self.gemv = Gemv(lib)
         self.screen = GreedyScreen(lib)
         self.ops = FusedOps(lib)
+        self.attention = PagedAttentionKernel(lib)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +181,36 @@ def test_fused_ops_round_bfloat16_as_torch(built: Library, rows: int) -> None:
     xf = x.float()
     norm = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(built.ops.rms_norm(x, w, 1e-6).float(), norm, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize(("q_len", "window"), [(1, None), (3, None), (40, None), (40, 17)])
+def test_attention_of_a_bfloat16_model_widens_its_rows(
+    built: Library, q_len: int, window: int | None
+) -> None:
+    # A bfloat16 model on a bfloat16 cache: F32Rows for items under 16 rows (decode, a verify
+    # step's 3 rows of 4 heads), F32Tiles from 16 (prefill), K/V widened (no VDPBF16PS here).
+    hq, hkv, d, bs, ctx = 8, 2, 64, 16, 100
+    nb = -(-ctx // bs)
+    kv = _rand(2, nb + 2, bs, hkv, d, seed=15, dtype=torch.bfloat16)
+    tables = torch.randperm(nb + 2, generator=torch.Generator().manual_seed(16))[:nb]
+    batch = PagedBatch(
+        tables.to(torch.int32)[None],
+        torch.zeros(1, dtype=torch.int32),
+        torch.tensor([q_len], dtype=torch.int32),
+        torch.tensor([ctx], dtype=torch.int32),
+    )
+    q = _rand(q_len, hq, d, seed=17, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    built.attention(out, q, kv, batch, d**-0.5, window)
+    slots = tables[torch.arange(ctx) // bs] * bs + torch.arange(ctx) % bs
+    k, v = (kv[i].flatten(0, 1)[slots].double().repeat_interleave(hq // hkv, 1) for i in (0, 1))
+    key = torch.arange(ctx)[None]
+    last = (ctx - q_len + torch.arange(q_len))[:, None]  # each query's last visible key
+    seen = (key <= last) & ((key > last - window) if window else True)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * d**-0.5
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", weights, v)
+    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=1e-2)
 
 
 def test_every_source_compiles_for_the_class() -> None:

@@ -150,9 +150,9 @@ def test_prefill_chunk_with_cached_prefix(kernel: PagedAttentionKernel, group: i
 def test_prefill_items_of_many_rows_take_the_tiled_path(
     kernel: PagedAttentionKernel, group: int, bs: int, dtype: torch.dtype
 ) -> None:
-    # Items of >= 16 rows run attention_tile.h (bfloat16: transposed K tiles, interleaved V pairs;
-    # float32: P.V in row blocks): chunks with and without a cached prefix, odd key counts, rows
-    # that see no key of a tile, decode rows beside them.
+    # Items of >= 16 rows run a tiled path (kernels/x86/: bfloat16 transposed K tiles, interleaved
+    # V pairs; float32 P.V in row blocks): chunks with and without a cached prefix, odd key
+    # counts, rows that see no key of a tile, decode rows beside them.
     seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (17, 17), (33, 33), (1, 1)]
     _check(kernel, seqs, hq=2 * group, hkv=2, bs=bs, kv_dtype=dtype, act_dtype=dtype)
 

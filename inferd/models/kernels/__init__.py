@@ -1,11 +1,12 @@
 """Native CPU kernels: build once, cache, load, or say why not (the caller then uses PyTorch).
 
-`paged_attention.cpp` (attention over the paged KV cache), `fused_ops.cpp` (a decoder layer's
-elementwise ops fused: add + RMSNorm, SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
+`paged_attention.cpp` (attention over the paged KV cache; its paths per instruction set in
+`x86/*_attention.h`), `fused_ops.cpp` (a decoder layer's elementwise ops fused: add + RMSNorm,
+SiLU * up, q/k norm + RoPE + KV-cache write; `fused.py`) and
 `gemv.cpp` (int8 linear layers of 1-8 rows, at memory speed; `gemv.py`), `panel_gemm.cpp`
 (batches of up to 128 rows on weights packed in panels, `gemv.py`; the op in `panel.h`, its loops
 per instruction set in `x86/`: AVX-512, and AMX tiles where the CPU has them, whose permission and
-configuration `amx.h` shares with attention), `greedy.cpp` (the int8 greedy screen
+configuration `x86/amx.h` shares with attention), `greedy.cpp` (the int8 greedy screen
 of the lm_head over the same loop and the candidates' exact logits, `greedy.py`),
 `decode_step.cpp` (a decode step of up to 128 rows through every layer in one call; `decode.py`)
 and `moe_experts.cpp` (an MoE layer past its router in one call, on the same panels; `fused.py`)

@@ -24,64 +24,57 @@
 // query tile holds at most kMaxRows rows. When there are few items (one long stream), keys are
 // split too and the splits' partial softmax states are merged afterwards.
 //
-// Per item: keys go in tiles of kKeyTile (16 when a tile of the item's heads would not fit in a
-// quarter of L1); a tile's K rows are found through the block table (fp32: read in place;
-// bf16 / fp8 / int8: widened into fp32 scratch), scores for every row are computed, then its V
-// rows the same way (into the same scratch), and the online-softmax update (running max m,
-// running sum l, unnormalised accumulator acc) in fp32. bfloat16 queries on a bfloat16 cache
-// (a bfloat16 model) read K and V in place instead: scores and P.V are AVX512_BF16 dot products
-// (VDPBF16PS, fp32 sums), P rounded to bf16 for P.V as FlashAttention rounds it. Items of many
-// rows (prefill query tiles) run the tiled form of attention_tile.h instead: scores and P.V as
-// small GEMMs over the tile, the same softmax.
+// Per item: keys go in tiles of kKeyTile (fewer where a tile of the item's heads would not fit
+// in a quarter of L1: key_tile); a tile's K rows are found through the block table (float32: read
+// in place; bf16 / fp8 / int8: widened into fp32 scratch, or read in place by a bfloat16 path),
+// scores for every row are computed, then its V rows the same way, and the online-softmax update
+// (running max m, running sum l, unnormalised accumulator acc) in fp32. This file is the op: the
+// work split, the key tiles, the window, the softmax, the merge of key splits. The scores and P.V
+// run per instruction set, on one of five paths (attention_item.h says what a path is), which
+// run_item picks once per item, here and only here:
+//
+//   item                                    AVX-512 + VNNI    + AVX512_BF16     + AMX
+//   float32 model, or a float32 / float8 / int8 cache:
+//     < 16 rows (decode, verify steps)      F32Rows           F32Rows           F32Rows
+//     >= 16 rows (prefill query tiles)      F32Tiles          F32Tiles          F32Tiles
+//   bfloat16 model on a bfloat16 cache (head_dim a multiple of 32):
+//     < 16 rows                             F32Rows           BF16Rows          BF16Rows
+//     >= 16 rows                            F32Tiles          BF16Tiles         AmxTiles
+//
+// (rows: the item's queries x the G query heads of its kv heads.) F32Rows and F32Tiles are
+// x86/avx512_attention.h's (queries widened and scaled, K/V float32, FMAs); BF16Rows and
+// BF16Tiles x86/avx512bf16_attention.h's (K and V read in place, VDPBF16PS dot products, P
+// rounded to bf16 for P.V as FlashAttention rounds it); AmxTiles x86/amx_attention.h's (BF16Tiles'
+// two GEMMs on AMX tiles, turned off with the rest of the library's tiles by Gemv.amx). A Rows
+// path computes a row's scores one key at a time (the cheapest form for a decode item's few rows,
+// bound by reading K/V); a Tiles path runs scores and P.V as small GEMMs over the tile.
 #include <immintrin.h>
 #include <omp.h>
-
-#include "attention_tile.h"
-#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "attention_item.h"
+#include "simd.h"
+#include "x86/amx_attention.h"
+#include "x86/avx512_attention.h"
+#include "x86/avx512bf16_attention.h"
+
 namespace {
 
-constexpr int kKeyTile = 32;
-static_assert(kKeyTile == tiling::kKeys, "the tiled path's tile is the per-row path's");
 // Bytes of one key tile's K (or V) rows of an item's heads, as float32 (read in place, or widened
 // into scratch): at most a quarter of L1.
 constexpr int kTileBytes = 16 << 10;
-constexpr int kMaxRows = 64;
 constexpr int kMinSplitKeys = 128;
 constexpr int kMaxSplits = 64;
-// Floats of K (and of V) per key an item reads: nh * head_dim <= this (bf16 scratch size).
-constexpr int kMaxItemWidth = 512;
 // Query-key pairs (times query heads) under which one thread does the whole call. Low: the call
 // runs right after the qkv projection, whose threads are still spinning, so the fork is cheap
 // (one 265-key decode row of 8 heads: 17 -> 12 us with both threads).
 constexpr int64_t kMinParallelWork = 256;
-constexpr float kNegInf = -INFINITY;
-
-// [sum(a[0]), sum(a[1]), ..., sum(a[15])]: pairwise unpack/shuffle adds, 45 ops for 16 sums.
-inline __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0 0+2, a1 0+2, a0 1+3, a1 1+3]
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
-                         _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: 4 keys' partial sums over that lane
-    __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
-    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int k = 0; k < 2; ++k)  // fold the four 128-bit lanes pairwise, twice
-    d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
-                       _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
-}
 
 // ---- problem description -----------------------------------------------------------------------
 struct Problem {
@@ -124,10 +117,15 @@ template <int NC>
 struct Kernel {
   static constexpr int D = NC * 16;
 
+  // locate, gather and TilePrefetch::plan run per key tile in every path's loop and are always
+  // inlined there: called instead (GCC's choice once five paths instantiate the loop), decode
+  // items ran 3-9 % slower (bench/kernel_ab.py's decode-96 cases, 1 thread).
+
   // Where the rows of keys [t0, t0 + n) of heads [head, ...) start in `plane` (n <= kKeyTile).
   // Block and offset advance incrementally (no division per key).
-  static void locate(const Problem& p, const char* plane, int seq, int head, int t0, int n,
-                     const char** row) {
+  static inline __attribute__((always_inline)) void locate(const Problem& p, const char* plane,
+                                                          int seq, int head, int t0, int n,
+                                                          const char** row) {
     const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
     const int bs = p.block_size;
     const int32_t* table = p.tables + static_cast<int64_t>(seq) * p.table_stride;
@@ -143,8 +141,9 @@ struct Kernel {
   // Row pointers to the K or V rows (`plane`: p.k_cache or p.v_cache) of keys [t0, t0 + n),
   // heads [head, head + nh): fp32 rows point into the cache (read in place); others are widened
   // into `buf` ([n][nh][D], int8 rows times their scale) once and shared by the G rows.
-  static void gather(const Problem& p, const char* plane, int seq, int head, int nh, int t0, int n,
-                     float* buf, const float** row) {
+  static inline __attribute__((always_inline)) void gather(const Problem& p, const char* plane,
+                                                          int seq, int head, int nh, int t0,
+                                                          int n, float* buf, const float** row) {
     const char* at[kKeyTile];
     locate(p, plane, seq, head, t0, n, at);
     const int esz = static_cast<int>(dtype_size(p.kv_dtype));
@@ -183,7 +182,8 @@ struct Kernel {
     int lines_per_key = 0, lines = 0, issued = 0;
 
     // Rows of keys [t0, t1) of heads [head, head + nh).
-    void plan(const Problem& p, int seq, int head, int nh, int t0, int t1) {
+    inline __attribute__((always_inline)) void plan(const Problem& p, int seq, int head, int nh,
+                                                    int t0, int t1) {
       const int64_t row_bytes = kv_row_bytes(p.kv_dtype, D);
       locate(p, p.k_cache, seq, head, t0, t1 - t0, k);
       plane_off = p.v_cache - p.k_cache;
@@ -202,48 +202,77 @@ struct Kernel {
     }
   };
 
-  // Online softmax over keys [it.k0, it.k1) for rows of queries [it.j0, it.j1) x G heads.
-  // acc [R][D], m [R], l [R] are the item's state (unnormalised).
+  // Keys per tile for an item of `nh` kv heads. A tile stays within kTileBytes: for an item of 4
+  // heads of 64, 16 keys (16 KiB) instead of 32, whose K and V (64 KiB) the row passes read back
+  // from L2. Measured on decode with 96 sequences: 1.09x (float32 cache), 1.29x (bfloat16),
+  // 1.12-1.17x (int8); with fewer heads the 32-key tile fits and is kept (16 keys measured
+  // 0.86-0.94x there). A float32 cache read in place by a decode item goes 8 keys at a time: the
+  // tile's K and V (16 KiB) and the next tile's, prefetched meanwhile, then fit L1 together
+  // (bench/kernel_ab.py decode-96 1.03-1.08x; widened or bfloat16 tiles measured 0.92-1.02x at 8
+  // keys, so they stay at 16).
+  static int key_tile(int kv_dtype, int nh, bool tiled) {
+    const bool narrow = kKeyTile * nh * D * 4 > kTileBytes;
+    return !narrow                        ? kKeyTile
+           : kv_dtype == kF32 && !tiled ? kKeyTile / 4
+                                        : kKeyTile / 2;
+  }
+
+  // A tile's K or V rows as a path reads them: bfloat16 rows in place (as bytes), or float32 rows
+  // (in place, or widened into `buf`).
+  static void rows_of(const Problem& p, const char* plane, const Item& it, int t0, int n, float*,
+                      const char** row) {
+    locate(p, plane, it.seq, it.head, t0, n, row);
+  }
+  static void rows_of(const Problem& p, const char* plane, const Item& it, int t0, int n,
+                      float* buf, const float** row) {
+    gather(p, plane, it.seq, it.head, it.nh, t0, n, buf, row);
+  }
+
+  // The path of an item (this file's table), chosen once per item.
   static void run_item(const Problem& p, const Item& it, float* acc, float* m, float* l) {
+    const bool tiled = item_rows(p, it.nh, it.j0, it.j1) >= kMinTiledRows;
+#ifdef __AVX512BF16__
+    if constexpr (D % 32 == 0) {
+      if (p.kv_dtype == kBF16 && p.act_dtype == kBF16) {
+        if (!tiled) return run<BF16Rows<NC>>(p, it, acc, m, l);
+#if INFERD_AMX
+        if (amx_on()) return run<AmxTiles<NC>>(p, it, acc, m, l);
+#endif
+        return run<BF16Tiles<NC>>(p, it, acc, m, l);
+      }
+    }
+#endif
+    if (tiled) return run<F32Tiles<NC>>(p, it, acc, m, l);
+    run<F32Rows<NC>>(p, it, acc, m, l);
+  }
+
+  // Online softmax over keys [it.k0, it.k1) for rows of queries [it.j0, it.j1) x G heads, the
+  // scores and P.V on `Path`. acc [R][D], m [R], l [R] are the item's state (unnormalised).
+  template <class Path>
+  static void run(const Problem& p, const Item& it, float* acc, float* m, float* l) {
     const int g = p.num_heads / p.num_kv_heads;
     const int nq = it.j1 - it.j0;
-    const int rows = it.nh * nq * g;
     const int qlen = p.q_len[it.seq];
     const int ctx = p.ctx_len[it.seq];
-    alignas(64) float qbuf[kMaxRows * D];
-    alignas(64) float buf[kKeyTile * kMaxItemWidth];
-    const float* krow[kKeyTile];
-    const float* vrow[kKeyTile];
-    alignas(64) float sc[kMaxRows * kKeyTile];
-    int limit[kMaxRows];  // last key index (inclusive) each row may see
-    int first[kMaxRows];  // first key index each row may see (> 0 only with a window)
-    int hoff[kMaxRows];   // the row's kv head, as a float offset from the item's first
-    float tmax[kMaxRows];  // each row's largest score in the current key tile
     const int esz = p.act_dtype == kF32 ? 4 : 2;
-    const __m512 vscale = _mm512_set1_ps(p.scale);
-    // bfloat16 queries against a bfloat16 cache: scores by AVX512_BF16 dot products on K as it
-    // is in the cache (no widened copy), scaled after the sum.
-    const bool dot_bf16 =
-        kHasAVX512BF16 && D % 32 == 0 && p.kv_dtype == kBF16 && p.act_dtype == kBF16;
-    alignas(64) uint16_t qraw[kMaxRows * D];
-    const char* kraw[kKeyTile];
-    const char* vraw[kKeyTile];
+    ItemRows ir;
+    ir.nh = it.nh;
+    ir.per_head = nq * g;
+    ir.rows = it.nh * ir.per_head;
+    ir.scale = p.scale;
+    const int rows = ir.rows;
+    Path path(ir);
     for (int hh = 0; hh < it.nh; ++hh) {
       for (int j = 0; j < nq; ++j) {
         const int64_t tok = p.q_start[it.seq] + it.j0 + j;
         for (int h = 0; h < g; ++h) {
           const int r = (hh * nq + j) * g + h;
           const int64_t qh = static_cast<int64_t>(it.head + hh) * g + h;
-          const char* src = static_cast<const char*>(p.q) + (tok * p.num_heads + qh) * D * esz;
-          if (dot_bf16)
-            std::memcpy(qraw + r * D, src, sizeof(uint16_t) * D);
-          else
-            for (int c = 0; c < NC; ++c)
-              _mm512_store_ps(qbuf + r * D + c * 16,
-                              _mm512_mul_ps(load16(src + c * 16 * esz, p.act_dtype), vscale));
-          limit[r] = ctx - qlen + it.j0 + j;
-          first[r] = p.window > 0 ? std::max(0, limit[r] - p.window + 1) : 0;
-          hoff[r] = hh * D;
+          path.load_q(r, static_cast<const char*>(p.q) + (tok * p.num_heads + qh) * D * esz,
+                      p.act_dtype);
+          ir.limit[r] = ctx - qlen + it.j0 + j;
+          ir.first[r] = p.window > 0 ? std::max(0, ir.limit[r] - p.window + 1) : 0;
+          ir.hoff[r] = hh * D;
           m[r] = kNegInf;
           l[r] = 0.0f;
         }
@@ -251,116 +280,28 @@ struct Kernel {
     }
     std::memset(acc, 0, sizeof(float) * rows * D);
 
-    // Many rows (a prefill item): scores and P.V as small GEMMs over a transposed tile.
-    using T = tiling::Tiled<NC>;
-    const bool tiled = rows >= tiling::kTileRows;
-    // A tile stays within kTileBytes: for an item of 4 heads of 64, 16 keys (16 KiB) instead of
-    // 32, whose K and V (64 KiB) the row passes read back from L2. Measured on decode with 96
-    // sequences: 1.09x (float32 cache), 1.29x (bfloat16), 1.12-1.17x (int8); with fewer heads
-    // the 32-key tile fits and is kept (16 keys measured 0.86-0.94x there). A float32 cache read
-    // in place by a decode item goes 8 keys at a time: the tile's K and V (16 KiB) and the next
-    // tile's, prefetched meanwhile, then fit L1 together (bench/kernel_ab.py decode-96 1.03-1.08x;
-    // widened or bfloat16 tiles measured 0.92-1.02x at 8 keys, so they stay at 16).
-    const bool narrow = kKeyTile * it.nh * D * 4 > kTileBytes;
-    const int tile = !narrow                             ? kKeyTile
-                     : p.kv_dtype == kF32 && !tiled      ? kKeyTile / 4
-                                                         : kKeyTile / 2;
-    const int per_head = nq * g;
-    // A tiled bfloat16 item on AMX tiles where the CPU has them (attention_tile.h's scores_amx,
-    // values_amx): this thread's tiles configured for its blocks, released when the call ends.
-    const bool amx = INFERD_AMX && tiled && dot_bf16 && D % 32 == 0 && amx_on();
-    if (amx) amx_configure(std::min(16, per_head));
-    alignas(64) float ktile[kKeyTile * kMaxItemWidth / 2];  // the transposed bf16 K tile
+    const int tile = key_tile(p.kv_dtype, it.nh, Path::kTiled);
+    alignas(64) float buf[kKeyTile * kMaxItemWidth];  // widened K or V rows
+    typename Path::Row kv[kKeyTile];
+    alignas(64) float sc[kMaxRows * kKeyTile];
+    float tmax[kMaxRows];   // each row's largest score in the current key tile
+    float alpha[kMaxRows];  // each row's rescale factor for the tile (softmax_tile)
     TilePrefetch pf;
     pf.plan(p, it.seq, it.head, it.nh, it.k0, std::min(it.k1, it.k0 + tile));
     pf.issue(0, 1);  // the first tile has nothing to hide behind
     for (int t0 = it.k0; t0 < it.k1; t0 += tile) {
       const int n = std::min(tile, it.k1 - t0);
-      if (dot_bf16)
-        locate(p, p.k_cache, it.seq, it.head, t0, n, kraw);
-      else
-        gather(p, p.k_cache, it.seq, it.head, it.nh, t0, n, buf, krow);
+      rows_of(p, p.k_cache, it, t0, n, buf, kv);
       const int next = t0 + tile;
       pf.plan(p, it.seq, it.head, it.nh, next, std::min(it.k1, next + tile));
-      if (tiled && dot_bf16) {
-        auto* kt = reinterpret_cast<uint32_t*>(ktile);
-        T::transpose_k(kraw, it.nh, n, kt);
-#if INFERD_AMX
-        if (amx) {
-          for (int hh = 0; hh < it.nh; ++hh) {
-            pf.issue((hh + 1) * per_head - 1, 2 * rows);
-            T::scores_amx(qraw, kt + hh * (D / 2) * kKeyTile, hh * per_head, (hh + 1) * per_head,
-                          t0, n, limit, p.scale, sc, tmax);
-          }
-        } else
-#endif
-        for (int hh = 0; hh < it.nh; ++hh)
-          T::template blocks<tiling::kScoreRows>(hh * per_head, (hh + 1) * per_head,
-                                                 [&](auto rb, int r0) {
-            constexpr int RB = decltype(rb)::value;
-            pf.issue(r0 + RB - 1, 2 * rows);
-            T::template scores<RB>(qraw, kt + hh * (D / 2) * kKeyTile, r0, t0, n, limit, p.scale,
-                                   sc, tmax);
-          });
-      } else {
-        for (int r = 0; r < rows; ++r) {
-          pf.issue(r, 2 * rows);
-          tmax[r] = dot_bf16 ? scores_bf16(qraw + r * D, kraw, hoff[r] * 2, n, t0, limit[r],
-                                           sc + r * kKeyTile, p.scale)
-                             : scores_row(qbuf + r * D, krow, hoff[r], n, t0, limit[r],
-                                          sc + r * kKeyTile);
-        }
-      }
-      if (t0 < first[rows - 1]) mask_below_window(first, rows, t0, n, sc, tmax);
+      path.scores(ir, kv, t0, n, sc, tmax, [&](int r) { pf.issue(r, 2 * rows); });
+      if (t0 < ir.first[rows - 1]) mask_below_window(ir.first, rows, t0, n, sc, tmax);
       // V after every row's scores: a widened tile then reuses K's scratch, which stays in L1.
-      if (dot_bf16)
-        locate(p, p.v_cache, it.seq, it.head, t0, n, vraw);
-      else
-        gather(p, p.v_cache, it.seq, it.head, it.nh, t0, n, buf, vrow);
-      if (tiled) {
-        float alpha[kMaxRows];
-        for (int r = 0; r < rows; ++r) {
-          alpha[r] = softmax_tile(sc + r * kKeyTile, tmax[r], n, m + r, l + r);
-          if (alpha[r] < 0.0f) {  // nothing visible yet: weights 0, the accumulator kept
-            std::fill_n(sc + r * kKeyTile, kKeyTile, 0.0f);
-            alpha[r] = 1.0f;
-          }
-        }
-        auto* vi = reinterpret_cast<uint32_t*>(buf);
-        if (dot_bf16) T::interleave_v(vraw, it.nh, n, vi);
-#if INFERD_AMX
-        if (amx) {
-          for (int hh = 0; hh < it.nh; ++hh) {
-            pf.issue(rows + (hh + 1) * per_head - 1, 2 * rows);
-            T::values_amx(sc, alpha, vi + hh * (kKeyTile / 2) * D, n, hh * per_head,
-                          (hh + 1) * per_head, acc);
-          }
-        } else
-#endif
-        for (int hh = 0; hh < it.nh; ++hh)
-          T::template blocks<T::kValueRows>(hh * per_head, (hh + 1) * per_head,
-                                            [&](auto rb, int r0) {
-            constexpr int RB = decltype(rb)::value;
-            int upto = 0;
-            for (int k = 0; k < RB; ++k) upto = std::max(upto, std::min(n, limit[r0 + k] - t0 + 1));
-            pf.issue(rows + r0 + RB - 1, 2 * rows);
-            T::template values<RB>(sc, alpha, vrow, hh * D, vi + hh * (kKeyTile / 2) * D,
-                                   dot_bf16, n, upto, r0, acc);
-          });
-      } else {
-        for (int r = 0; r < rows; ++r) {
-          pf.issue(rows + r, 2 * rows);
-          const int visible = std::min(n, limit[r] - t0 + 1);
-          if (dot_bf16)
-            update_bf16(sc + r * kKeyTile, tmax[r], vraw, hoff[r] * 2, n, visible, acc + r * D,
-                        m + r, l + r);
-          else
-            update_row(sc + r * kKeyTile, tmax[r], vrow, hoff[r], n, visible, acc + r * D,
-                       m + r, l + r);
-        }
-      }
+      rows_of(p, p.v_cache, it, t0, n, buf, kv);
+      for (int r = 0; r < rows; ++r)
+        alpha[r] = softmax_tile(sc + r * kKeyTile, tmax[r], n, m + r, l + r);
+      path.values(ir, kv, t0, n, sc, alpha, acc, [&](int r) { pf.issue(rows + r, 2 * rows); });
     }
-    if (amx) amx_release();
   }
 
   // Sliding window: scores of keys below a row's first visible key (first[r]) become -inf and
@@ -377,73 +318,6 @@ struct Kernel {
       for (int i = cut; i < n; ++i) mx = std::max(mx, s[i]);
       tmax[r] = mx;
     }
-  }
-
-  // Scores of one row against keys [t0, t0 + n): 16 keys at a time, `dot(i)` giving key i's
-  // vector of partial sums, the 16 vectors folded by one transpose-reduce (hsum16) instead of 16
-  // horizontal sums, times `scale` if kScaled. Keys past the row's limit `lim` are masked
-  // (-inf). Returns the largest of the row's scores (-inf when no key is visible).
-  template <bool kScaled, typename Dot>
-  static inline __attribute__((always_inline)) float fold_scores(int n, int t0, int lim, float* s,
-                                                                float scale, Dot dot) {
-    const int valid = std::min(n, lim - t0 + 1);
-    const __m512i lane = lane_index();
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 vmax = _mm512_set1_ps(kNegInf);
-    for (int i0 = 0; i0 < n; i0 += 16) {
-      __m512 a[16];
-      const int cnt = std::min(16, std::max(0, valid - i0));
-      for (int j = 0; j < 16; ++j) {
-        if (j >= cnt) {
-          a[j] = _mm512_setzero_ps();
-          continue;
-        }
-        a[j] = dot(i0 + j);
-      }
-      const __mmask16 ok = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(cnt));
-      const __mmask16 in = _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(n - i0));
-      __m512 h = hsum16(a);
-      if constexpr (kScaled) h = _mm512_mul_ps(h, vs);
-      __m512 r = _mm512_mask_blend_ps(ok, _mm512_set1_ps(kNegInf), h);
-      _mm512_mask_storeu_ps(s + i0, in, r);
-      vmax = _mm512_max_ps(vmax, r);  // masked lanes hold -inf
-    }
-    return _mm512_reduce_max_ps(vmax);
-  }
-
-  // Float32 rows (q already scaled; K rows widened or in place, `hoff` floats into each).
-  static float scores_row(const float* qr, const float* const* krow, int hoff, int n, int t0,
-                          int lim, float* s) {
-    __m512 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_ps(qr + c * 16);
-    return fold_scores<false>(n, t0, lim, s, 1.0f, [=](int i) {
-      const float* k = krow[i] + hoff;
-      __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-      for (int c = 1; c < NC; ++c) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), x);
-      return x;
-    });
-  }
-
-  // bfloat16 q (`qr`, unscaled) against bfloat16 K rows in place (`krow` + `hoff` bytes): each
-  // key's partial sums by VDPBF16PS (pairs of bf16 products, exact in fp32, summed in fp32).
-  static float scores_bf16(const uint16_t* qr, const char* const* krow, int hoff, int n, int t0,
-                           int lim, float* s, float scale) {
-#ifdef __AVX512BF16__
-    if constexpr (D % 32 == 0) {
-      constexpr int NP = D / 32;
-      __m512bh qv[NP];
-      for (int c = 0; c < NP; ++c) qv[c] = (__m512bh)_mm512_load_si512(qr + c * 32);
-      return fold_scores<true>(n, t0, lim, s, scale, [=](int i) {
-        const char* k = krow[i] + hoff;
-        __m512 x = _mm512_setzero_ps();
-        for (int c = 0; c < NP; ++c)
-          x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(k + c * 64), qv[c]);
-        return x;
-      });
-    }
-#endif
-    (void)qr, (void)krow, (void)hoff, (void)n, (void)t0, (void)lim, (void)s, (void)scale;
-    std::abort();  // unreachable: run_item takes this path only where it is compiled in
   }
 
   // The online-softmax step of one row over a tile: s[0, n) becomes exp(s - new max), m and l
@@ -465,62 +339,6 @@ struct Kernel {
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = mx;
     return alpha;
-  }
-
-  // `tile_max`: the largest of s[0, n) (scores_row's result); keys past `visible` are masked
-  // (their weights are 0), so the P.V loop stops there.
-  static void update_row(float* s, float tile_max, const float* const* vrow, int hoff, int n,
-                         int visible, float* acc, float* m, float* l) {
-    const float alpha = softmax_tile(s, tile_max, n, m, l);
-    if (alpha < 0.0f) return;
-    __m512 a[NC];
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
-    for (int i = 0; i < visible; ++i) {
-      const __m512 pi = _mm512_set1_ps(s[i]);
-      const float* v = vrow[i] + hoff;
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(v + c * 16), a[c]);
-    }
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
-  }
-
-  // update_row for bfloat16 V rows in place (`vrow` + `hoff` bytes): the weights rounded to
-  // bfloat16 (as FlashAttention's P), two keys at a time through VDPBF16PS on their rows
-  // interleaved value by value.
-  static void update_bf16(float* s, float tile_max, const char* const* vrow, int hoff, int n,
-                          int visible, float* acc, float* m, float* l) {
-#ifdef __AVX512BF16__
-    if constexpr (D % 32 == 0) {
-      const float alpha = softmax_tile(s, tile_max, n, m, l);
-      // visible <= 0: a query row of a prefill chunk none of whose keys here it may see.
-      if (alpha < 0.0f || visible <= 0) return;
-      alignas(64) uint16_t pw[kKeyTile + 2];
-      tiling::weights_bf16(s, n, pw);
-      pw[visible] = 0;  // an odd last key pairs with a zero weight
-      const __m512i ilo = tiling::pair_lo(), ihi = tiling::pair_hi();
-      __m512 a[NC];
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), va);
-      for (int i = 0; i < visible; i += 2) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(
-            static_cast<int>(tiling::word(reinterpret_cast<const char*>(pw + i))));
-        const char* v0 = vrow[i] + hoff;
-        const char* v1 = i + 1 < visible ? vrow[i + 1] + hoff : nullptr;
-        for (int c = 0; c < NC / 2; ++c) {
-          const __m512i x = _mm512_loadu_si512(v0 + c * 64);
-          const __m512i y = v1 != nullptr ? _mm512_loadu_si512(v1 + c * 64) : _mm512_setzero_si512();
-          a[2 * c] = _mm512_dpbf16_ps(a[2 * c], (__m512bh)_mm512_permutex2var_epi16(x, ilo, y), w);
-          a[2 * c + 1] =
-              _mm512_dpbf16_ps(a[2 * c + 1], (__m512bh)_mm512_permutex2var_epi16(x, ihi, y), w);
-        }
-      }
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
-      return;
-    }
-#endif
-    (void)s, (void)tile_max, (void)vrow, (void)hoff, (void)n, (void)visible, (void)acc, (void)m,
-        (void)l;
-    std::abort();  // unreachable: run_item takes this path only where it is compiled in
   }
 };
 

@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../amx.h"
+#include "amx.h"
 #include "avx512_panel.h"
 
 namespace {

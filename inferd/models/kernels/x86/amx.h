@@ -1,8 +1,9 @@
 // AMX tiles, for CPUs that have them (Sapphire Rapids and later Xeons): the process's permission,
 // each thread's tile configuration and the blocks of 16 rows that one configuration serves. Shared
 // by the panel GEMM on tiles (x86/amx_panel.h: bfloat16 and the greedy screen's int8) and the
-// prefill attention items on tiles (attention_tile.h). The whole library builds without AMX too:
-// everything that uses tiles is under INFERD_AMX, and amx_on() is false without it.
+// prefill attention items on tiles (x86/amx_attention.h); every use of the tiles is in an
+// x86/amx_*.h header. The whole library builds without AMX too: everything that uses tiles is
+// under INFERD_AMX, and amx_on() is false without it.
 //
 // Tiles need the process's permission (arch_prctl ARCH_REQ_XCOMP_PERM, asked once) and each
 // thread's own configuration: every parallel region that uses them configures them first and
