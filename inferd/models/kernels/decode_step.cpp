@@ -198,7 +198,8 @@ int layer(const Model& m, const Layer& L, int64_t index, const Step& s) {
 extern "C" {
 
 // Returns 0; otherwise the failing kernel's code (-1 bad arguments, -2 a position, slot or expert
-// id out of range, -3 the router's callback failed), after which the output and the KV cache are unspecified.
+// id out of range, -3 the router's callback failed), after which the output and the KV cache are
+// unspecified.
 int inferd_decode_layers(const Model* m, const Step* s) {
   const int64_t hid = m->hidden, rows = s->rows;
   const int dt = m->dtype;
