@@ -37,7 +37,6 @@ from inferd.models.config import ArchConfig
 from inferd.models.kernels.decode import DecodeLayers, DecodePlan, DecodeShape, LayerWeights
 from inferd.models.kernels.fused import FusedOps
 from inferd.models.layers import (
-    MLP,
     Attention,
     DecoderLayer,
     Embedding,
@@ -74,13 +73,10 @@ class LlamaModel(nn.Module):
             DecoderLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
-        # The native decode step chains Llama's layer as it is: no sandwich norms, GELU, MoE
-        # or second RoPE table.
+        # The native decode step chains Llama's layer as it is (its MLP or an MoE block): no
+        # sandwich norms, GELU or second RoPE table.
         self.plain_layers = not (
-            cfg.sandwich_norms
-            or cfg.hidden_act != "silu"
-            or cfg.moe is not None
-            or self.local_rotary_emb is not None
+            cfg.sandwich_norms or cfg.hidden_act != "silu" or self.local_rotary_emb is not None
         )
         self.fused: FusedOps | None = None
         # Steps whose every row samples (decode, verify) of up to 128 rows on panel copies (int8
@@ -160,11 +156,13 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             a, m = layer.self_attn, layer.ffn
-            assert isinstance(m, MLP)
-            lins = [p.gemv_weight() for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-            if any(w is None for w in lins):
+            moe = m.decode_weights() if isinstance(m, SparseMoE) else None
+            mlp = [] if isinstance(m, SparseMoE) else [m.gate_up_proj, m.down_proj]
+            lins = [p.gemv_weight() for p in (a.qkv_proj, a.o_proj, *mlp)]
+            if any(w is None for w in lins) or (isinstance(m, SparseMoE) and moe is None):
                 return None
-            qkv, o, gate_up, down = (w for w in lins if w is not None)
+            qkv, o, *dense = (w for w in lins if w is not None)
+            gate_up, down = dense or (None, None)
             weights.append(
                 LayerWeights(
                     layer.input_layernorm.weight,
@@ -177,6 +175,7 @@ class LlamaModel(nn.Module):
                     gate_up,
                     down,
                     a.attn.window or 0,
+                    moe,
                 )
             )
         first = self.layers[0].self_attn
@@ -247,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
         if not self._moe_blocks:
             return []
         counts = [m.take_counts() for m in self._moe_blocks]
+        if self.model.decode is not None:
+            counts.append(self.model.decode.take_expert_rows())
         return [sum(c) for c in zip(*counts, strict=True)]
 
     def fold_norms(self) -> None:

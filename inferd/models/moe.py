@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from inferd.models import gpt_oss
 from inferd.models.config import ArchConfig, MoEConfig
+from inferd.models.kernels.decode_moe import MoEWeights
 from inferd.models.kernels.fused import FusedOps, MoEPanels
 from inferd.models.linear import ANY_ROWS, Linear
 from inferd.models.weights import WeightTarget
@@ -178,6 +179,14 @@ class SparseMoE(nn.Module):
                 ptrs.append(panel.packed.data_ptr())
                 most = min(most, route.max_rows)
         return MoEPanels(gate_up, down, most)
+
+    def decode_weights(self) -> MoEWeights | None:
+        """This block as the one-call decode step runs it (kernels/decode.py), or None where an
+        expert's plan runs another kernel than the panel GEMM first."""
+        panels = self.panels
+        if panels is None:
+            return None
+        return MoEWeights(self.route, panels, self.top_k, self.inter)
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""

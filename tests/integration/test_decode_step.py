@@ -33,6 +33,19 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k norms, head_dim != hidden / heads
+    # MoE blocks (the router called back into torch) and a dense MLP layer between them.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+        },
+    ),
 }
 
 
@@ -70,6 +83,7 @@ def _results(llm: LLM, rows: int) -> list[Any]:
         ("llama", "float32", None, "auto"),
         ("qwen2", "float32", None, "auto"),
         ("qwen3", "bfloat16", None, "auto"),
+        ("qwen3_moe", "float32", None, "auto"),
         ("llama", "float32", None, "bfloat16"),  # a KV cache in another dtype than the model
         ("qwen2", "bfloat16", None, "fp8"),  # float8_e5m2 K/V
         ("llama", "float32", None, "int8"),  # int8 K/V rows with their scales
@@ -150,6 +164,7 @@ MULTI_ROW_CASES: list[Any] = [
     ("llama", "float32", None, "auto"),
     ("qwen3", "bfloat16", None, "auto"),  # q/k norms
     ("qwen2", "float32", None, "int8"),  # q/k/v bias, int8 K/V rows
+    ("qwen3_moe", "bfloat16", None, "auto"),
     pytest.param(
         ("llama", "float32", "int8", "auto"),
         marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),

@@ -352,7 +352,8 @@ def test_moe_experts_run_the_dense_layers_plan(
     # Each expert's gate/up and down are Linear layers, so prepare_linears gives them the dense
     # layers' kernels, each weight held once in its kernel's layout; the block's output stays
     # the dense F.linear one's within the kernel's precision, at a decode step's row (1 row per
-    # expert: the int8 GEMV) and a prefill's (several per expert).
+    # expert: the int8 GEMV) and a prefill's (several per expert; 300 rows: enough assignments
+    # that the one call's threads share the gather and the weighted sums).
     gemv = native_kernels.gemv
     if kind == "onednn" and not gemv.panel_rows[dtype]:
         pytest.skip(f"no {dtype} panel GEMM on this CPU")
@@ -372,7 +373,7 @@ def test_moe_experts_run_the_dense_layers_plan(
             assert linear.weight.numel() == 0, "one copy: the kernel's"
     assert (block.panels is not None) == (kind == "onednn"), "one native call: panels only"
     g = torch.Generator().manual_seed(0)
-    for rows in (1, 37):
+    for rows in (1, 37, 300):
         x = torch.randn(rows, ENGINE_BASE["hidden_size"], generator=g).to(dtype)
         with torch.no_grad():
             got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
@@ -383,7 +384,7 @@ def test_moe_experts_run_the_dense_layers_plan(
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
     calls = 2 if block.panels is not None else 1  # each path counts its rows
-    assert sum(block.take_counts()) == (1 + 37) * 2 * calls  # top 2
+    assert sum(block.take_counts()) == (1 + 37 + 300) * 2 * calls  # top 2
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from inferd.models.kernels.decode_moe import ROUTE, MoELayers, MoEStruct, MoEWeights, check_moe
 from inferd.models.kernels.fused import DTYPE_CODES, KV_DTYPE_CODES, check_rc
 from inferd.models.kernels.gemv import Int8Weight, PanelWeight
 from inferd.models.kv_int8 import row_width
@@ -57,6 +58,7 @@ class _Layer(ctypes.Structure):
         ("gate_up", _Lin),
         ("down", _Lin),
         ("window", _i64),
+        ("moe", ctypes.POINTER(MoEStruct)),
     ]
 
 
@@ -80,6 +82,7 @@ class _Model(ctypes.Structure):
         ("scale", _f32),
         ("dtype", _i32),
         ("kv_dtype", _i32),
+        ("route", ROUTE),
     ]
 
 
@@ -104,6 +107,10 @@ class _Step(ctypes.Structure):
         ("q_len", _ptr),
         ("ctx_len", _ptr),
         ("num_seqs", _i64),
+        ("experts", _ptr),
+        ("weights", _ptr),
+        ("moe_scratch", _ptr),
+        ("counts", _ptr),
     ]
 
 
@@ -144,9 +151,10 @@ class LayerWeights:
     kv_cache: Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 if int8)]
     qkv: GemvWeight
     o: GemvWeight
-    gate_up: GemvWeight
-    down: GemvWeight
+    gate_up: GemvWeight | None  # the dense MLP's (None: `moe`)
+    down: GemvWeight | None
     window: int = 0  # sliding window of the layer's attention (0: none)
+    moe: MoEWeights | None = None  # the MoE block in place of the dense MLP
 
 
 @dataclass(frozen=True)
@@ -176,8 +184,9 @@ class DecodeLayers:
         shape: DecodeShape,
     ) -> DecodePlan:
         """The step takes as many rows as every linear layer's kernel does (`max_rows`)."""
-        lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
-        rows = min(w.max_rows for w in lins) if lins else 1
+        lins = [w for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if w is not None]
+        most = [w.max_rows for w in lins] + [lw.moe.panels.max_rows for lw in layers if lw.moe]
+        rows = min(most) if most else 1
         return DecodePlan(self._fn, layers, final_norm, cos, sin, shape, rows)
 
 
@@ -201,7 +210,11 @@ class DecodePlan:
         hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self._fn = fn  # inferd_decode_layers
         self._keep = (layers, final_norm, cos, sin)  # everything the structures point at
-        self._layers = (_Layer * len(layers))(*(_layer(lw) for lw in layers))
+        moe = MoELayers([lw.moe for lw in layers], max_rows, dtype, hidden)
+        self._moe = moe
+        self._layers = (_Layer * len(layers))(
+            *(_layer(lw, moe.struct(i)) for i, lw in enumerate(layers))
+        )
         self._model = _Model(
             layers=self._layers,
             num_layers=len(layers),
@@ -221,6 +234,7 @@ class DecodePlan:
             scale=shape.scale,
             dtype=DTYPE_CODES[dtype],
             kv_dtype=KV_DTYPE_CODES[kv.dtype],
+            route=moe.callback,
         )
         rows = max_rows
         widths = {
@@ -235,7 +249,8 @@ class DecodePlan:
         }
         # Scratch reused by every step (a step's buffers are dead once it returns).
         self._scratch = {k: torch.empty(rows, w, dtype=dtype) for k, w in widths.items()}
-        self._step = _Step(**{k: t.data_ptr() for k, t in self._scratch.items()})
+        self._step = _Step(**{k: t.data_ptr() for k, t in self._scratch.items()}, **moe.buffers())
+        moe.x = self._scratch["x"]
         self.dtype = dtype
         self.hidden = hidden
         self.max_rows = rows
@@ -274,11 +289,18 @@ class DecodePlan:
         s.q_len = batch.q_len.data_ptr()
         s.ctx_len = batch.ctx_len.data_ptr()
         s.num_seqs = seqs
-        check_rc(self._fn(ctypes.byref(self._model), ctypes.byref(s)), "decode step")
+        rc = self._fn(ctypes.byref(self._model), ctypes.byref(s))
+        self._moe.raise_failure()
+        check_rc(rc, "decode step")
         return out
 
+    def take_expert_rows(self) -> list[int]:
+        """Rows routed to each expert by this plan's steps since the last call, summed over its
+        MoE layers (empty without them)."""
+        return self._moe.take_rows()
 
-def _layer(lw: LayerWeights) -> _Layer:
+
+def _layer(lw: LayerWeights, moe: Any) -> _Layer:
     return _Layer(
         in_norm=lw.in_norm.data_ptr(),
         post_norm=lw.post_norm.data_ptr(),
@@ -287,9 +309,10 @@ def _layer(lw: LayerWeights) -> _Layer:
         kv_cache=lw.kv_cache.data_ptr(),
         qkv=_lin(lw.qkv),
         o=_lin(lw.o),
-        gate_up=_lin(lw.gate_up),
-        down=_lin(lw.down),
+        gate_up=_Lin() if lw.gate_up is None else _lin(lw.gate_up),
+        down=_Lin() if lw.down is None else _lin(lw.down),
         window=lw.window,
+        moe=moe,
     )
 
 
@@ -318,7 +341,8 @@ def _check_layout(
     kv = layers[0].kv_cache
     hidden = final_norm.shape[0]
     hq, hkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    inter = layers[0].down.shape[1]
+    # The dense MLPs' intermediate size (0: every layer's MLP is an MoE block).
+    inter = next((lw.down.shape[1] for lw in layers if lw.down is not None), 0)
     if dtype not in DTYPE_CODES or kv.dtype not in KV_DTYPE_CODES:
         raise ValueError(f"dtype {dtype} / KV cache {kv.dtype}")
     if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[3:]) != (hkv, row_width(d, kv.dtype)):
@@ -333,11 +357,28 @@ def _check_layout(
     }
     for w in (cos, sin, final_norm):
         _check_contiguous(w, dtype)
+    experts = {len(lw.moe.panels.gate_up) for lw in layers if lw.moe is not None}
+    if len(experts) > 1:
+        raise ValueError(f"MoE layers of {sorted(experts)} experts")
     for lw in layers:
         _check_layer(lw, kv, hidden, d, dtype)
-        for name, size in expect.items():
-            _check_linear(getattr(lw, name), size, dtype, name)
+        _check_linears(lw, expect, dtype)
     return hidden, inter
+
+
+def _check_linears(
+    lw: LayerWeights, expect: dict[str, tuple[int, int]], dtype: torch.dtype
+) -> None:
+    """The layer's linear layers' shapes (an MoE layer's experts: their count and sizes)."""
+    mlp = ("gate_up", "down")
+    for name, size in expect.items():
+        g = getattr(lw, name)
+        if g is None and not (lw.moe is not None and name in mlp):
+            raise ValueError(f"{name}: no weight")
+        if g is not None:
+            _check_linear(g, size, dtype, name)
+    if lw.moe is not None:
+        check_moe(lw.moe)
 
 
 def _check_layer(lw: LayerWeights, kv: Tensor, hidden: int, d: int, dtype: torch.dtype) -> None:

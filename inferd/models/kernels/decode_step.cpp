@@ -18,6 +18,11 @@
 // 1.05-1.39x faster than the layer-by-layer path (docs/benchmarks.md); a verify step of 5 rows of
 // one llama-32m sequence 1.7x (bench/NOTES.md).
 //
+// A mixture-of-experts layer (models/moe.py) runs its router in the caller's callback (torch's own
+// ops, as the layer-by-layer path runs them, so the experts chosen stay transformers') and the rest
+// in inferd_moe_layer (moe_experts.cpp), the call that path makes: a decode step of the qwen3-moe
+// shape is one native call with one callback a layer instead of ~13 calls from Python a layer.
+//
 // The caller (kernels/decode.py) checks every shape once when it builds the Model; per step it
 // fills a Step with the batch's pointers. Scratch buffers are the caller's, sized for the rows.
 #include <cstdint>
@@ -43,6 +48,10 @@ int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t
                      void* y, int64_t y_stride, int dtype);
 int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void* w, int64_t n,
                       int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
+int inferd_moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
+                     const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
+                     const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
+                     void* scratch, void* y, int dtype);
 }
 
 namespace {
@@ -64,14 +73,24 @@ struct Lin {
   const void* panel;  // the panels (kPanel)
 };
 
+// An MoE layer's experts: every expert's gate/up and down panels by expert id (gemv.py's
+// PanelWeight), and where the rows routed to each are added up across steps.
+struct Moe {
+  const void* const* w13;
+  const void* const* w2;
+  int64_t experts, top_k, inter;
+  int64_t* counts;  // [experts]
+};
+
 struct Layer {
   const void* in_norm;    // [hidden]
   const void* post_norm;  // [hidden]
   const void* q_norm;     // [d] or null
   const void* k_norm;     // [d] or null
   void* kv_cache;         // [2, num_blocks, block_size, hkv, d] in kv_dtype
-  Lin qkv, o, gate_up, down;
+  Lin qkv, o, gate_up, down;  // gate_up, down: unused where `moe` is set
   int64_t window;         // sliding window of this layer's attention (0: none)
+  const Moe* moe;         // the MLP's experts, or null (a dense MLP)
 };
 
 struct Model {
@@ -85,6 +104,9 @@ struct Model {
   int64_t max_pos;
   float eps, qk_eps, scale;
   int32_t dtype, kv_dtype;
+  // MoE layer `layer`'s router on Step::x's first `rows` rows -> Step::experts and ::weights
+  // ([rows, top_k]); nonzero: it failed (the caller keeps why).
+  int (*route)(int64_t layer, int64_t rows);
 };
 
 // One step's rows and the caller's buffers, all contiguous. Sequence s owns rows
@@ -110,6 +132,10 @@ struct Step {
   const int32_t* q_len;
   const int32_t* ctx_len;
   int64_t num_seqs;
+  int64_t* experts;   // [rows, top_k] the router's choices (MoE layers)
+  void* weights;      // [rows, top_k] their routing weights
+  void* moe_scratch;  // inferd_moe_layer's: rows * top_k * (2 hidden + 3 inter) values
+  int64_t* counts;    // [experts] rows routed to each in this layer
 };
 
 int linear(const Lin& l, const void* x, int64_t rows, void* y, int dtype) {
@@ -124,10 +150,28 @@ int linear(const Lin& l, const void* x, int64_t rows, void* y, int dtype) {
   }
 }
 
-// Layer L on x = norm(its input) (residual: the stream up to its input): leaves the layer's
-// output less the residual in h, the residual updated to its attention half. Returns the first
-// nonzero return code of its kernels (0: all ran).
-int layer(const Model& m, const Layer& L, const Step& s) {
+// The MLP of layer `index` on x (its post-attention norm) -> h.
+int mlp(const Model& m, const Layer& L, int64_t index, const Step& s) {
+  const int dt = m.dtype;
+  if (L.moe == nullptr) {
+    int rc = linear(L.gate_up, s.x, s.rows, s.gate_up, dt);
+    if (rc == 0) rc = inferd_silu_mul(s.act, s.gate_up, dt, s.rows, m.inter);
+    if (rc == 0) rc = linear(L.down, s.act, s.rows, s.h, dt);
+    return rc;
+  }
+  const Moe& e = *L.moe;
+  if (m.route(index, s.rows) != 0) return -3;
+  const int rc = inferd_moe_layer(s.x, m.hidden, s.rows, s.experts, s.weights, e.experts, e.top_k,
+                                  e.w13, e.w2, m.hidden, e.inter, s.counts, s.moe_scratch, s.h,
+                                  dt);
+  for (int64_t j = 0; rc == 0 && j < e.experts; ++j) e.counts[j] += s.counts[j];
+  return rc;
+}
+
+// Layer `index` (L) on x = norm(its input) (residual: the stream up to its input): leaves the
+// layer's output less the residual in h, the residual updated to its attention half. Returns the
+// first nonzero return code of its kernels (0: all ran).
+int layer(const Model& m, const Layer& L, int64_t index, const Step& s) {
   const int64_t rows = s.rows, hid = m.hidden;
   const int dt = m.dtype;
   int rc = linear(L.qkv, s.x, rows, s.qkv, dt);
@@ -145,9 +189,7 @@ int layer(const Model& m, const Layer& L, const Step& s) {
   if (rc == 0) rc = linear(L.o, s.attn, rows, s.h, dt);
   if (rc == 0)
     rc = inferd_rms_norm(s.x, hid, s.h, hid, s.residual, L.post_norm, dt, rows, hid, m.eps);
-  if (rc == 0) rc = linear(L.gate_up, s.x, rows, s.gate_up, dt);
-  if (rc == 0) rc = inferd_silu_mul(s.act, s.gate_up, dt, rows, m.inter);
-  if (rc == 0) rc = linear(L.down, s.act, rows, s.h, dt);
+  if (rc == 0) rc = mlp(m, L, index, s);
   return rc;
 }
 
@@ -155,8 +197,9 @@ int layer(const Model& m, const Layer& L, const Step& s) {
 
 extern "C" {
 
-// Returns 0; otherwise the failing kernel's code (-1 bad arguments, -2 a position or slot out of
-// range), after which the output and the KV cache are unspecified.
+// Returns 0; otherwise the failing kernel's code (-1 bad arguments, -2 a position, slot or expert
+// id out of range, -3 the router's callback failed), after which the output and the KV cache are
+// unspecified.
 int inferd_decode_layers(const Model* m, const Step* s) {
   const int64_t hid = m->hidden, rows = s->rows;
   const int dt = m->dtype;
@@ -165,7 +208,7 @@ int inferd_decode_layers(const Model* m, const Step* s) {
   int rc = inferd_rms_norm(s->x, hid, s->embed, hid, nullptr, m->layers[0].in_norm, dt, rows, hid,
                            m->eps);
   for (int64_t i = 0; i < m->num_layers && rc == 0; ++i) {
-    rc = layer(*m, m->layers[i], *s);
+    rc = layer(*m, m->layers[i], i, *s);
     // Add the layer's output into the residual stream and norm it for the next layer, or with
     // the model's final norm into `out`.
     const bool last = i + 1 == m->num_layers;

@@ -15,12 +15,13 @@
 // GEMM, a SiLU * up and a panel GEMM for each of its top-k experts (24 native calls at top 8,
 // each an OpenMP fork and join), then a multiply and an index_add_, at 1 row each, for weights
 // that stream from memory in a few microseconds; on a busy machine every fork and join waited
-// for a descheduled thread. Here the layer is one parallel region with two barriers: the threads split
-// the (expert, panel) pairs of all gate/up weights, then the rows' SiLU * up, then the (expert,
-// panel) pairs of all down weights, each thread a contiguous range (its own sequential stream of
-// weights), balanced by the row tiles each pair runs. The sums are panel.h's, in the same order
-// as Gemv.panel's, so an expert's output is bit for bit what its two Linear layers give
-// (tests/integration/test_families_vs_hf.py); SiLU * up is fused_ops.cpp's.
+// for a descheduled thread. Here the layer is one parallel region with two barriers: the threads
+// split the (expert, panel) pairs of all gate/up weights, the rows' SiLU * up and the (expert,
+// panel) pairs of all down weights (and, for a prefill chunk's many rows, the gather before and
+// the tokens' weighted sums after, two barriers more), each thread a contiguous range (its own
+// sequential stream of weights), balanced by the row tiles each pair runs. The sums are
+// panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit what its two
+// Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is fused_ops.cpp's.
 // Panels run on the AVX-512 loop, not AMX tiles: the layers it serves are a few rows per expert.
 #include <omp.h>
 
@@ -34,6 +35,11 @@ extern "C" int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_
                                int64_t inter);
 
 namespace {
+
+// Assignments (tokens x k) from which the threads share the gather and the weighted sums: a
+// prefill chunk's (a 512-token chunk at top 8 copies 16 MB of rows, then sums 16 MB back, which
+// one thread did while the other waited), not a decode step's (under 64 rows at top 8).
+constexpr int64_t kSplitAssignments = 512;
 
 // One (expert, panel) pair of a phase: its weight panel, its rows, where they start.
 struct Item {
@@ -95,10 +101,12 @@ void phase_items(const int64_t* rows, int64_t experts, int64_t n, std::vector<It
   }
 }
 
-template <class S>
+// With `split`, `gather(t, nt)` and `combine(t, nt)` are thread t of nt's share of filling xs
+// before the experts run and of reading out after them, in the same parallel region.
+template <class S, class Gather, class Combine>
 int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void* const* w13,
                 const void* const* w2, int64_t hidden, int64_t inter, void* gate_up, void* act,
-                void* out, int dtype) {
+                void* out, int dtype, bool split, const Gather& gather, const Combine& combine) {
   std::vector<int64_t> row0(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
   const int64_t total = row0[experts];
@@ -111,6 +119,10 @@ int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void
   {
     alignas(64) float acc[kMaxRows * kPanel];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    if (split) {
+      gather(t, nt);
+#pragma omp barrier
+    }
     int64_t i0, i1;
     share(up_cost, t, nt, &i0, &i1);
     run_items<S>(up_items, i0, i1, rows, row0.data(), xs, hidden, w13, 2 * inter, hidden,
@@ -126,6 +138,10 @@ int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void
     share(down_cost, t, nt, &i0, &i1);
     run_items<S>(down_items, i0, i1, rows, row0.data(), act, inter, w2, hidden, inter, out,
                  hidden, acc);
+    if (split) {
+#pragma omp barrier
+      combine(t, nt);
+    }
   }
   return 0;
 }
@@ -133,11 +149,12 @@ int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void
 // y[t] = sum over token t's assignments, in ascending expert order, of w * out[its row]: each
 // product rounded to the dtype, then each sum (torch's `out *= w` and `index_add_`, in order).
 // The product is kept from contracting into an FMA with the add (GCC contracts vector ops).
+// Tokens [t0, t1).
 void combine(const void* out, const int64_t* pos, const int64_t* experts, const void* weights,
-             int64_t tokens, int64_t k, int64_t hidden, void* y, int dtype) {
+             int64_t t0, int64_t t1, int64_t k, int64_t hidden, void* y, int dtype) {
   const int64_t esz = dtype == kF32 ? 4 : 2;
   std::vector<int64_t> a(k);
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     for (int64_t j = 0; j < k; ++j) a[j] = t * k + j;
     std::sort(a.begin(), a.end(), [&](int64_t u, int64_t v) { return experts[u] < experts[v]; });
     char* yt = static_cast<char*>(y) + t * hidden * esz;
@@ -178,16 +195,27 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   char* gate_up = xs + n * hidden * esz;
   char* act = gate_up + n * 2 * inter * esz;
   char* out = act + n * inter * esz;
-  for (int64_t a = 0; a < n; ++a)
-    std::memcpy(xs + pos[a] * hidden * esz,
-                static_cast<const char*>(x) + (a / k) * x_stride * esz, hidden * esz);
+  // Where the assignments are many (a prefill chunk's), each thread gathers a share of them and
+  // sums a share of the tokens, inside the experts' parallel region; a decode step's few are
+  // gathered before it and summed after it, which spares the threads two barriers.
+  const bool split = n >= kSplitAssignments;
+  auto gather = [&](int64_t t, int64_t nt) {
+    for (int64_t a = n * t / nt; a < n * (t + 1) / nt; ++a)
+      std::memcpy(xs + pos[a] * hidden * esz,
+                  static_cast<const char*>(x) + (a / k) * x_stride * esz, hidden * esz);
+  };
+  auto sum = [&](int64_t t, int64_t nt) {
+    combine(out, pos.data(), experts, weights, tokens * t / nt, tokens * (t + 1) / nt, k, hidden,
+            y, dtype);
+  };
+  if (!split) gather(0, 1);
   std::vector<int64_t> rows;
   std::vector<const void*> up, down;
   for (int64_t e = 0; e < num_experts; ++e)
     if (counts[e] > 0) rows.push_back(counts[e]), up.push_back(w13[e]), down.push_back(w2[e]);
   moe_experts<S>(xs, rows.data(), static_cast<int64_t>(rows.size()), up.data(), down.data(),
-                 hidden, inter, gate_up, act, out, dtype);
-  combine(out, pos.data(), experts, weights, tokens, k, hidden, y, dtype);
+                 hidden, inter, gate_up, act, out, dtype, split, gather, sum);
+  if (!split) sum(0, 1);
   return 0;
 }
 
