@@ -24,12 +24,18 @@ any row count in float32 and bfloat16, int8 with `--quantization int8` (the int8
 rows, a decode step's usual count per expert), each weight held once in its kernel's layout;
 an int8 checkpoint's experts load as any int8 linear layer.
 
-Where every expert's plan runs the panel GEMM (float32 and bfloat16 on the native kernels),
-everything past the router is one native call (`FusedOps.moe_layer`, kernels/moe_experts.cpp:
-the sort, the gather, all active experts' panels split over the threads with two barriers, the
-weighted sum) instead of ~30 ops and calls from Python; it takes the same steps in the same
-order, rounding where they round, so its output equals theirs
-(tests/integration/test_families_vs_hf.py). bench/NOTES.md has what it saved.
+Where every expert's plan starts with a native kernel, everything past the router is one
+native call (`FusedOps.moe_layer`, kernels/moe_experts.cpp: the sort, the gather, the experts,
+the weighted sum) instead of ~30 ops and calls from Python, for as many rows per expert as that
+kernel's route takes (`MoEPanels.max_rows`; an expert given more: the Python path above):
+- the panel GEMM (float32 and bfloat16): any row count, all active experts' panels split over
+  the threads with two barriers;
+- the int8 GEMV (`--quantization int8`): 1-2 rows per expert (a decode step of a few
+  sequences), each expert's two GEMV calls and SiLU * up as its Linear layers make them.
+It takes the same steps in the same order, rounding where they round, so its output equals
+theirs bit for bit (tests/integration/test_families_vs_hf.py). bench/NOTES.md has what it saved.
+The one-call decode step (kernels/decode.py) runs the same call inside the step, int8 experts on
+the GEMV at each of its row counts (1-8), as it runs int8 dense layers.
 
 gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
 softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
@@ -39,6 +45,7 @@ since the native attention kernel has no sinks).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from typing import Protocol
 
@@ -49,7 +56,8 @@ from torch import Tensor, nn
 from inferd.models import gpt_oss
 from inferd.models.config import ArchConfig, MoEConfig
 from inferd.models.kernels.decode_moe import MoEWeights
-from inferd.models.kernels.fused import FusedOps, MoEPanels
+from inferd.models.kernels.fused import FusedOps, MoEKernel, MoEPanels
+from inferd.models.kernels.gemv import Int8Weight, PanelWeight
 from inferd.models.linear import ANY_ROWS, Linear
 from inferd.models.weights import WeightTarget
 
@@ -127,13 +135,16 @@ class SparseMoE(nn.Module):
 
     def mix(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
         """x [T, H] -> the experts' outputs summed with their routing weights, [T, H]; `fused`:
-        the native kernels (the layer in one call where every expert runs the panel GEMM, else
-        SiLU * up; None: PyTorch's ops)."""
+        the native kernels (the layer in one call where the experts' kernel takes their rows,
+        else SiLU * up; None: PyTorch's ops)."""
         weights, experts = self.route(x)
         panels = None if fused is None else self.panels
-        # An expert takes at most one row per token, so T bounds its rows.
-        if fused is not None and panels is not None and x.shape[0] <= panels.max_rows:
-            y, counts = fused.moe_layer(x, experts, weights, panels, self.inter)
+        done = None
+        if fused is not None and panels is not None:
+            # None: an expert received more rows than its kernel's route takes.
+            done = fused.moe_layer(x, experts, weights, panels, self.inter)
+        if done is not None:
+            y, counts = done
             self._count(counts)
             return y
         flat = experts.flatten()  # [T * k]: assignment a is token a // k
@@ -163,30 +174,42 @@ class SparseMoE(nn.Module):
 
     @cached_property
     def panels(self) -> MoEPanels | None:
-        """The experts' panel copies, or None where a plan runs another kernel first (int8,
-        oneDNN, dense). Read on the first fused forward, once prepare_linears has packed them."""
+        """The experts' copies the native call reads, where every expert's plan starts with the
+        panel GEMM or the int8 GEMV; None where one starts with another kernel (oneDNN, dense).
+        Read on the first fused forward, once prepare_linears has packed them."""
         if isinstance(self.experts, gpt_oss.Experts):
             return None
         gate_up: list[int] = []
         down: list[int] = []
-        most = ANY_ROWS
-        for expert in self.experts:
-            assert isinstance(expert, Expert)
+        most, kernels = ANY_ROWS, set[MoEKernel]()
+        for expert in self._experts():
             for linear, ptrs in ((expert.gate_up_proj, gate_up), (expert.down_proj, down)):
-                panel, route = linear.panel_copy(), linear.plan[0]
-                if panel is None or route.kernel != "panel":
+                w = linear.gemv_weight()
+                if w is None:
                     return None
-                ptrs.append(panel.packed.data_ptr())
-                most = min(most, route.max_rows)
-        return MoEPanels(gate_up, down, most)
+                ptrs += _addresses(w.weight)
+                kernels.add(w.kernel)
+                most = min(most, linear.plan[0].max_rows)
+        if len(kernels) != 1:  # some experts kept in float by an int8 checkpoint
+            return None
+        return MoEPanels(gate_up, down, most, kernels.pop())
 
     def decode_weights(self) -> MoEWeights | None:
-        """This block as the one-call decode step runs it (kernels/decode.py), or None where an
-        expert's plan runs another kernel than the panel GEMM first."""
+        """This block as the one-call decode step runs it (kernels/decode.py): each expert on its
+        plan's first kernel for as many rows as the step sends it (`Linear.gemv_weight`), or None
+        where that kernel is not one of the step's."""
         panels = self.panels
         if panels is None:
             return None
-        return MoEWeights(self.route, panels, self.top_k, self.inter)
+        linears = [p for e in self._experts() for p in (e.gate_up_proj, e.down_proj)]
+        rows = min(w.max_rows for p in linears if (w := p.gemv_weight()) is not None)
+        return MoEWeights(self.route, replace(panels, max_rows=rows), self.top_k, self.inter)
+
+    def _experts(self) -> list[Expert]:
+        assert isinstance(self.experts, nn.ModuleList)
+        experts = [e for e in self.experts if isinstance(e, Expert)]
+        assert len(experts) == self.num_experts
+        return experts
 
     def take_counts(self) -> list[int]:
         """Rows routed to each expert since the last call (and start counting again)."""
@@ -200,3 +223,11 @@ class SparseMoE(nn.Module):
             h, i, mxfp4 = self.router.shape[1], self.inter, self.spec.mxfp4
             return gpt_oss.expert_layout(name, self.num_experts, h, i, mxfp4)
         return {f"{name}.gate.weight": WeightTarget(f"{name}.router", 0, self.num_experts)}
+
+
+def _addresses(w: PanelWeight | Int8Weight) -> list[int]:
+    """The addresses moe_experts.cpp reads of an expert's copy (fused.MOE_ADDRESSES)."""
+    if isinstance(w, PanelWeight):
+        return [w.packed.data_ptr()]
+    bias = 0 if w.bias is None else w.bias.data_ptr()
+    return [w.q.data_ptr(), w.scale.data_ptr(), w.row_sum.data_ptr(), bias]

@@ -94,6 +94,13 @@ def _results(llm: LLM, rows: int) -> list[Any]:
             "auto",
             marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
         ),
+        pytest.param(  # int8 experts: the int8 GEMV at every row count of the step
+            "qwen3_moe",
+            "float32",
+            "int8",
+            "auto",
+            marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
+        ),
     ],
 )
 def test_equals_the_layer_by_layer_path(
@@ -167,6 +174,10 @@ MULTI_ROW_CASES: list[Any] = [
     ("qwen3_moe", "bfloat16", None, "auto"),
     pytest.param(
         ("llama", "float32", "int8", "auto"),
+        marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
+    ),
+    pytest.param(
+        ("qwen3_moe", "float32", "int8", "auto"),
         marks=pytest.mark.skipif(not has_int8_gemm(), reason="no VNNI int8 dot products"),
     ),
 ]

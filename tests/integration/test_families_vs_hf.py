@@ -347,13 +347,19 @@ _EXPERT_ERROR[("int8", torch.float32)] = 3e-2
 
 @pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
 def test_moe_experts_run_the_dense_layers_plan(
-    kind: LinearKind, dtype: torch.dtype, tmp_path: Path, native_kernels: NativeKernels
+    kind: LinearKind,
+    dtype: torch.dtype,
+    tmp_path: Path,
+    native_kernels: NativeKernels,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each expert's gate/up and down are Linear layers, so prepare_linears gives them the dense
     # layers' kernels, each weight held once in its kernel's layout; the block's output stays
-    # the dense F.linear one's within the kernel's precision, at a decode step's row (1 row per
-    # expert: the int8 GEMV) and a prefill's (several per expert; 300 rows: enough assignments
-    # that the one call's threads share the gather and the weighted sums).
+    # the dense F.linear one's within the kernel's precision, at a decode step's rows (1-2 rows
+    # per expert: the int8 GEMV) and a prefill's (several per expert; 300 rows: enough
+    # assignments that the one call's threads share the gather and the weighted sums). The one
+    # native call runs the panels at every row count and the int8 GEMV at 1-2 rows per expert
+    # (more: the per-expert calls), and gives the per-expert calls' bits.
     gemv = native_kernels.gemv
     if kind == "onednn" and not gemv.panel_rows[dtype]:
         pytest.skip(f"no {dtype} panel GEMM on this CPU")
@@ -371,20 +377,28 @@ def test_moe_experts_run_the_dense_layers_plan(
         for linear in (expert.gate_up_proj, expert.down_proj):
             assert {r.kernel for r in linear.plan} == _EXPERT_PLANS[kind, dtype]
             assert linear.weight.numel() == 0, "one copy: the kernel's"
-    assert (block.panels is not None) == (kind == "onednn"), "one native call: panels only"
+    assert block.panels is not None
+    assert block.panels.kernel == ("gemv_int8" if kind == "int8" else "panel")
+    ran: list[bool] = []
+    one_call = native_kernels.ops.moe_layer
+
+    def spied(*args: Any) -> tuple[torch.Tensor, list[int]] | None:
+        ran.append((done := one_call(*args)) is not None)
+        return done
+
+    monkeypatch.setattr(native_kernels.ops, "moe_layer", spied)
     g = torch.Generator().manual_seed(0)
-    for rows in (1, 37, 300):
+    for rows in (1, 2, 37, 300):
         x = torch.randn(rows, ENGINE_BASE["hidden_size"], generator=g).to(dtype)
         with torch.no_grad():
             got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
-            if block.panels is not None:  # the one-call kernel gives the per-expert calls' bits
-                one_call, block.panels = block.panels, None
-                assert torch.equal(got, block.mix(x, native_kernels.ops))
-                block.panels = one_call
+            assert ran.pop() == (rows <= 2 or kind != "int8")
+            panels, block.panels = block.panels, None  # the per-expert calls
+            assert torch.equal(got, block.mix(x, native_kernels.ops))
+            block.panels = panels
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
-    calls = 2 if block.panels is not None else 1  # each path counts its rows
-    assert sum(block.take_counts()) == (1 + 37 + 300) * 2 * calls  # top 2
+    assert sum(block.take_counts()) == (1 + 2 + 37 + 300) * 2 * 2  # top 2, each path counts
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:

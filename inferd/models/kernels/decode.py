@@ -357,7 +357,7 @@ def _check_layout(
     }
     for w in (cos, sin, final_norm):
         _check_contiguous(w, dtype)
-    experts = {len(lw.moe.panels.gate_up) for lw in layers if lw.moe is not None}
+    experts = {lw.moe.panels.experts for lw in layers if lw.moe is not None}
     if len(experts) > 1:
         raise ValueError(f"MoE layers of {sorted(experts)} experts")
     for lw in layers:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inferd.models.kernels.fused import MoEPanels
+from inferd.models.kernels.fused import MOE_KERNEL_CODES, MoEPanels
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -28,6 +28,8 @@ class MoEStruct(ctypes.Structure):
         ("top_k", _i64),
         ("inter", _i64),
         ("counts", _ptr),
+        ("kernel", _i64),
+        ("max_rows", _i64),
     ]
 
 
@@ -43,8 +45,9 @@ Router = Callable[[Tensor], tuple[Tensor, Tensor]]
 @dataclass(frozen=True)
 class MoEWeights:
     """An MoE layer's MLP as the decode step runs it, as models/moe.py's fused path does: `route`
-    (torch's ops, called back from the native step), then every expert's panels in one call of
-    moe_experts.cpp."""
+    (torch's ops, called back from the native step), then every expert's copies in one call of
+    moe_experts.cpp (`panels.max_rows`: the most rows an expert takes, the step's most at
+    least)."""
 
     route: Router
     panels: MoEPanels
@@ -62,7 +65,7 @@ class MoELayers:
         """`layers`: each layer's MoE block (None: a dense MLP); `rows`: the step's most."""
         moes = {i: m for i, m in enumerate(layers) if m is not None}
         self._routers = {i: m.route for i, m in moes.items()}
-        experts = len(next(iter(moes.values())).panels.gate_up) if moes else 0
+        experts = next(iter(moes.values())).panels.experts if moes else 0
         k = max((m.top_k for m in moes.values()), default=0)
         inter = max((m.inter for m in moes.values()), default=0)
         self.rows = torch.zeros(experts, dtype=torch.int64)  # added to by every step
@@ -70,15 +73,16 @@ class MoELayers:
         self._weights = torch.zeros(rows, k, dtype=dtype)
         self._scratch = torch.empty(rows * k * (2 * hidden + 3 * inter), dtype=dtype)
         self._counts = torch.zeros(experts, dtype=torch.int64)
-        ptrs = ctypes.c_void_p * experts
         self._structs = {
             i: MoEStruct(
-                ptrs(*m.panels.gate_up),
-                ptrs(*m.panels.down),
+                _addresses(m.panels.gate_up),
+                _addresses(m.panels.down),
                 experts,
                 m.top_k,
                 m.inter,
                 self.rows.data_ptr(),
+                MOE_KERNEL_CODES[m.panels.kernel],
+                m.panels.max_rows,
             )
             for i, m in moes.items()
         }
@@ -123,7 +127,11 @@ class MoELayers:
         return rows
 
 
+def _addresses(ptrs: list[int]) -> Any:
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+
 def check_moe(moe: MoEWeights) -> None:
-    e = len(moe.panels.gate_up)
-    if len(moe.panels.down) != e or not 0 < moe.top_k <= e or moe.inter <= 0:
+    p, e = moe.panels, moe.panels.experts
+    if len(p.down) != len(p.gate_up) or not 0 < moe.top_k <= e or moe.inter <= 0:
         raise ValueError(f"MoE of {e} experts, top {moe.top_k}, intermediate {moe.inter}")

@@ -22,6 +22,7 @@
 // ops, as the layer-by-layer path runs them, so the experts chosen stay transformers') and the rest
 // in inferd_moe_layer (moe_experts.cpp), the call that path makes: a decode step of the qwen3-moe
 // shape is one native call with one callback a layer instead of ~13 calls from Python a layer.
+// Int8 experts run the int8 GEMV at every row count of the step (1-8), as its dense layers do.
 //
 // The caller (kernels/decode.py) checks every shape once when it builds the Model; per step it
 // fills a Step with the batch's pointers. Scratch buffers are the caller's, sized for the rows.
@@ -50,8 +51,8 @@ int inferd_gemm_panel(const void* x, int64_t rows, int64_t x_stride, const void*
                       int64_t k, const void* bias, void* y, int64_t y_stride, int dtype);
 int inferd_moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
                      const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
-                     const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
-                     void* scratch, void* y, int dtype);
+                     const void* const* w2, int kernel, int64_t max_rows, int64_t hidden,
+                     int64_t inter, int64_t* counts, void* scratch, void* y, int dtype);
 }
 
 namespace {
@@ -73,13 +74,16 @@ struct Lin {
   const void* panel;  // the panels (kPanel)
 };
 
-// An MoE layer's experts: every expert's gate/up and down panels by expert id (gemv.py's
-// PanelWeight), and where the rows routed to each are added up across steps.
+// An MoE layer's experts: every expert's gate/up and down weights by expert id, as
+// inferd_moe_layer's `kernel` reads them (the panels of gemv.py's PanelWeight, or the four
+// addresses of its Int8Weight), and where the rows routed to each are added up across steps.
 struct Moe {
   const void* const* w13;
   const void* const* w2;
   int64_t experts, top_k, inter;
   int64_t* counts;  // [experts]
+  int64_t kernel;    // moe_experts.cpp's MoeKernel
+  int64_t max_rows;  // the most rows one expert takes (at least the step's)
 };
 
 struct Layer {
@@ -162,8 +166,8 @@ int mlp(const Model& m, const Layer& L, int64_t index, const Step& s) {
   const Moe& e = *L.moe;
   if (m.route(index, s.rows) != 0) return -3;
   const int rc = inferd_moe_layer(s.x, m.hidden, s.rows, s.experts, s.weights, e.experts, e.top_k,
-                                  e.w13, e.w2, m.hidden, e.inter, s.counts, s.moe_scratch, s.h,
-                                  dt);
+                                  e.w13, e.w2, static_cast<int>(e.kernel), e.max_rows,
+                                  m.hidden, e.inter, s.counts, s.moe_scratch, s.h, dt);
   for (int64_t j = 0; rc == 0 && j < e.experts; ++j) e.counts[j] += s.counts[j];
   return rc;
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -28,14 +29,27 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 KV_DTYPE_CODES = {**DTYPE_CODES, torch.float8_e5m2: 2, torch.int8: 3}
 
 
+# The kernels an MoE layer's experts run in one call (moe_experts.cpp's MoeKernel), and the
+# addresses each expert's weight takes: a PanelWeight's packed panels; an Int8Weight's q, scale,
+# row_sum and bias (0: none).
+MoEKernel = Literal["panel", "gemv_int8"]
+MOE_KERNEL_CODES: dict[MoEKernel, int] = {"panel": 0, "gemv_int8": 1}
+MOE_ADDRESSES: dict[MoEKernel, int] = {"panel": 1, "gemv_int8": 4}
+
+
 @dataclass(frozen=True)
 class MoEPanels:
-    """Where every expert of an MoE layer keeps its panel copies (PanelWeight.packed addresses,
-    by expert id), and the most rows per expert their plans send to the panel GEMM."""
+    """Where every expert of an MoE layer keeps the copies `kernel` reads (MOE_ADDRESSES per
+    expert, by expert id), and the most rows per expert their plans send to that kernel."""
 
     gate_up: list[int]
     down: list[int]
     max_rows: int
+    kernel: MoEKernel = "panel"
+
+    @property
+    def experts(self) -> int:
+        return len(self.gate_up) // MOE_ADDRESSES[self.kernel]
 
 
 class FusedOps:
@@ -53,8 +67,8 @@ class FusedOps:
         self._rope.argtypes = [ptr, i64, i32, i64, i32, i32, i32, ptr, ptr, ptr, i64]
         self._rope.argtypes += [ptr, ptr, f32, ptr, ptr, i32, i64, ptr]
         self._moe = lib.inferd_moe_layer
-        self._moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
-        self._moe.argtypes += [ptr, i32]
+        self._moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i32, i64, i64, i64]
+        self._moe.argtypes += [ptr, ptr, ptr, i32]
         for fn in (self._norm, self._silu, self._argmax, self._rope, self._moe):
             fn.restype = ctypes.c_int
 
@@ -102,22 +116,22 @@ class FusedOps:
 
     def moe_layer(
         self, x: Tensor, experts: Tensor, weights: Tensor, panels: MoEPanels, inter: int
-    ) -> tuple[Tensor, list[int]]:
+    ) -> tuple[Tensor, list[int]] | None:
         """An MoE layer past its router in one call (moe_experts.cpp): x [T, H] (unit-stride
         rows), each token's experts [T, k] int64 and routing weights [T, k] in x's dtype, and
-        every expert's packed panels by expert id (PanelWeight.packed addresses of its [2I, H]
-        gate/up and [H, I] down weights, in x's dtype) -> (y [T, H], the rows each expert
-        received)."""
+        every expert's weight copies by expert id (`panels`: [2I, H] gate/up and [H, I] down,
+        panels in x's dtype or int8) -> (y [T, H], the rows each expert received); None where an
+        expert received more than `panels.max_rows` rows (nothing was run)."""
         t, h = x.shape
         k = experts.shape[1]
-        e = len(panels.gate_up)
+        e = panels.experts
         assert x.stride(1) == 1 and x.dtype in DTYPE_CODES and weights.dtype == x.dtype
-        assert experts.shape == weights.shape == (t, k) and len(panels.down) == e
+        assert experts.shape == weights.shape == (t, k) and len(panels.down) == len(panels.gate_up)
         experts, weights = experts.contiguous(), weights.contiguous()
         counts = torch.empty(e, dtype=torch.int64)
         scratch = x.new_empty(t * k * (2 * h + 3 * inter))
         y = x.new_empty(t, h)
-        ptrs = ctypes.c_void_p * e
+        ptrs = ctypes.c_void_p * len(panels.gate_up)
         rc = self._moe(
             x.data_ptr(),
             x.stride(0),
@@ -128,6 +142,8 @@ class FusedOps:
             k,
             ptrs(*panels.gate_up),
             ptrs(*panels.down),
+            MOE_KERNEL_CODES[panels.kernel],
+            panels.max_rows,
             h,
             inter,
             counts.data_ptr(),
@@ -135,6 +151,8 @@ class FusedOps:
             y.data_ptr(),
             DTYPE_CODES[x.dtype],
         )
+        if rc == 1:
+            return None
         if rc == -2:
             raise IndexError("moe_layer: an expert id is out of range")
         check_rc(rc, "moe_layer")

@@ -4,7 +4,8 @@
 //                     gate/up and down weights packed in panels (gemv.py's PanelWeight: [2I] x [H]
 //                     and [H] x [I]) -> y [T, H] = sum over a token's experts, ascending, of
 //                     weight * down(silu(gate(x)) * up(x)); the rows each expert received. One
-//                     dtype throughout: float32, or bfloat16 on AVX512_BF16.
+//                     dtype throughout: float32, or bfloat16 on AVX512_BF16. Or, with the int8
+//                     kernel, every expert's gemv.py Int8Weight copies (x float32 or bfloat16).
 //
 // The assignments are counting-sorted by expert (stable), the rows gathered in that order, each
 // active expert runs over its contiguous rows (`moe_experts`), and the outputs are weighted and
@@ -23,6 +24,14 @@
 // panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit what its two
 // Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is fused_ops.cpp's.
 // Panels run on the AVX-512 loop, not AMX tiles: the layers it serves are a few rows per expert.
+//
+// Int8 experts (`--quantization int8`) run here only where every active expert received at most
+// `max_rows` rows (the int8 GEMV's share of their plans, 1-2 rows; the one-call decode step's
+// 1-8): each runs the calls its two Linear layers make from Python, the int8 GEMV (gemv.cpp,
+// which quantizes each row alone), fused_ops.cpp's SiLU * up, the int8 GEMV, so its output is
+// theirs bit for bit; more rows return 1 with nothing computed (Python then runs the experts,
+// larger batches on fbgemm). One call per projection, each its own parallel region: what this
+// saves at a decode step is the Python around 2 x top-k linear calls a layer.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,8 +42,16 @@
 
 extern "C" int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows,
                                int64_t inter);
+extern "C" int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w,
+                                int64_t n, int64_t k, const float* w_scale, const int32_t* w_sum,
+                                const float* bias, void* y, int64_t y_stride, int dtype);
 
 namespace {
+
+// The experts' kernel: the panel GEMM on one PanelWeight address per expert, or the int8 GEMV on
+// four per expert (an Int8Weight's q, scale, row_sum and bias, null for none).
+enum MoeKernel : int { kMoePanel = 0, kMoeGemvInt8 = 1 };
+constexpr int64_t kInt8Addresses = 4;
 
 // Assignments (tokens x k) from which the threads share the gather and the weighted sums: a
 // prefill chunk's (a 512-token chunk at top 8 copies 16 MB of rows, then sums 16 MB back, which
@@ -175,11 +192,38 @@ void combine(const void* out, const int64_t* pos, const int64_t* experts, const 
   }
 }
 
-template <class S>
+// y[rows, n] = x[rows, k] W^T by the int8 GEMV on w's four addresses (an Int8Weight's).
+int gemv_int8(const char* x, int64_t rows, int64_t k, const void* const* w, int64_t n, char* y,
+              int dtype) {
+  return inferd_gemv_int8(x, rows, k, static_cast<const int8_t*>(w[0]), n, k,
+                          static_cast<const float*>(w[1]), static_cast<const int32_t*>(w[2]),
+                          static_cast<const float*>(w[3]), y, n, dtype);
+}
+
+// Each active expert's contiguous rows of xs through its int8 gate/up, SiLU * up and int8 down,
+// the calls its Linear layers make (w13, w2: kInt8Addresses per active expert).
+int int8_experts(const char* xs, const int64_t* rows, int64_t experts, const void* const* w13,
+                 const void* const* w2, int64_t hidden, int64_t inter, char* gate_up, char* act,
+                 char* out, int dtype) {
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+  int rc = 0;
+  for (int64_t e = 0, r = 0; rc == 0 && e < experts; r += rows[e++]) {
+    char* gu = gate_up + r * 2 * inter * esz;
+    char* a = act + r * inter * esz;
+    rc = gemv_int8(xs + r * hidden * esz, rows[e], hidden, w13 + kInt8Addresses * e, 2 * inter,
+                   gu, dtype);
+    if (rc == 0) rc = inferd_silu_mul(a, gu, dtype, rows[e], inter);
+    if (rc == 0)
+      rc = gemv_int8(a, rows[e], inter, w2 + kInt8Addresses * e, hidden, out + r * hidden * esz,
+                     dtype);
+  }
+  return rc;
+}
+
 int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
               const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
-              const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
-              void* scratch, void* y, int dtype) {
+              const void* const* w2, int kernel, int64_t max_rows, int64_t hidden, int64_t inter,
+              int64_t* counts, void* scratch, void* y, int dtype) {
   const int64_t n = tokens * k, esz = dtype == kF32 ? 4 : 2;
   for (int64_t a = 0; a < n; ++a)
     if (experts[a] < 0 || experts[a] >= num_experts) return -2;
@@ -187,6 +231,8 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   std::vector<int64_t> start(num_experts + 1, 0), pos(n);
   for (int64_t e = 0; e < num_experts; ++e) counts[e] = 0;
   for (int64_t a = 0; a < n; ++a) ++counts[experts[a]];
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (counts[e] > max_rows) return 1;
   for (int64_t e = 0; e < num_experts; ++e) start[e + 1] = start[e] + counts[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t a = 0; a < n; ++a) pos[a] = fill[experts[a]]++;
@@ -198,7 +244,7 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   // Where the assignments are many (a prefill chunk's), each thread gathers a share of them and
   // sums a share of the tokens, inside the experts' parallel region; a decode step's few are
   // gathered before it and summed after it, which spares the threads two barriers.
-  const bool split = n >= kSplitAssignments;
+  const bool split = kernel == kMoePanel && n >= kSplitAssignments;
   auto gather = [&](int64_t t, int64_t nt) {
     for (int64_t a = n * t / nt; a < n * (t + 1) / nt; ++a)
       std::memcpy(xs + pos[a] * hidden * esz,
@@ -209,14 +255,29 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
             y, dtype);
   };
   if (!split) gather(0, 1);
+  // The active experts' rows and weight addresses.
+  const int64_t per = kernel == kMoeGemvInt8 ? kInt8Addresses : 1;
   std::vector<int64_t> rows;
   std::vector<const void*> up, down;
-  for (int64_t e = 0; e < num_experts; ++e)
-    if (counts[e] > 0) rows.push_back(counts[e]), up.push_back(w13[e]), down.push_back(w2[e]);
-  moe_experts<S>(xs, rows.data(), static_cast<int64_t>(rows.size()), up.data(), down.data(),
-                 hidden, inter, gate_up, act, out, dtype, split, gather, sum);
-  if (!split) sum(0, 1);
-  return 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (counts[e] == 0) continue;
+    rows.push_back(counts[e]);
+    up.insert(up.end(), w13 + e * per, w13 + (e + 1) * per);
+    down.insert(down.end(), w2 + e * per, w2 + (e + 1) * per);
+  }
+  const int64_t active = static_cast<int64_t>(rows.size());
+  int rc = 0;
+  if (kernel == kMoeGemvInt8)
+    rc = int8_experts(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up, act,
+                      out, dtype);
+  else if (dtype == kF32)
+    rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
+                              gate_up, act, out, dtype, split, gather, sum);
+  else
+    rc = moe_experts<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
+                               gate_up, act, out, dtype, split, gather, sum);
+  if (rc == 0 && !split) sum(0, 1);
+  return rc;
 }
 
 }  // namespace
@@ -224,20 +285,23 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
 extern "C" {
 
 // The whole layer past the router: x [T, H] (rows x_stride apart), each token's k experts and
-// routing weights ([T, k], weights in the dtype) and every expert's packed weights by expert id
-// -> y [T, H]; counts [E] <- rows each expert received. scratch: T * k * (2H + 3I) values.
-// Returns -2 for an expert id out of range.
+// routing weights ([T, k], weights in the dtype) and every expert's weights by expert id (kernel
+// kMoePanel: its packed panels; kMoeGemvInt8: kInt8Addresses each) -> y [T, H]; counts [E] <- rows
+// each expert received. scratch: T * k * (2H + 3I) values. Returns 1, with only counts written,
+// where an expert received more than max_rows rows; -2 for an expert id out of range.
 int inferd_moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
                      const void* weights, int64_t num_experts, int64_t k, const void* const* w13,
-                     const void* const* w2, int64_t hidden, int64_t inter, int64_t* counts,
-                     void* scratch, void* y, int dtype) {
-  if (panel_rows(dtype) == 0) return -1;
-  if (dtype == kF32)
-    return moe_layer<StepF32>(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2,
-                              hidden, inter, counts, scratch, y, dtype);
-  if (hidden % 2 != 0 || inter % 2 != 0) return -1;
-  return moe_layer<StepBF16>(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2,
-                             hidden, inter, counts, scratch, y, dtype);
+                     const void* const* w2, int kernel, int64_t max_rows, int64_t hidden,
+                     int64_t inter, int64_t* counts, void* scratch, void* y, int dtype) {
+  if (dtype != kF32 && dtype != kBF16) return -1;
+  if (kernel == kMoePanel) {
+    if (panel_rows(dtype) == 0) return -1;
+    if (dtype == kBF16 && (hidden % 2 != 0 || inter % 2 != 0)) return -1;
+  } else if (kernel != kMoeGemvInt8) {
+    return -1;
+  }
+  return moe_layer(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2, kernel,
+                   max_rows, hidden, inter, counts, scratch, y, dtype);
 }
 
 }  // extern "C"
