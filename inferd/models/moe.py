@@ -139,9 +139,11 @@ class SparseMoE(nn.Module):
         else SiLU * up; None: PyTorch's ops)."""
         weights, experts = self.route(x)
         panels = None if fused is None else self.panels
+        # The native call gives None where an expert received more rows than its kernel's route
+        # takes, as some surely does past max_rows * E assignments (not tried then).
+        most = 0 if panels is None else panels.max_rows * self.num_experts
         done = None
-        if fused is not None and panels is not None:
-            # None: an expert received more rows than its kernel's route takes.
+        if fused is not None and panels is not None and x.shape[0] * self.top_k <= most:
             done = fused.moe_layer(x, experts, weights, panels, self.inter)
         if done is not None:
             y, counts = done

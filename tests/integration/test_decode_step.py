@@ -26,6 +26,7 @@ from inferd.models.kernels import NativeKernels, PagedBatch
 from inferd.models.kernels.decode import DecodePlan, DecodeShape, GemvWeight, LayerWeights
 from inferd.models.kernels.gemv import PanelWeight
 from inferd.models.linear import has_int8_gemm
+from inferd.models.moe import SparseMoE
 
 pytest.importorskip("transformers")
 
@@ -142,6 +143,12 @@ def test_equals_the_layer_by_layer_path(
     calls.clear()
     assert _results(llm, plan.max_rows) == native
     assert not calls
+    # And with each MoE layer's experts one call each from Python (no experts' native call).
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    for m in moes:
+        monkeypatch.setattr(m, "panels", None)
+    if moes:
+        assert _results(llm, plan.max_rows) == native
 
 
 def _gemv_as_the_step_runs_it(

@@ -392,7 +392,8 @@ def test_moe_experts_run_the_dense_layers_plan(
         x = torch.randn(rows, ENGINE_BASE["hidden_size"], generator=g).to(dtype)
         with torch.no_grad():
             got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
-            assert ran.pop() == (rows <= 2 or kind != "int8")
+            assert any(ran) == (rows <= 2 or kind != "int8")
+            ran.clear()
             panels, block.panels = block.panels, None  # the per-expert calls
             assert torch.equal(got, block.mix(x, native_kernels.ops))
             block.panels = panels
