@@ -31,7 +31,8 @@ kernel's route takes (`MoEPanels.max_rows`; an expert given more: the Python pat
 - the panel GEMM (float32 and bfloat16): any row count, all active experts' panels split over
   the threads with two barriers;
 - the int8 GEMV (`--quantization int8`): 1-2 rows per expert (a decode step of a few
-  sequences), each expert's two GEMV calls and SiLU * up as its Linear layers make them.
+  sequences), each value computed as the expert's Linear layers compute it, all active
+  experts' blocks split over the threads.
 It takes the same steps in the same order, rounding where they round, so its output equals
 theirs bit for bit (tests/integration/test_families_vs_hf.py). bench/NOTES.md has what it saved.
 The one-call decode step (kernels/decode.py) runs the same call inside the step, int8 experts on

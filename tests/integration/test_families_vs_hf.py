@@ -338,11 +338,12 @@ _EXPERT_PLANS = {
     ("onednn", torch.float32): {"panel"},
     ("onednn", torch.bfloat16): {"panel"},
     ("int8", torch.float32): {"gemv_int8", "int8"},
+    ("int8", torch.bfloat16): {"gemv_int8", "int8"},
 }
 # The relative error each allows against F.linear on the model dtype's weights: float32 sums in
 # another order; bfloat16 rounds the activations between GEMMs; int8 rounds weights and inputs.
 _EXPERT_ERROR = {("onednn", torch.float32): 1e-6, ("onednn", torch.bfloat16): 2e-2}
-_EXPERT_ERROR[("int8", torch.float32)] = 3e-2
+_EXPERT_ERROR[("int8", torch.float32)] = _EXPERT_ERROR[("int8", torch.bfloat16)] = 3e-2
 
 
 @pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))

@@ -27,24 +27,24 @@
 //
 // Int8 experts (`--quantization int8`) run here only where every active expert received at most
 // `max_rows` rows (the int8 GEMV's share of their plans, 1-2 rows; the one-call decode step's
-// 1-8): each runs the calls its two Linear layers make from Python, the int8 GEMV (gemv.cpp,
-// which quantizes each row alone), fused_ops.cpp's SiLU * up, the int8 GEMV, so its output is
-// theirs bit for bit; more rows return 1 with nothing computed (Python then runs the experts,
-// larger batches on fbgemm). One call per projection, each its own parallel region: what this
-// saves at a decode step is the Python around 2 x top-k linear calls a layer.
+// 1-8); more rows return 1 with nothing computed (Python then runs the experts, larger batches
+// on fbgemm). They take the steps their two Linear layers take from Python, each value computed
+// as there: the rows quantized one by one, the int8 GEMV's block loop (gemv_int8.h),
+// fused_ops.cpp's SiLU * up, the same for down, so the output is theirs bit for bit; but in one
+// parallel region with three barriers, the threads splitting all active experts' blocks, where
+// one GEMV call per projection was 2 x top-k regions a layer (measured 1.11x a single stream of
+// the qwen3-moe shape, bench/NOTES.md).
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "gemv_int8.h"
 #include "panel.h"
 
 extern "C" int inferd_silu_mul(void* out, const void* gate_up, int dtype, int64_t rows,
                                int64_t inter);
-extern "C" int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w,
-                                int64_t n, int64_t k, const float* w_scale, const int32_t* w_sum,
-                                const float* bias, void* y, int64_t y_stride, int dtype);
 
 namespace {
 
@@ -192,32 +192,97 @@ void combine(const void* out, const int64_t* pos, const int64_t* experts, const 
   }
 }
 
-// y[rows, n] = x[rows, k] W^T by the int8 GEMV on w's four addresses (an Int8Weight's).
-int gemv_int8(const char* x, int64_t rows, int64_t k, const void* const* w, int64_t n, char* y,
-              int dtype) {
-  return inferd_gemv_int8(x, rows, k, static_cast<const int8_t*>(w[0]), n, k,
-                          static_cast<const float*>(w[1]), static_cast<const int32_t*>(w[2]),
-                          static_cast<const float*>(w[3]), y, n, dtype);
+// One block of an int8 projection: `nb` output values from `n0` of an active expert's rows.
+struct Int8Item {
+  int64_t expert, n0, nb;
+};
+
+// An n-output projection's blocks over the active experts: gemv.cpp's blocking (kBlockRows of the
+// expert's row count, the last n % B outputs one at a time).
+std::vector<Int8Item> int8_items(const int64_t* rows, int64_t experts, int64_t n) {
+  std::vector<Int8Item> items;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t b = rows[e] <= 4 ? gemv8::kBlockRows<4> : gemv8::kBlockRows<8>;
+    int64_t n0 = 0;
+    for (; n0 + b <= n; n0 += b) items.push_back({e, n0, b});
+    for (; n0 < n; ++n0) items.push_back({e, n0, 1});
+  }
+  return items;
 }
 
-// Each active expert's contiguous rows of xs through its int8 gate/up, SiLU * up and int8 down,
-// the calls its Linear layers make (w13, w2: kInt8Addresses per active expert).
-int int8_experts(const char* xs, const int64_t* rows, int64_t experts, const void* const* w13,
-                 const void* const* w2, int64_t hidden, int64_t inter, char* gate_up, char* act,
-                 char* out, int dtype) {
-  const int64_t esz = dtype == kF32 ? 4 : 2;
-  int rc = 0;
-  for (int64_t e = 0, r = 0; rc == 0 && e < experts; r += rows[e++]) {
-    char* gu = gate_up + r * 2 * inter * esz;
-    char* a = act + r * inter * esz;
-    rc = gemv_int8(xs + r * hidden * esz, rows[e], hidden, w13 + kInt8Addresses * e, 2 * inter,
-                   gu, dtype);
-    if (rc == 0) rc = inferd_silu_mul(a, gu, dtype, rows[e], inter);
-    if (rc == 0)
-      rc = gemv_int8(a, rows[e], inter, w2 + kInt8Addresses * e, hidden, out + r * hidden * esz,
-                     dtype);
+// The rows of one int8 projection's input, quantized per row as gemv.cpp quantizes them.
+struct QuantRows {
+  int64_t kpad;
+  std::vector<uint8_t> q;  // [rows, kpad]
+  std::vector<float> scale;
+  std::vector<int32_t> zero;
+  QuantRows(int64_t rows, int64_t k)
+      : kpad((k + 63) / 64 * 64), q(rows * kpad), scale(rows), zero(rows) {}
+  void quantize(const char* x, int64_t r0, int64_t r1, int64_t k, int dtype) {
+    const int64_t esz = dtype == kF32 ? 4 : 2;
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_u8(x + r * k * esz, dtype, k, kpad, q.data() + r * kpad, &scale[r], &zero[r]);
   }
-  return rc;
+};
+
+// Item `it` of a projection: y rows of its expert (from row0) = its quantized rows . its int8
+// weight (kInt8Addresses at w), as gemv.cpp's block loop computes them.
+template <int DT>
+void run_int8(const Int8Item& it, const int64_t* rows, const int64_t* row0, const QuantRows& x,
+              const void* const* w, int64_t n, int64_t k, char* y) {
+  const int64_t r0 = row0[it.expert], esz = DT == kF32 ? 4 : 2;
+  gemv8::Int8Rows xr{x.q.data() + r0 * x.kpad, x.kpad, {}, {}};
+  for (int64_t r = 0; r < rows[it.expert]; ++r)
+    xr.scale[r] = x.scale[r0 + r], xr.zero[r] = x.zero[r0 + r];
+  const void* const* wa = w + kInt8Addresses * it.expert;
+  const auto* q = static_cast<const int8_t*>(wa[0]);
+  const auto* scale = static_cast<const float*>(wa[1]);
+  const auto* sum = static_cast<const int32_t*>(wa[2]);
+  const auto* bias = static_cast<const float*>(wa[3]);
+  char* yr = y + r0 * n * esz;
+  gemv8::with_rows(rows[it.expert], [&](auto rr) {
+    constexpr int R = decltype(rr)::value;
+    if (it.nb == 1)
+      gemv8::block_int8<R, 1, DT>(xr, q, k, scale, sum, bias, yr, n, it.n0);
+    else
+      gemv8::block_int8<R, gemv8::kBlockRows<R>, DT>(xr, q, k, scale, sum, bias, yr, n, it.n0);
+  });
+}
+
+// Each active expert's contiguous rows of xs (at most gemv8::kMaxRows) through its int8 gate/up,
+// SiLU * up and int8 down (w13, w2: kInt8Addresses per active expert) in one parallel region with
+// three barriers: the rows quantized, the gate/up blocks of all experts split over the threads,
+// SiLU * up and its rows quantized, the down blocks. Each value is computed as the int8 GEMV
+// computes it (gemv_int8.h), so the output is the per-expert calls' bit for bit.
+template <int DT>
+void int8_experts(const char* xs, const int64_t* rows, int64_t experts, const void* const* w13,
+                  const void* const* w2, int64_t hidden, int64_t inter, char* gate_up, char* act,
+                  char* out) {
+  const int64_t esz = DT == kF32 ? 4 : 2;
+  std::vector<int64_t> row0(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const int64_t total = row0[experts];
+  QuantRows qx(total, hidden), qa(total, inter);
+  const std::vector<Int8Item> up = int8_items(rows, experts, 2 * inter);
+  const std::vector<Int8Item> down = int8_items(rows, experts, hidden);
+  const int64_t nu = static_cast<int64_t>(up.size()), nd = static_cast<int64_t>(down.size());
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r0 = total * t / nt, r1 = total * (t + 1) / nt;
+    qx.quantize(xs, r0, r1, hidden, DT);
+#pragma omp barrier
+    for (int64_t i = nu * t / nt; i < nu * (t + 1) / nt; ++i)
+      run_int8<DT>(up[i], rows, row0.data(), qx, w13, 2 * inter, hidden, gate_up);
+#pragma omp barrier
+    // SiLU * up of this thread's rows (a nested region: serial here), then their quantization.
+    if (r1 > r0)
+      inferd_silu_mul(act + r0 * inter * esz, gate_up + r0 * 2 * inter * esz, DT, r1 - r0, inter);
+    qa.quantize(act, r0, r1, inter, DT);
+#pragma omp barrier
+    for (int64_t i = nd * t / nt; i < nd * (t + 1) / nt; ++i)
+      run_int8<DT>(down[i], rows, row0.data(), qa, w2, hidden, inter, out);
+  }
 }
 
 int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* experts,
@@ -267,9 +332,12 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   }
   const int64_t active = static_cast<int64_t>(rows.size());
   int rc = 0;
-  if (kernel == kMoeGemvInt8)
-    rc = int8_experts(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up, act,
-                      out, dtype);
+  if (kernel == kMoeGemvInt8 && dtype == kF32)
+    int8_experts<kF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
+                       act, out);
+  else if (kernel == kMoeGemvInt8)
+    int8_experts<kBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
+                        act, out);
   else if (dtype == kF32)
     rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                               gate_up, act, out, dtype, split, gather, sum);
@@ -297,7 +365,7 @@ int inferd_moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int6
   if (kernel == kMoePanel) {
     if (panel_rows(dtype) == 0) return -1;
     if (dtype == kBF16 && (hidden % 2 != 0 || inter % 2 != 0)) return -1;
-  } else if (kernel != kMoeGemvInt8) {
+  } else if (kernel != kMoeGemvInt8 || max_rows > gemv8::kMaxRows) {
     return -1;
   }
   return moe_layer(x, x_stride, tokens, experts, weights, num_experts, k, w13, w2, kernel,
