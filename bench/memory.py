@@ -34,6 +34,8 @@ from peers import SHAPES, System, gguf_file, launched, single_workload, weights_
 from safetensors import safe_open
 from serve import completion_body, launched_server, proc_table
 
+from inferd.engine_args import parse_bytes
+
 GIB = 2**30
 VARIANTS = (
     "float32=--dtype float32",
@@ -88,18 +90,23 @@ def four_requests(url: str, shape_name: str) -> None:
                 client.post(f"{url}/v1/completions", json=body).raise_for_status()
 
 
+def rss_around_requests(pid: int, url: str, shape_name: str) -> tuple[int, int]:
+    """A server's resident set after start-up, then after four requests."""
+    started = tree_rss_bytes(pid)
+    four_requests(url, shape_name)
+    return started, tree_rss_bytes(pid)
+
+
 def measure(folder: Path, name: str, extra: str, args: argparse.Namespace) -> dict[str, Any]:
     argv = [str(folder), "--served-model-name", "m", "--num-threads", str(args.threads)]
     argv += ["--kv-cache-memory", args.kv_cache, *shlex.split(extra)]
     log = Path("bench/results") / f"memory-{name}.log"
     with launched_server(argv, log) as server:
-        started = tree_rss_bytes(server.pid)
-        four_requests(server.url, args.shape)
-        after = tree_rss_bytes(server.pid)
+        started, after = rss_around_requests(server.pid, server.url, args.shape)
     split = shlex.split(extra)
     dtype = split[split.index("--dtype") + 1] if "--dtype" in split else "float32"
     served = served_bytes(folder, dtype, "int8" in split)
-    kv = _parse_bytes(args.kv_cache)
+    kv = parse_bytes(args.kv_cache)
     bound = 1.25 * served + kv + 0.6 * GIB
     return {
         "variant": name,
@@ -121,14 +128,12 @@ def measure_llama(folder: Path, outtype: str, args: argparse.Namespace) -> dict[
         return None
     cfg = SHAPES[args.shape]
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, float16
-    ctx = _parse_bytes(args.kv_cache) // kv_per_token
+    ctx = parse_bytes(args.kv_cache) // kv_per_token
     argv = [str(args.llama_server), "-m", str(gguf), "-np", "1", "-c", str(ctx)]
     argv += ["-t", str(args.threads)]
     log = Path("bench/results") / f"memory-llama-{outtype}.log"
     with launched(System(f"llama.cpp-{outtype}", argv, "/health"), log) as server:
-        started = tree_rss_bytes(server.pid)
-        four_requests(server.url, args.shape)
-        after = tree_rss_bytes(server.pid)
+        started, after = rss_around_requests(server.pid, server.url, args.shape)
     return {
         "variant": f"llama.cpp-{outtype}",
         "args": shlex.join(argv[1:]),
@@ -137,14 +142,6 @@ def measure_llama(folder: Path, outtype: str, args: argparse.Namespace) -> dict[
         "rss_started": started,
         "rss_after": after,
     }
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"GiB": GIB, "MiB": 2**20, "KiB": 2**10}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(text)
 
 
 def main() -> None:
