@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from pydantic import ValidationError
-from pydantic.fields import FieldInfo
 
 from inferd.config import (
     DEFAULT_MODEL,
@@ -32,6 +31,7 @@ from inferd.engine_args import (
     add_engine_args,
     add_image_args,
     engine_kwargs,
+    field_help,
     image_kwargs,
     parse_bytes,
 )
@@ -202,12 +202,6 @@ def _check_tls(args: argparse.Namespace) -> None:
             raise InferdError(f"--{flag.replace('_', '-')} {path!r} is not a file")
 
 
-def _help(field: FieldInfo) -> str:
-    """A server flag's one line of help: its config field's description and default."""
-    text = (field.description or "").replace("%", "%%")
-    return text if field.default is None else f"{text} (default: {field.default})"
-
-
 def add_security_args(p: argparse.ArgumentParser) -> None:
     """Keys, per-key limits, TLS and hostile-connection bounds (docs/configuration.md)."""
     srv = ServerConfig.model_fields
@@ -228,7 +222,7 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
         "--timeout-keep-alive",
         type=float,
         default=srv["timeout_keep_alive"].default,
-        help=_help(srv["timeout_keep_alive"]),
+        help=field_help(srv["timeout_keep_alive"]),
     )
     g.add_argument(
         "--read-timeout",
@@ -269,7 +263,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         ("--otlp-traces-endpoint", srv["otlp_traces_endpoint"], str),
         ("--served-model-name", srv["served_model_name"], str),
     ):
-        g.add_argument(flag, type=kind, default=field.default, help=_help(field))
+        g.add_argument(flag, type=kind, default=field.default, help=field_help(field))
     g.add_argument(
         "--disable-access-log",
         action="store_true",

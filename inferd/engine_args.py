@@ -146,7 +146,7 @@ def _add_section(p: argparse.ArgumentParser, section: type[BaseModel]) -> argpar
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, form: FlagForm) -> None:
     flag = form.name or "--" + name.replace("_", "-")
-    help_text = (field.description or "").replace("%", "%%")
+    help_text = field_help(field, with_default=False)
     if field.annotation is bool:
         on_by_default = bool(field.default)
         if on_by_default:
@@ -164,9 +164,18 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, field: FieldInfo, form:
     if form.name is not None and "choices" not in kwargs and "metavar" not in kwargs:
         kwargs["metavar"] = form.name[2:].upper().replace("-", "_")  # not the field's name
     # A choice field's help names its default ("auto: ..."): the line stays one line.
-    if kwargs["default"] is not None and "choices" not in kwargs:
-        help_text += f" (default: {kwargs['default']})"
+    if "choices" not in kwargs:
+        help_text = field_help(field, with_default=kwargs["default"] is not None)
     group.add_argument(flag, *form.aliases, dest=name, help=help_text, **kwargs)
+
+
+def field_help(field: FieldInfo, with_default: bool = True) -> str:
+    """A flag's one line of help: its config field's description (argparse-escaped), then its
+    default where it has one."""
+    text = (field.description or "").replace("%", "%%")
+    if with_default and field.default is not None:
+        text += f" (default: {field.default})"
+    return text
 
 
 def _typed(name: str, annotation: Any) -> dict[str, Any]:
