@@ -14,7 +14,7 @@
       priority_levels: 2
       default_priority_level: 2
       default_queue_policy: {max_queue_size: 256, default_timeout_ms: 0}
-      max_padding_ratio: 0.1          # not Triton: cross-length-bucket batches; 0: off
+      max_padding_ratio: 0.1          # not Triton: buckets' fill when the call cost is unknown
     instance_count: 1                 # Triton's instance_group: [{count: N, kind: KIND_CPU}] too
     version_policy: {latest: {num_versions: 1}}   # or {all: {}} or {specific: {versions: [1, 3]}}
     parameters: {intra_op_threads: 2}  # backend settings: intra_op_threads, inter_op_threads,
@@ -132,12 +132,12 @@ class DynamicBatching(_Strict):
     priority_levels: int = Field(default=0, ge=0)  # 0: one level
     default_priority_level: int = Field(default=0, ge=0)
     default_queue_policy: QueuePolicy = QueuePolicy()
-    # Not in Triton. A batch from one length bucket with rows to spare takes requests of other
-    # buckets while padded / total elements of its variable-length inputs stays <= this:
-    # one batch padded a little costs less than several small ones. 0: each bucket alone.
-    # Default 0.1: on CPU (MiniLM, ONNX Runtime, 2 cores) a backend call's fixed cost is about
-    # 20 tokens of compute, so only near-equal lengths across a bucket edge pay off; 0.25-0.4
-    # cost 7-20% throughput at 64 clients (bench/batching.py, the report of issue 4).
+    # Not in Triton. For a model whose call cost could not be timed at load (a synthetic batch
+    # failed; otherwise batches are cut by cost, inferd.batching.cost): a batch from one length
+    # bucket with rows to spare takes requests of other buckets while padded / total elements of
+    # its variable-length inputs stays <= this. 0: each bucket alone. Default 0.1: on CPU
+    # (MiniLM, ONNX Runtime, 2 cores) a backend call's fixed cost is about 13-20 tokens of
+    # compute, so only near-equal lengths across a bucket edge pay off.
     max_padding_ratio: float = Field(default=0.1, ge=0.0, lt=1.0)
 
     @model_validator(mode="before")

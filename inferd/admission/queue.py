@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -100,6 +101,10 @@ class AdmissionQueue(Generic[T]):
                 f"more would pass its maximum of {self.max_prompt_tokens}",
                 reason="tokens",
             )
+
+    def entries(self) -> Iterator[QueueEntry[T]]:
+        """The queued entries in push order (not pop order)."""
+        return iter(self._entries.values())
 
     def peek(self) -> QueueEntry[T] | None:
         """The entry `pop` would return, without removing it."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inferd.backends.base import TensorSpec
 from inferd.errors import (
     InferdError,
     InvalidRequestError,
@@ -173,6 +174,25 @@ def assemble(
             padded += pad
             total += inputs[name].size
     return inputs, (padded / total if total else 0.0)
+
+
+def synthetic_batch(
+    specs: Sequence[TensorSpec],
+    variable: Mapping[str, Sequence[int]],
+    rows: int,
+    length: int,
+) -> Tensors:
+    """Zero-filled inputs of `rows` rows for the backend's declared inputs: `length` in each
+    variable dim (`variable`), 1 in any other dim the model leaves open. For timing a call
+    (inferd.batching.cost.calibrate); every datatype must be numeric (not BYTES)."""
+    out: Tensors = {}
+    for spec in specs:
+        dims = variable.get(spec.name, ())
+        shape = [rows] + [
+            length if i in dims else (d if d > 0 else 1) for i, d in enumerate(spec.shape[1:], 1)
+        ]
+        out[spec.name] = np.zeros(shape, DATATYPES[spec.datatype])
+    return out
 
 
 # -- out of a batch ------------------------------------------------------------------------------

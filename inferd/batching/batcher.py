@@ -30,15 +30,19 @@ arrival) goes first. Within a bucket the order is the AdmissionQueue's: lowest p
 first, FIFO within one value; a batch stops at the first request that does not fit, so a big
 request is never overtaken forever by small ones.
 
-Cross-bucket filling: a batch sent from one bucket with rows to spare takes requests of other
-buckets of the same `group` (closest length first; within a bucket in its own order, stopping
-at the first that does not fit) while its padding ratio stays <= `max_padding_ratio`. Buckets
-keep padding low when there is enough traffic to fill a batch from one bucket; when there is
-not, one batch padded a little costs less than several small batches run back to back (a
-backend call has a large fixed cost), and no request waits behind its neighbours' batches.
-The ratio is padded / total elements with every request counted as `rows` x `length` padded to
-the batch's longest `length`: exact for inputs with one variable dim (token ids [n, L]), as the
-pipeline computes it.
+Which lengths share a batch (variable-length inputs): the buckets decide *when* a batch goes
+(the rules above) and which request leads it (the ready bucket's first); *which* requests go
+with it is cut by cost. Every queued request of the lead's `group` (all buckets), ordered by
+length, is split into the contiguous length ranges that minimize the sum of their calls' costs,
+`overhead + rows x longest` (`CallCost`, measured from the batches this model ran; see
+inferd.batching.cost), and the batch is the range that holds the lead: the lead first, then the
+range's requests in (priority, arrival) order, stopping at the first that does not fit. So a
+short request is padded to a long one's length only where that costs less than a call of its
+own, and requests of adjacent buckets that are close in length share a call. A request's
+`length` is its longest variable dim; the cost model is exact for inputs with one variable dim
+(token ids [n, L]). Until the cost is measured (the first batches) a batch is the lead's
+bucket, in the bucket's order, filled from the other buckets of its group (closest length
+first) while the padding ratio (padded / total elements) stays <= `max_padding_ratio`.
 
 Threading: everything here runs on the event loop except `run`, which runs on one of
 `len(backends)` worker threads with exclusive use of one backend (a backend need not be
@@ -64,11 +68,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from inferd.admission.queue import AdmissionQueue
+from inferd.admission.queue import AdmissionQueue, QueueEntry
 from inferd.admission.retry_after import CompletionRate
 from inferd.batching.buckets import BatchShape, Bucket
 from inferd.batching.buckets import Queued as Queued  # re-exported: the batcher's message
 from inferd.batching.clock import MONOTONIC, Clock, Timer
+from inferd.batching.cost import CallCost, FixedCallCost, lead_range
 from inferd.batching.pace import MeasuredPace, Pace
 from inferd.errors import QueueFullError
 
@@ -124,6 +129,7 @@ class DynamicBatcher(Generic[T, B, R]):
         name: str = "model",
         clock: Clock = MONOTONIC,
         pace: Pace | None = None,
+        cost: CallCost | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a batcher needs at least one backend")
@@ -136,6 +142,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._name = name
         self._clock = clock
         self._pace = pace if pace is not None else MeasuredPace(policy.max_delay_s)
+        self.cost = cost if cost is not None else FixedCallCost(None)  # set before start()
         self._buckets: dict[Hashable, Bucket[T]] = {}
         self._num_queued = 0
         self._seq = itertools.count()
@@ -314,12 +321,18 @@ class DynamicBatcher(Generic[T, B, R]):
         policy = self.policy
         window_start = bucket.oldest().enqueued
         batch: list[Queued[T]] = []
-        shape = BatchShape()
-        self._take(key, bucket, limit, batch, shape, math.inf)
-        if policy.dynamic and policy.max_padding_ratio > 0 and shape.longest > 0:
-            self._fill(key, bucket.group, limit, batch, shape)
-            # A request taken from another bucket may be older than this bucket's oldest.
-            window_start = min(window_start, min(q.enqueued for q in batch))
+        lead = bucket.queue.peek()
+        assert lead is not None  # empty buckets are deleted
+        overhead = self.cost.overhead_elements() if policy.dynamic else None
+        if overhead is not None and lead.item.length > 0:
+            self._cut(bucket.group, lead, limit, overhead, batch)
+        else:
+            shape = BatchShape()
+            self._take(key, bucket, limit, batch, shape, math.inf)
+            if policy.dynamic and policy.max_padding_ratio > 0 and shape.longest > 0:
+                self._fill(key, bucket.group, limit, batch, shape)
+        # A request taken from another bucket may be older than this bucket's oldest.
+        window_start = min(window_start, min(q.enqueued for q in batch))
         # The batching window closes max_delay after the batch's oldest request arrived.
         window_end = window_start + policy.max_delay_s if policy.dynamic else -math.inf
         for queued in batch:
@@ -354,6 +367,44 @@ class DynamicBatcher(Generic[T, B, R]):
             taken += 1
         self._num_queued -= taken
         self._drop_if_empty(key, bucket)
+
+    def _cut(
+        self,
+        group: Hashable,
+        lead: QueueEntry[Queued[T]],
+        limit: int,
+        overhead: float,
+        batch: list[Queued[T]],
+    ) -> None:
+        """Moves into `batch` the lead and the requests of its cheapest length range (see the
+        module docstring), up to `limit` rows."""
+        found = [
+            (entry, key)
+            for key, bucket in self._buckets.items()
+            if bucket.group == group
+            for entry in bucket.queue.entries()
+            if entry.item.length > 0
+        ]
+        rows_by_length: dict[int, int] = {}
+        for entry, _ in found:
+            length = entry.item.length
+            rows_by_length[length] = rows_by_length.get(length, 0) + entry.item.rows
+        shortest, longest = lead_range(rows_by_length, lead.item.length, overhead, max(1, limit))
+        chosen = sorted(
+            (e for e in found if shortest <= e[0].item.length <= longest and e[0] is not lead),
+            key=lambda e: (e[0].priority, e[0].item.seq),
+        )
+        rows = 0
+        for entry, key in [(lead, lead.item.key), *chosen]:
+            queued = entry.item
+            if batch and rows + queued.rows > limit:
+                break
+            bucket = self._buckets[key]
+            bucket.queue.remove(entry.request_id)
+            batch.append(queued)
+            rows += queued.rows
+            self._num_queued -= 1
+            self._drop_if_empty(key, bucket)
 
     def _fill(
         self,

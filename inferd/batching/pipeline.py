@@ -64,8 +64,10 @@ from inferd.batching.assembler import (
     split_private,
     split_rows,
     step_error,
+    synthetic_batch,
 )
 from inferd.batching.batcher import DynamicBatcher, Queued
+from inferd.batching.cost import CallCost, FixedCallCost, calibrate
 from inferd.batching.pace import Pace
 from inferd.batching.rules import (
     DEFAULT_LIMITS,
@@ -85,7 +87,7 @@ from inferd.model_config import ModelRepoConfig
 from inferd.steps.base import Step
 from inferd.telemetry.request_log import log_id
 from inferd.telemetry.stages import Stage, StageTimings
-from inferd.tensors import InferRequest, InferResponse
+from inferd.tensors import DATATYPES, InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from inferd.telemetry.model_metrics import ModelObserver
@@ -93,6 +95,8 @@ if TYPE_CHECKING:
 __all__ = ["BackendError", "QueueLimits", "ServedModel", "batch_policy", "queue_rules"]
 
 logger = logging.getLogger(__name__)
+
+_OBJECT = np.dtype(np.object_)
 
 # Preprocess (tokenize, image decode) threads per model; created on first use.
 _PREPROCESS_THREADS = max(2, min(8, os.cpu_count() or 1))
@@ -153,6 +157,7 @@ class ServedModel:
         observer: ModelObserver | None = None,
         limits: QueueLimits = DEFAULT_LIMITS,
         pace: Pace | None = None,  # when a partial batch waits; None: MeasuredPace
+        cost: CallCost | None = None,  # which lengths share a batch; None: calibrated at start
     ) -> None:
         if len(backends) < 1:
             raise ValueError("a served model needs at least one backend")
@@ -171,6 +176,7 @@ class ServedModel:
         self._keyed_by_names = any(t.optional for t in config.input)
         self._known_outputs = known_outputs(config, backends[0], has_postprocess=bool(self._post))
         self._batched = config.max_batch_size > 0
+        self._cost = cost  # None: calibrated at start (inferd.batching.cost)
         self._outputs = OutputSelector(
             config_outputs=tuple(t.name for t in config.output),
             output_types={t.name: t.data_type for t in config.output},
@@ -186,6 +192,7 @@ class ServedModel:
             expired=self._expire,
             name=name,
             pace=pace,
+            cost=cost,
         )
         self._state: State = "new"
         self._live: set[asyncio.Future[InferResponse]] = set()
@@ -215,12 +222,39 @@ class ServedModel:
         if self._state != "new":
             return
         self._loop = asyncio.get_running_loop()
+        if self._cost is None and self._variable and self._batcher.policy.dynamic:
+            overhead = await asyncio.to_thread(self._calibrate)
+            self._batcher.cost = FixedCallCost(overhead)
         self._batcher.start()
         if self._pre:
             self._pre_pool = ThreadPoolExecutor(
                 _PREPROCESS_THREADS, thread_name_prefix=f"inferd-{self.name}-pre"
             )
         self._state = "ready"
+
+    def _calibrate(self) -> float | None:
+        """A backend call's overhead in padded elements (inferd.batching.cost), timed on
+        zero-filled batches before the model takes requests; None when it cannot be known."""
+        backend = self._backends[0]
+        specs = backend.inputs()
+        if not specs or any(DATATYPES.get(spec.datatype, _OBJECT) == _OBJECT for spec in specs):
+            return None  # no zeros of BYTES (or of an unknown type) for a synthetic batch
+
+        def run(rows: int, length: int) -> object:
+            return backend.infer(synthetic_batch(specs, self._variable, rows, length))
+
+        try:
+            overhead = calibrate(run, self._batcher.policy.max_batch_size)
+        except Exception as exc:  # a model that rejects zeros keeps its length buckets
+            logger.info("model %s: no call cost from a synthetic batch (%r)", self.name, exc)
+            return None
+        if overhead is not None:
+            logger.info(
+                "model %s: a backend call costs as much as %.1f padded elements",
+                self.name,
+                overhead,
+            )
+        return overhead
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Admits nothing new; accepted requests get up to `timeout_s` to finish, then fail with

@@ -8,7 +8,9 @@ deadlines fire exactly when the clock passes them, whatever the machine's load.
 Whether a partial batch waits its window on a free worker depends on the pace of arrivals
 (inferd.batching.pace). Most tests here are about the window itself, so their harness states
 "requests arrive faster than a batch runs" (`FixedWindow`); the tests of the idle rule at the end
-use the measured pace, fed by the fake clock.
+use the measured pace, fed by the fake clock. Likewise the cost of a backend call: the harness
+states it unknown (`FixedCallCost(None)`: a batch is its bucket, filled by the padding ratio);
+the tests of the cut by cost state an overhead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 
 from inferd.batching.batcher import BatchPolicy, DynamicBatcher, Queued
+from inferd.batching.cost import CallCost, FixedCallCost
 from inferd.batching.pace import FixedWindow, MeasuredPace, Pace
 from inferd.errors import QueueFullError, QueueTimeoutError
 
@@ -123,6 +126,7 @@ class Harness:
     clock: FakeClock = field(default_factory=FakeClock)
     pace: Pace | None = field(default_factory=FixedWindow)  # None: the batcher's measured pace
     paced: threading.Semaphore | None = None  # when set, each batch takes one permit to finish
+    cost: CallCost = field(default_factory=lambda: FixedCallCost(None))
 
     def __post_init__(self) -> None:
         self.backends = [FakeBackend() for _ in range(self.workers)]
@@ -134,6 +138,7 @@ class Harness:
             expired=self.expired,
             clock=self.clock,
             pace=self.pace,
+            cost=self.cost,
         )
         self.batcher.start()
 
@@ -599,6 +604,52 @@ async def test_a_filled_request_splits_its_wait_from_its_own_arrival() -> None:
     assert batch_s["old14"] == pytest.approx(0.05)
     assert batch_s["new30"] == 0.0
     assert queue_s["old14"] == pytest.approx(0.25) and queue_s["new30"] == pytest.approx(0.2)
+
+
+# -- the cut by cost (a measured call overhead) ---------------------------------------------------
+
+
+@async_test
+async def test_close_lengths_of_two_buckets_share_a_call_and_far_ones_run_apart() -> None:
+    h = Harness(dynamic(8, delay=0.0), cost=FixedCallCost(20.0))
+    gate = await h.hold()
+    rest = [
+        h.submit_len("a30", 30),  # bucket 32, first in line
+        h.submit_len("b33", 33),  # bucket 64
+        h.submit_len("c10", 10),  # bucket 16
+        h.submit_len("d60", 60),  # bucket 64
+    ]
+    # Cheapest cut of {10, 30, 33, 60} at overhead 20: [10] [30, 33] [60] = 30 + 86 + 80 = 196
+    # (padding 10 to 33 instead: 99 + 20 + 80 = 199). The lead a30's range goes first; then
+    # c10 leads (first in line of what is left), alone: 30 + 80 < 20 + 2 x 60.
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["a30", "b33"], ["c10"], ["d60"]]
+    assert h.batcher.num_queued == 0 and not h.batcher.remove(h.handles["b33"])
+
+
+@async_test
+async def test_a_large_call_overhead_puts_every_length_in_one_call() -> None:
+    h = Harness(dynamic(8, delay=0.0), cost=FixedCallCost(1000.0))
+    gate = await h.hold()
+    rest = [h.submit_len(f"r{n}", n) for n in (30, 5, 100, 17)]
+    await h.release(gate, *rest)
+    assert h.batches() == [["gate"], ["r30", "r5", "r100", "r17"]]
+
+
+@async_test
+async def test_the_cut_takes_its_range_in_priority_order_and_never_mixes_groups() -> None:
+    h = Harness(dynamic(8, delay=0.0), cost=FixedCallCost(1000.0))
+    gate = await h.hold()
+    rest = [
+        h.submit_len("lead30", 30, priority=1),
+        h.submit_len("lo33", 33, priority=2),  # bucket 64, older than hi34
+        h.submit_len("hi34", 34, priority=1),
+        h.submit("x30", key=(32, "other inputs"), length=30, group="other inputs", priority=1),
+    ]
+    await h.release(gate, *rest)
+    # One range (the overhead dwarfs any padding): the lead, then hi34 before lo33 (priority
+    # first); x30 has other inputs (another group) and runs on its own.
+    assert h.batches() == [["gate"], ["lead30", "hi34", "lo33"], ["x30"]]
 
 
 # -- no wait when waiting cannot help (the measured pace) ----------------------------------------

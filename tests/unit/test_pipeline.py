@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from inferd.backends.base import TensorSpec
+from inferd.batching.cost import CallCost, FixedCallCost
 from inferd.batching.pace import FixedWindow, MeasuredPace, Pace
 from inferd.batching.pipeline import BackendError, QueueLimits, ServedModel
 from inferd.errors import (
@@ -469,10 +470,14 @@ class MeanOfHidden:
 
 
 def text_model(
-    observer: FakeObserver, limits: QueueLimits = DEFAULT_LIMITS, pace: Pace | None = None
+    observer: FakeObserver,
+    limits: QueueLimits = DEFAULT_LIMITS,
+    pace: Pace | None = None,
+    cost: CallCost | None = None,
 ) -> tuple[ServedModel, FakeBackend, WordIds, MeanOfHidden]:
     """Concurrent requests reach the batcher one by one from the preprocess pool; FixedWindow
-    (the default here) holds each partial batch for its window, so they meet in one."""
+    (the default here) holds each partial batch for its window, so they meet in one. The call
+    cost is stated unknown (length buckets) unless given: None would calibrate at start."""
     config = ModelRepoConfig.model_validate(
         {
             "backend": "python",
@@ -496,6 +501,7 @@ def text_model(
         observer=observer,
         limits=limits,
         pace=pace or FixedWindow(),
+        cost=cost or FixedCallCost(None),
     )
     return model, backend, pre, post
 
@@ -531,6 +537,19 @@ async def test_variable_length_requests_are_bucketed_padded_and_pooled() -> None
     assert [o.name for o in responses[0].outputs] == ["mean"]  # inputs are not outputs
     loop_thread = threading.current_thread().name
     assert loop_thread not in pre.threads | post.threads | backend.threads
+    await model.stop()
+
+
+@async_test
+async def test_start_calibrates_the_call_cost_on_zero_batches_of_the_declared_inputs() -> None:
+    model, backend, _, _ = text_model(FakeObserver())
+    model._cost = None  # as the repository builds it: calibrated at start
+    await model.start()
+    # An untimed first call, then 1 and 8 rows (the max batch size) at lengths 16 and 64.
+    shapes = [b["ids"].shape for b in backend.seen]
+    assert shapes == [(1, 16)] + [s for s in [(1, 16), (8, 16), (1, 64), (8, 64)] for _ in range(5)]
+    assert all(not b["ids"].any() and b["mask"].shape == b["ids"].shape for b in backend.seen)
+    assert backend.threads and threading.current_thread().name not in backend.threads
     await model.stop()
 
 
