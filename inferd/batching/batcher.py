@@ -34,15 +34,15 @@ Which lengths share a batch (variable-length inputs): the buckets decide *when* 
 (the rules above) and which request leads it (the ready bucket's first); *which* requests go
 with it is cut by cost. Every queued request of the lead's `group` (all buckets), ordered by
 length, is split into the contiguous length ranges that minimize the sum of their calls' costs,
-`overhead + rows x longest` (`CallCost`, measured from the batches this model ran; see
+`overhead + rows x longest` (`cost`: the model's call overhead, timed when it loads; see
 inferd.batching.cost), and the batch is the range that holds the lead: the lead first, then the
 range's requests in (priority, arrival) order, stopping at the first that does not fit. So a
 short request is padded to a long one's length only where that costs less than a call of its
 own, and requests of adjacent buckets that are close in length share a call. A request's
 `length` is its longest variable dim; the cost model is exact for inputs with one variable dim
-(token ids [n, L]). Until the cost is measured (the first batches) a batch is the lead's
-bucket, in the bucket's order, filled from the other buckets of its group (closest length
-first) while the padding ratio (padded / total elements) stays <= `max_padding_ratio`.
+(token ids [n, L]). Where the overhead is unknown (the model could not be timed) a batch is the
+lead's bucket, in the bucket's order, filled from the other buckets of its group (closest
+length first) while the padding ratio (padded / total elements) stays <= `max_padding_ratio`.
 
 Threading: everything here runs on the event loop except `run`, which runs on one of
 `len(backends)` worker threads with exclusive use of one backend (a backend need not be
