@@ -155,9 +155,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _checkpoint(name: str, root: Path, seed: int = 1234) -> tuple[Any, Path]:
+def _checkpoint(name: str, root: Path, seed: int = 1234, **overrides: Any) -> tuple[Any, Path]:
     cls_name, extra = FAMILIES[name]
-    config = getattr(transformers, cls_name)(**{**ENGINE_BASE, **extra})
+    config = getattr(transformers, cls_name)(**{**ENGINE_BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _randomize(model, seed)
@@ -346,10 +346,21 @@ _EXPERT_ERROR = {("onednn", torch.float32): 1e-6, ("onednn", torch.bfloat16): 2e
 _EXPERT_ERROR[("int8", torch.float32)] = _EXPERT_ERROR[("int8", torch.bfloat16)] = 3e-2
 
 
+# (moe_intermediate_size, hidden_size, top k) of the expert tests: the family's (gate/up halves
+# of half a panel: a prefill chunk on the two-phase path) and whole-panel halves (moe_experts.cpp's
+# moe_prefill, SiLU * up and the weighted sums in the panels' epilogues) with a hidden size of one
+# and a half panels and 4 products a token to sum in order.
+_EXPERT_SHAPES = [(32, 64, 2), (128, 96, 4)]
+
+
+@pytest.mark.parametrize(("inter", "hidden", "top_k"), _EXPERT_SHAPES)
 @pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
 def test_moe_experts_run_the_dense_layers_plan(
     kind: LinearKind,
     dtype: torch.dtype,
+    inter: int,
+    hidden: int,
+    top_k: int,
     tmp_path: Path,
     native_kernels: NativeKernels,
     monkeypatch: pytest.MonkeyPatch,
@@ -357,16 +368,21 @@ def test_moe_experts_run_the_dense_layers_plan(
     # Each expert's gate/up and down are Linear layers, so prepare_linears gives them the dense
     # layers' kernels, each weight held once in its kernel's layout; the block's output stays
     # the dense F.linear one's within the kernel's precision, at a decode step's rows (1-2 rows
-    # per expert: the int8 GEMV) and a prefill's (several per expert; 300 rows: enough
-    # assignments that the one call's threads share the gather and the weighted sums). The one
-    # native call runs the panels at every row count and the int8 GEMV at 1-2 rows per expert
-    # (more: the per-expert calls), and gives the per-expert calls' bits.
+    # per expert: the int8 GEMV) and a prefill's (several per expert; from 512 assignments,
+    # enough that the one call's threads share the gather and the weighted sums, one row either
+    # side of it; 700: over 128 rows per expert, the panel loop's most, in chunks). The one
+    # native call runs
+    # the panels at every row count and the int8 GEMV at 1-2 rows per expert (more: the
+    # per-expert calls), and gives the per-expert calls' bits.
     gemv = native_kernels.gemv
     if kind == "onednn" and not gemv.panel_rows[dtype]:
         pytest.skip(f"no {dtype} panel GEMM on this CPU")
     if kind == "int8" and not has_int8_gemm():
         pytest.skip("no VNNI int8 dot products on this CPU")
-    _, folder = _checkpoint("qwen3-moe", tmp_path)
+    if kind == "int8" and (inter, hidden, top_k) != _EXPERT_SHAPES[0]:
+        pytest.skip("int8 experts take 1-2 rows per expert: no prefill path")
+    shape = {"moe_intermediate_size": inter, "hidden_size": hidden, "num_experts_per_tok": top_k}
+    _, folder = _checkpoint("qwen3-moe", tmp_path, **shape)
     ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
     model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
     prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
@@ -389,8 +405,9 @@ def test_moe_experts_run_the_dense_layers_plan(
 
     monkeypatch.setattr(native_kernels.ops, "moe_layer", spied)
     g = torch.Generator().manual_seed(0)
-    for rows in (1, 2, 37, 300):
-        x = torch.randn(rows, ENGINE_BASE["hidden_size"], generator=g).to(dtype)
+    counts = (1, 2, 37, 511 // top_k, 512 // top_k, 300, 700)
+    for rows in counts:
+        x = torch.randn(rows, hidden, generator=g).to(dtype)
         with torch.no_grad():
             got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
             assert any(ran) == (rows <= 2 or kind != "int8")
@@ -400,7 +417,7 @@ def test_moe_experts_run_the_dense_layers_plan(
             block.panels = panels
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
-    assert sum(block.take_counts()) == (1 + 2 + 37 + 300) * 2 * 2  # top 2, each path counts
+    assert sum(block.take_counts()) == sum(counts) * top_k * 2  # each path counts
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:

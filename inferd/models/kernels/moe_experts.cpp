@@ -8,22 +8,34 @@
 //                     kernel, every expert's gemv.py Int8Weight copies (x float32 or bfloat16).
 //
 // The assignments are counting-sorted by expert (stable), the rows gathered in that order, each
-// active expert runs over its contiguous rows (`moe_experts`), and the outputs are weighted and
-// summed back per token in ascending expert order, rounding where torch's `out *= w` and
-// `index_add_` round: the same steps, in the same order, as the per-expert path in PyTorch.
+// active expert runs over its contiguous rows, and the outputs are weighted and summed back per
+// token in ascending expert order, rounding where torch's `out *= w` and `index_add_` round (the
+// product to the dtype; the sum in float32, rounded once: index_add_ on a bfloat16 tensor sums in
+// float32): the same steps, in the same order, as the per-expert path in PyTorch.
 //
 // Why: from Python a decode step's MoE layer was an argsort, a bincount, a gather, then a panel
 // GEMM, a SiLU * up and a panel GEMM for each of its top-k experts (24 native calls at top 8,
 // each an OpenMP fork and join), then a multiply and an index_add_, at 1 row each, for weights
 // that stream from memory in a few microseconds; on a busy machine every fork and join waited
-// for a descheduled thread. Here the layer is one parallel region with two barriers: the threads
-// split the (expert, panel) pairs of all gate/up weights, the rows' SiLU * up and the (expert,
-// panel) pairs of all down weights (and, for a prefill chunk's many rows, the gather before and
-// the tokens' weighted sums after, two barriers more), each thread a contiguous range (its own
-// sequential stream of weights), balanced by the row tiles each pair runs. The sums are
-// panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit what its two
-// Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is fused_ops.cpp's.
-// Panels run on the AVX-512 loop, not AMX tiles: the layers it serves are a few rows per expert.
+// for a descheduled thread. Here the layer is one parallel region, in one of two forms:
+// - a decode step's few assignments (under kSplitAssignments; `moe_experts`), two barriers: the
+//   threads split the (expert, panel) pairs of all gate/up weights, the rows' SiLU * up and the
+//   (expert, panel) pairs of all down weights, each thread a contiguous range (its own
+//   sequential stream of weights), balanced by the row tiles each pair runs; the gather before
+//   the region and the weighted sums after it, on one thread. (So does a prefill chunk whose
+//   gate/up halves are not whole panels, with the gather and the sums shared inside.)
+// - a prefill chunk's (`moe_prefill`), two barriers: the threads share the gather; then the
+//   (expert, gate panel q) items, each running gate panel q and up panel q + I / 64 and writing
+//   SiLU * up from the two panels' sums (the [T * k, 2I] gate/up output never goes to memory);
+//   then each thread a contiguous range of down's output panels over every expert in ascending
+//   order, adding each row's weighted output into its token's float32 sums in that epilogue (no
+//   [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so each
+//   token's sum runs in ascending expert order as torch's does). bench/NOTES.md (issue 43's
+//   prefill section) has what each step saved.
+// The sums are panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit
+// what its two Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is
+// simd.h's store_silu_mul, which fused_ops.cpp's SiLU * up runs too. Panels run on the AVX-512
+// loop, not AMX tiles: the layers it serves are a few rows per expert.
 //
 // Int8 experts (`--quantization int8`) run here only where every active expert received at most
 // `max_rows` rows (the int8 GEMV's share of their plans, 1-2 rows; the one-call decode step's
@@ -163,10 +175,30 @@ int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void
   return 0;
 }
 
-// y[t] = sum over token t's assignments, in ascending expert order, of w * out[its row]: each
-// product rounded to the dtype, then each sum (torch's `out *= w` and `index_add_`, in order).
-// The product is kept from contracting into an FMA with the add (GCC contracts vector ops).
-// Tokens [t0, t1).
+// 16 panel sums as store_panel stores them without a bias (+ 0, rounded to the dtype).
+inline __m512 stored_value(const float* acc, int dtype) {
+  return as_dtype(_mm512_add_ps(_mm512_load_ps(acc), _mm512_setzero_ps()), dtype);
+}
+
+// Assignment a's routing weight (weights in the dtype) as a float.
+inline float routing_weight(const void* weights, int64_t a, int dtype) {
+  const char* w = static_cast<const char*>(weights) + a * (dtype == kF32 ? 4 : 2);
+  return dtype == kF32 ? *reinterpret_cast<const float*>(w)
+                       : _mm512_cvtss_f32(load16m(w, dtype, 1));
+}
+
+// sum + w * o as torch's `out *= w` and `index_add_` compute it: the product rounded to the
+// dtype, the sum kept in float32 (index_add_ on a bfloat16 tensor sums each row's sources in
+// float32 and rounds once, at the end). The product is kept from contracting into an FMA with
+// the add (GCC contracts vector ops).
+inline __m512 add_product(__m512 sum, __m512 o, float w, int dtype) {
+  __m512 prod = as_dtype(_mm512_mul_ps(o, _mm512_set1_ps(w)), dtype);
+  __asm__("" : "+v"(prod));
+  return _mm512_add_ps(sum, prod);
+}
+
+// y[t] = sum over token t's assignments, in ascending expert order, of w * out[its row], from
+// zero (add_product's sums, rounded to the dtype once). Tokens [t0, t1).
 void combine(const void* out, const int64_t* pos, const int64_t* experts, const void* weights,
              int64_t t0, int64_t t1, int64_t k, int64_t hidden, void* y, int dtype) {
   const int64_t esz = dtype == kF32 ? 4 : 2;
@@ -179,16 +211,125 @@ void combine(const void* out, const int64_t* pos, const int64_t* experts, const 
       const __mmask16 m = tail_mask(hidden - i);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < k; ++j) {
-        const char* w = static_cast<const char*>(weights) + a[j] * esz;
-        const float wj = dtype == kF32 ? *reinterpret_cast<const float*>(w)
-                                       : _mm512_cvtss_f32(load16m(w, dtype, 1));
         const char* o = static_cast<const char*>(out) + (pos[a[j]] * hidden + i) * esz;
-        __m512 prod = as_dtype(_mm512_mul_ps(load16m(o, dtype, m), _mm512_set1_ps(wj)), dtype);
-        __asm__("" : "+v"(prod));
-        sum = as_dtype(_mm512_add_ps(sum, prod), dtype);
+        sum = add_product(sum, load16m(o, dtype, m), routing_weight(weights, a[j], dtype), dtype);
       }
       store16m(yt + i * esz, sum, dtype, m);
     }
+  }
+}
+
+// sums[token of row j][64p, 64p + 64) += w * row j of panel p's down output (acc, as
+// store_panel would store it), for each row j of `rows` (assignments src[j]): add_product, so
+// that from zero, in ascending expert order, the sums are combine's bit for bit.
+void add_weighted(const float* acc, int rows, const int64_t* src, const void* weights, int64_t k,
+                  int64_t hidden, int64_t p, float* sums, int dtype) {
+  const int64_t c0 = p * kPanel;
+  const int cols = static_cast<int>(std::min<int64_t>(kPanel, hidden - c0));
+  for (int j = 0; j < rows; ++j) {
+    const float w = routing_weight(weights, src[j], dtype);
+    float* st = sums + (src[j] / k) * hidden + c0;
+    for (int v = 0; v * 16 < cols; ++v) {
+      const __mmask16 m = tail_mask(cols - v * 16);
+      const __m512 o = stored_value(acc + j * kPanel + v * 16, dtype);
+      const __m512 sum = _mm512_maskz_loadu_ps(m, st + v * 16);
+      _mm512_mask_storeu_ps(st + v * 16, m, add_product(sum, o, w, dtype));
+    }
+  }
+}
+
+// Row chunks of an expert's rows for the panel loop: ceil(rows / kMaxRows) near-equal ones (130
+// rows: 65 and 65, not 128 and a 2-row chunk that streams the panel again for little work).
+struct Chunks {
+  int64_t rows, count;
+  explicit Chunks(int64_t r) : rows(r), count((r + kMaxRows - 1) / kMaxRows) {}
+  int64_t start(int64_t c) const { return rows * c / count; }
+};
+
+// A prefill chunk's experts (split: at least kSplitAssignments assignments; gate/up panels whole
+// halves: inter % kPanel == 0) in one parallel region with two barriers: the gather; gate/up with
+// SiLU * up in its epilogue (an item is an expert's gate panel q and up panel q + inter / 64, so
+// the gate/up product never goes to memory); down with the weighted sum in its epilogue, each
+// thread a contiguous range of output panels over all experts in ascending order, adding each
+// expert's weighted rows into y's columns it owns: per token, ascending expert order, each
+// product and sum rounded as `combine` rounds them, so y is combine's bit for bit. `src[s]`: the
+// assignment (token * k + j) at sorted row s.
+template <class S, class Gather>
+void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const void* const* w13,
+                 const void* const* w2, int64_t hidden, int64_t inter, void* act,
+                 const int64_t* src, const void* weights, int64_t tokens, int64_t k, float* sums,
+                 void* y, int dtype, const Gather& gather) {
+  using W = typename S::W;
+  constexpr int64_t kStepValues = kPanel * S::kInputsPerStep;
+  std::vector<int64_t> row0(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const int64_t pairs = inter / kPanel, up_panels = 2 * pairs;
+  const int64_t out_panels = (hidden + kPanel - 1) / kPanel;
+  std::vector<Item> up_items;
+  std::vector<int64_t> up_cost;
+  phase_items(rows, experts, inter, &up_items, &up_cost);
+  const int64_t esz = dtype == kF32 ? 4 : 2;
+#pragma omp parallel
+  {
+    alignas(64) float gate[kMaxRows * kPanel];
+    alignas(64) float up[kMaxRows * kPanel];
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    gather(t, nt);
+#pragma omp barrier
+    // gate/up and SiLU * up: act rows = silu(x . gate panel q) * (x . up panel q + pairs).
+    int64_t i0, i1;
+    share(up_cost, t, nt, &i0, &i1);
+    const int64_t steps_up = hidden / S::kInputsPerStep, values_up = steps_up * kStepValues;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = up_items[i];
+      const W* wj = static_cast<const W*>(w13[it.expert]);
+      // Prefetch runs on to the end of the expert's weights where this thread's next item is
+      // the same expert's next pair, else to the end of this pair's up panel.
+      const bool more = i + 1 < i1 && up_items[i + 1].expert == it.expert;
+      const W* end_gate = wj + (it.panel + 1 + (more ? 1 : 0)) * values_up;
+      const W* end_up = wj + (more ? up_panels : it.panel + pairs + 1) * values_up;
+      const Chunks ch(rows[it.expert]);
+      for (int64_t c = 0; c < ch.count; ++c) {
+        const int64_t r = ch.start(c);
+        const int nr = static_cast<int>(ch.start(c + 1) - r);
+        const W* xr = static_cast<const W*>(xs) + (row0[it.expert] + r) * hidden;
+        panel_sums<S>(xr, nr, hidden, wj, steps_up, it.panel, gate, end_gate);
+        panel_sums<S>(xr, nr, hidden, wj, steps_up, it.panel + pairs, up, end_up);
+        char* out = static_cast<char*>(act) +
+                    ((row0[it.expert] + r) * inter + it.panel * kPanel) * esz;
+        for (int j = 0; j < nr; ++j)
+          for (int v = 0; v < kPanel / 16; ++v)
+            store_silu_mul(out + (j * inter + v * 16) * esz,
+                           stored_value(gate + j * kPanel + v * 16, dtype),
+                           stored_value(up + j * kPanel + v * 16, dtype), dtype, 0xffff);
+      }
+    }
+#pragma omp barrier
+    // down and the weighted sums: this thread's output panels [p0, p1) of every expert.
+    const int64_t p0 = out_panels * t / nt, p1 = out_panels * (t + 1) / nt;
+    const int64_t c0 = p0 * kPanel, c1 = std::min(hidden, p1 * kPanel);
+    for (int64_t tok = 0; tok < tokens && c1 > c0; ++tok)
+      std::fill(sums + tok * hidden + c0, sums + tok * hidden + c1, 0.0f);
+    const int64_t steps_down = inter / S::kInputsPerStep, values_down = steps_down * kStepValues;
+    for (int64_t e = 0; e < experts && p1 > p0; ++e) {
+      const W* wj = static_cast<const W*>(w2[e]);
+      const Chunks ch(rows[e]);
+      for (int64_t c = 0; c < ch.count; ++c) {
+        const int64_t r = ch.start(c), s0 = row0[e] + r;
+        const int nr = static_cast<int>(ch.start(c + 1) - r);
+        const W* xr = static_cast<const W*>(act) + s0 * inter;
+        for (int64_t p = p0; p < p1; ++p) {
+          panel_sums<S>(xr, nr, inter, wj, steps_down, p, gate, wj + p1 * values_down);
+          add_weighted(gate, nr, src + s0, weights, k, hidden, p, sums, dtype);
+        }
+      }
+    }
+    // bfloat16: the float32 sums rounded once.
+    for (int64_t tok = 0; sums != y && tok < tokens; ++tok)
+      for (int64_t i = c0; i < c1; i += 16)
+        store16m(static_cast<char*>(y) + (tok * hidden + i) * esz,
+                 _mm512_maskz_loadu_ps(tail_mask(c1 - i), sums + tok * hidden + i), dtype,
+                 tail_mask(c1 - i));
   }
 }
 
@@ -331,6 +472,12 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
     down.insert(down.end(), w2 + e * per, w2 + (e + 1) * per);
   }
   const int64_t active = static_cast<int64_t>(rows.size());
+  // A prefill chunk whose gate/up halves are whole panels: moe_prefill, its weighted sums in
+  // down's epilogue (reading the assignment at each sorted row).
+  const bool prefill = split && inter % kPanel == 0;
+  std::vector<int64_t> src(prefill ? n : 0);
+  for (int64_t a = 0; prefill && a < n; ++a) src[pos[a]] = a;
+  std::vector<float> bf16_sums(prefill && dtype != kF32 ? tokens * hidden : 0);
   int rc = 0;
   if (kernel == kMoeGemvInt8 && dtype == kF32)
     int8_experts<kF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
@@ -338,13 +485,20 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   else if (kernel == kMoeGemvInt8)
     int8_experts<kBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
                         act, out);
+  else if (prefill && dtype == kF32)
+    moe_prefill<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, act,
+                         src.data(), weights, tokens, k, static_cast<float*>(y), y, dtype,
+                         gather);
+  else if (prefill)
+    moe_prefill<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, act,
+                          src.data(), weights, tokens, k, bf16_sums.data(), y, dtype, gather);
   else if (dtype == kF32)
     rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                               gate_up, act, out, dtype, split, gather, sum);
   else
     rc = moe_experts<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                                gate_up, act, out, dtype, split, gather, sum);
-  if (rc == 0 && !split) sum(0, 1);
+  if (rc == 0 && !split) sum(0, 1);  // moe_prefill (split) summed inside
   return rc;
 }
 
