@@ -263,7 +263,7 @@ void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const voi
   constexpr int64_t kStepValues = kPanel * S::kInputsPerStep;
   std::vector<int64_t> row0(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
-  const int64_t pairs = inter / kPanel, up_panels = 2 * pairs;
+  const int64_t pairs = inter / kPanel;
   const int64_t out_panels = (hidden + kPanel - 1) / kPanel;
   std::vector<Item> up_items;
   std::vector<int64_t> up_cost;
@@ -283,18 +283,21 @@ void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const voi
     for (int64_t i = i0; i < i1; ++i) {
       const Item& it = up_items[i];
       const W* wj = static_cast<const W*>(w13[it.expert]);
-      // Prefetch runs on to the end of the expert's weights where this thread's next item is
-      // the same expert's next pair, else to the end of this pair's up panel.
-      const bool more = i + 1 < i1 && up_items[i + 1].expert == it.expert;
-      const W* end_gate = wj + (it.panel + 1 + (more ? 1 : 0)) * values_up;
-      const W* end_up = wj + (more ? up_panels : it.panel + pairs + 1) * values_up;
+      const W* gate_w = wj + it.panel * values_up;
+      const W* up_w = wj + (it.panel + pairs) * values_up;
+      // Each panel's last block prefetches the first of the one the thread runs next: the up
+      // panel, then the next item's gate panel (none past the thread's last).
+      const W* next_w = nullptr;
+      if (i + 1 < i1)
+        next_w = static_cast<const W*>(w13[up_items[i + 1].expert]) +
+                 up_items[i + 1].panel * values_up;
       const Chunks ch(rows[it.expert]);
       for (int64_t c = 0; c < ch.count; ++c) {
         const int64_t r = ch.start(c);
         const int nr = static_cast<int>(ch.start(c + 1) - r);
         const W* xr = static_cast<const W*>(xs) + (row0[it.expert] + r) * hidden;
-        panel_sums<S>(xr, nr, hidden, wj, steps_up, it.panel, gate, end_gate);
-        panel_sums<S>(xr, nr, hidden, wj, steps_up, it.panel + pairs, up, end_up);
+        panel_sums<S>(xr, nr, hidden, gate_w, steps_up, 0, gate, gate_w + values_up, up_w);
+        panel_sums<S>(xr, nr, hidden, up_w, steps_up, 0, up, up_w + values_up, next_w);
         char* out = static_cast<char*>(act) +
                     ((row0[it.expert] + r) * inter + it.panel * kPanel) * esz;
         for (int j = 0; j < nr; ++j)
@@ -319,7 +322,11 @@ void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const voi
         const int nr = static_cast<int>(ch.start(c + 1) - r);
         const W* xr = static_cast<const W*>(act) + s0 * inter;
         for (int64_t p = p0; p < p1; ++p) {
-          panel_sums<S>(xr, nr, inter, wj, steps_down, p, gate, wj + p1 * values_down);
+          // The expert's last panel prefetches the next expert's first (its own range's end).
+          const W* after = p + 1 == p1 && e + 1 < experts
+                               ? static_cast<const W*>(w2[e + 1]) + p0 * values_down
+                               : nullptr;
+          panel_sums<S>(xr, nr, inter, wj, steps_down, p, gate, wj + p1 * values_down, after);
           add_weighted(gate, nr, src + s0, weights, k, hidden, p, sums, dtype);
         }
       }

@@ -121,10 +121,12 @@ inline void tile_rows(int rows, const typename S::X* x, int64_t x_stride, const 
 }
 
 // acc[r][0, 64) = x rows [0, rows) . panel p, over all of its blocks. `w_end`: the end of this
-// thread's panels, where prefetching stops.
+// thread's panels, where prefetching stops; `after`, where given: the panel (of as many steps)
+// the thread runs next, elsewhere in memory, whose first block the last block prefetches.
 template <class S>
 void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typename S::W* w,
-                int64_t steps, int64_t p, float* acc, const typename S::W* w_end) {
+                int64_t steps, int64_t p, float* acc, const typename S::W* w_end,
+                const typename S::W* after = nullptr) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
   const typename S::W* wp = w + p * steps * kStepValues;
   const int tiles = (rows + kTileRows - 1) / kTileRows;
@@ -134,7 +136,11 @@ void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typena
     // The next block is the next ns steps in memory (this panel's next block or the next
     // panel's first: a thread's panels are contiguous).
     const typename S::W* next = block + static_cast<int64_t>(ns) * kStepValues;
-    const int64_t left = (w_end - next) * static_cast<int64_t>(sizeof(*next)) / 64;
+    int64_t left = (w_end - next) * static_cast<int64_t>(sizeof(*next)) / 64;
+    if (after != nullptr && i0 + ns >= steps) {
+      next = after;
+      left = 4 * std::min<int64_t>(kBlockSteps, steps);
+    }
     const Prefetch pf{tiles > 1 && left > 0 ? reinterpret_cast<const char*>(next) : nullptr,
                       static_cast<int>(std::min<int64_t>(4 * ns, left)), tiles};
     for (int t = 0, r0 = 0; t < tiles; ++t) {
