@@ -10,8 +10,9 @@ weights packed in panels as the engine packs them, each token's experts drawn at
 memory kept mapped as the engine keeps it (executor/device.py's keep_freed_memory). Calls
 alternate build by build, so a slow spell of a shared machine hits both alike. For each token
 count and thread count it prints the median call's GFLOP/s by the process's CPU seconds (what the
-cores did, which another job's load barely enters) and by wall time, the ratio of the medians, and
-whether the two builds' outputs are bit-equal. FLOPs: 2 x (2I x H + H x I) per (token, expert).
+cores did, which another job's load barely enters; with 2 threads it counts a waiting thread's
+spinning too) and by wall time, the ratio of the medians, and whether the two builds' outputs are
+bit-equal (their largest difference where not). FLOPs: 2 x (2I x H + H x I) per (token, expert).
 Writes JSON to bench/results/.
 """
 
@@ -90,6 +91,7 @@ def measure(
     row["speedup_wall"] = row[base]["wall_ms"] / row[new]["wall_ms"]
     row["speedup_cpu"] = row[base]["cpu_ms"] / row[new]["cpu_ms"]
     row["bit_equal"] = torch.equal(outs[base], outs[new])
+    row["max_abs_diff"] = (outs[base].float() - outs[new].float()).abs().max().item()
     return row
 
 
@@ -127,7 +129,8 @@ def main() -> None:
                 print(
                     f"threads {threads} tokens {tokens:4d}  GFLOP/s {cells}"
                     f"  speedup wall {row['speedup_wall']:.3f}x cpu {row['speedup_cpu']:.3f}x"
-                    f"  bit-equal {row['bit_equal']}",
+                    f"  bit-equal {row['bit_equal']}"
+                    + ("" if row["bit_equal"] else f" (max diff {row['max_abs_diff']:.1e})"),
                     flush=True,
                 )
     path = default_result_path("moe_kernel", args.dtype)

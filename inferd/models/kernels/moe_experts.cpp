@@ -50,6 +50,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "gemv_int8.h"
@@ -484,7 +485,9 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   const bool prefill = split && inter % kPanel == 0;
   std::vector<int64_t> src(prefill ? n : 0);
   for (int64_t a = 0; prefill && a < n; ++a) src[pos[a]] = a;
-  std::vector<float> bf16_sums(prefill && dtype != kF32 ? tokens * hidden : 0);
+  // bfloat16: the weighted sums' float32 buffer (each thread zeroes the columns it owns).
+  const std::unique_ptr<float[]> bf16_sums(prefill && dtype != kF32 ? new float[tokens * hidden]
+                                                                    : nullptr);
   int rc = 0;
   if (kernel == kMoeGemvInt8 && dtype == kF32)
     int8_experts<kF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
@@ -498,7 +501,7 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
                          gather);
   else if (prefill)
     moe_prefill<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, act,
-                          src.data(), weights, tokens, k, bf16_sums.data(), y, dtype, gather);
+                          src.data(), weights, tokens, k, bf16_sums.get(), y, dtype, gather);
   else if (dtype == kF32)
     rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                               gate_up, act, out, dtype, split, gather, sum);
