@@ -7,8 +7,9 @@
 //                     dtype throughout: float32, or bfloat16 on AVX512_BF16. Or, with the int8
 //                     kernel, every expert's gemv.py Int8Weight copies (x float32 or bfloat16).
 //
-// The assignments are counting-sorted by expert (stable), the rows gathered in that order, each
-// active expert runs over its contiguous rows, and the outputs are weighted and summed back per
+// The assignments are counting-sorted by expert (stable), each active expert runs over its rows
+// in that order (gathered into a contiguous copy, or read in place through the order), and the
+// outputs are weighted and summed back per
 // token in ascending expert order, rounding where torch's `out *= w` and `index_add_` round (the
 // product to the dtype; the sum in float32, rounded once: index_add_ on a bfloat16 tensor sums in
 // float32): the same steps, in the same order, as the per-expert path in PyTorch.
@@ -24,9 +25,10 @@
 //   sequential stream of weights), balanced by the row tiles each pair runs; the gather before
 //   the region and the weighted sums after it, on one thread. (So does a prefill chunk whose
 //   gate/up halves are not whole panels, with the gather and the sums shared inside.)
-// - a prefill chunk's (`moe_prefill`), two barriers: the threads share the gather; then the
-//   (expert, gate panel q) items, each running gate panel q and up panel q + I / 64 and writing
-//   SiLU * up from the two panels' sums (the [T * k, 2I] gate/up output never goes to memory);
+// - a prefill chunk's (`moe_prefill`), one barrier: the (expert, gate panel q) items, each
+//   running gate panel q and up panel q + I / 64 over x's rows in place (the panel tile reads
+//   each row at its own address: no gathered copy) and writing SiLU * up from the two panels'
+//   sums (the [T * k, 2I] gate/up output never goes to memory);
 //   then each thread a contiguous range of down's output panels over every expert in ascending
 //   order, adding each row's weighted output into its token's float32 sums in that epilogue (no
 //   [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so each
@@ -248,22 +250,26 @@ struct Chunks {
 };
 
 // A prefill chunk's experts (split: at least kSplitAssignments assignments; gate/up panels whole
-// halves: inter % kPanel == 0) in one parallel region with two barriers: the gather; gate/up with
-// SiLU * up in its epilogue (an item is an expert's gate panel q and up panel q + inter / 64, so
-// the gate/up product never goes to memory); down with the weighted sum in its epilogue, each
-// thread a contiguous range of output panels over all experts in ascending order, adding each
-// expert's weighted rows into y's columns it owns: per token, ascending expert order, each
-// product and sum rounded as `combine` rounds them, so y is combine's bit for bit. `src[s]`: the
-// assignment (token * k + j) at sorted row s.
-template <class S, class Gather>
-void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const void* const* w13,
-                 const void* const* w2, int64_t hidden, int64_t inter, void* act,
-                 const int64_t* src, const void* weights, int64_t tokens, int64_t k, float* sums,
-                 void* y, int dtype, const Gather& gather) {
+// halves: inter % kPanel == 0) in one parallel region with one barrier: gate/up over x's rows in
+// place, with SiLU * up in its epilogue (an item is an expert's gate panel q and up panel q +
+// inter / 64, so the gate/up product never goes to memory); then down with the weighted sum in
+// its epilogue, each thread a contiguous range of output panels over all experts in ascending
+// order, adding each expert's weighted rows into the float32 sums of the columns it owns: per
+// token, ascending expert order, each product and sum rounded as `combine` rounds them, so y is
+// combine's bit for bit. `src[s]`: the assignment (token * k + j) at sorted row s.
+template <class S>
+void moe_prefill(const void* x, int64_t x_stride, const int64_t* rows, int64_t experts,
+                 const void* const* w13, const void* const* w2, int64_t hidden, int64_t inter,
+                 void* act, const int64_t* src, const void* weights, int64_t tokens, int64_t k,
+                 float* sums, void* y, int dtype) {
   using W = typename S::W;
   constexpr int64_t kStepValues = kPanel * S::kInputsPerStep;
   std::vector<int64_t> row0(experts + 1, 0);
   for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  // x's row of each sorted row, read in place (no gathered copy).
+  std::vector<const W*> x_rows(row0[experts]);
+  for (int64_t s = 0; s < row0[experts]; ++s)
+    x_rows[s] = static_cast<const W*>(x) + (src[s] / k) * x_stride;
   const int64_t pairs = inter / kPanel;
   const int64_t out_panels = (hidden + kPanel - 1) / kPanel;
   std::vector<Item> up_items;
@@ -275,8 +281,6 @@ void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const voi
     alignas(64) float gate[kMaxRows * kPanel];
     alignas(64) float up[kMaxRows * kPanel];
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    gather(t, nt);
-#pragma omp barrier
     // gate/up and SiLU * up: act rows = silu(x . gate panel q) * (x . up panel q + pairs).
     int64_t i0, i1;
     share(up_cost, t, nt, &i0, &i1);
@@ -296,9 +300,9 @@ void moe_prefill(const void* xs, const int64_t* rows, int64_t experts, const voi
       for (int64_t c = 0; c < ch.count; ++c) {
         const int64_t r = ch.start(c);
         const int nr = static_cast<int>(ch.start(c + 1) - r);
-        const W* xr = static_cast<const W*>(xs) + (row0[it.expert] + r) * hidden;
-        panel_sums<S>(xr, nr, hidden, gate_w, steps_up, 0, gate, gate_w + values_up, up_w);
-        panel_sums<S>(xr, nr, hidden, up_w, steps_up, 0, up, up_w + values_up, next_w);
+        const IndexedRows<W> xr{x_rows.data() + row0[it.expert] + r, 0};
+        panel_sums_of<S>(xr, nr, gate_w, steps_up, 0, gate, gate_w + values_up, up_w);
+        panel_sums_of<S>(xr, nr, up_w, steps_up, 0, up, up_w + values_up, next_w);
         char* out = static_cast<char*>(act) +
                     ((row0[it.expert] + r) * inter + it.panel * kPanel) * esz;
         for (int j = 0; j < nr; ++j)
@@ -455,9 +459,10 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   char* gate_up = xs + n * hidden * esz;
   char* act = gate_up + n * 2 * inter * esz;
   char* out = act + n * inter * esz;
-  // Where the assignments are many (a prefill chunk's), each thread gathers a share of them and
-  // sums a share of the tokens, inside the experts' parallel region; a decode step's few are
-  // gathered before it and summed after it, which spares the threads two barriers.
+  // Where the assignments are many (a prefill chunk's), the gather and the sums are the threads'
+  // inside the experts' parallel region (moe_prefill: no gather, the sums in down's epilogue;
+  // moe_experts: each thread a share); a decode step's few are gathered before it and summed
+  // after it, which spares the threads two barriers.
   const bool split = kernel == kMoePanel && n >= kSplitAssignments;
   auto gather = [&](int64_t t, int64_t nt) {
     for (int64_t a = n * t / nt; a < n * (t + 1) / nt; ++a)
@@ -496,12 +501,11 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
     int8_experts<kBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
                         act, out);
   else if (prefill && dtype == kF32)
-    moe_prefill<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, act,
-                         src.data(), weights, tokens, k, static_cast<float*>(y), y, dtype,
-                         gather);
+    moe_prefill<StepF32>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden, inter,
+                         act, src.data(), weights, tokens, k, static_cast<float*>(y), y, dtype);
   else if (prefill)
-    moe_prefill<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, act,
-                          src.data(), weights, tokens, k, bf16_sums.get(), y, dtype, gather);
+    moe_prefill<StepBF16>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden,
+                          inter, act, src.data(), weights, tokens, k, bf16_sums.get(), y, dtype);
   else if (dtype == kF32)
     rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                               gate_up, act, out, dtype, split, gather, sum);

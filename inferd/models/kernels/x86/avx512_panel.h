@@ -72,11 +72,29 @@ struct Prefetch {
   int tiles;
 };
 
+// Where the rows of x are: `stride` values apart from x (a GEMM's input), or each at its own
+// address (IndexedRows: an MoE layer's rows read in place, in its experts' order). `at(r, c)`:
+// row r's value c; `from(r0, c0)`: the rows from r0, values from c0.
+template <class X>
+struct StridedRows {
+  const X* x;
+  int64_t stride;
+  const X* at(int r, int64_t c) const { return x + r * stride + c; }
+  StridedRows from(int r0, int64_t c0) const { return {x + r0 * stride + c0, stride}; }
+};
+template <class X>
+struct IndexedRows {
+  const X* const* row;
+  int64_t col;
+  const X* at(int r, int64_t c) const { return row[r] + col + c; }
+  IndexedRows from(int r0, int64_t c0) const { return {row + r0, col + c0}; }
+};
+
 // acc[r][0, 64) (+)= x rows [0, R) . `steps` steps of a panel; tile `t` of the block prefetches
 // its share of the next.
-template <class S, int R>
-inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* w, int steps,
-                 float* acc, bool first, const Prefetch& pf, int t) {
+template <class S, int R, class Rows>
+inline void tile(const Rows& x, const typename S::W* w, int steps, float* acc, bool first,
+                 const Prefetch& pf, int t) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;  // weight values per step
   typename S::Acc c[R][4];
   for (int r = 0; r < R; ++r)
@@ -98,7 +116,7 @@ inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* 
     for (int v = 0; v < 4; ++v) wv[v] = _mm512_load_si512(wp + v * kStepValues / 4);
     for (int r = 0; r < R; ++r) {
       int32_t bits;
-      std::memcpy(&bits, x + r * x_stride + S::kInputsPerStep * p, sizeof(bits));
+      std::memcpy(&bits, x.at(r, S::kInputsPerStep * p), sizeof(bits));
       const __m512i xb = _mm512_set1_epi32(bits);
       for (int v = 0; v < 4; ++v) c[r][v] = S::madd(c[r][v], xb, wv[v]);
     }
@@ -107,26 +125,26 @@ inline void tile(const typename S::X* x, int64_t x_stride, const typename S::W* 
     for (int v = 0; v < 4; ++v) S::store(acc + r * kPanel + v * 16, c[r][v]);
 }
 
-template <class S>
-inline void tile_rows(int rows, const typename S::X* x, int64_t x_stride, const typename S::W* w,
-                      int steps, float* acc, bool first, const Prefetch& pf, int t) {
+template <class S, class Rows>
+inline void tile_rows(int rows, const Rows& x, const typename S::W* w, int steps, float* acc,
+                      bool first, const Prefetch& pf, int t) {
   switch (rows) {
-    case 1: return tile<S, 1>(x, x_stride, w, steps, acc, first, pf, t);
-    case 2: return tile<S, 2>(x, x_stride, w, steps, acc, first, pf, t);
-    case 3: return tile<S, 3>(x, x_stride, w, steps, acc, first, pf, t);
-    case 4: return tile<S, 4>(x, x_stride, w, steps, acc, first, pf, t);
-    case 5: return tile<S, 5>(x, x_stride, w, steps, acc, first, pf, t);
-    default: return tile<S, 6>(x, x_stride, w, steps, acc, first, pf, t);
+    case 1: return tile<S, 1>(x, w, steps, acc, first, pf, t);
+    case 2: return tile<S, 2>(x, w, steps, acc, first, pf, t);
+    case 3: return tile<S, 3>(x, w, steps, acc, first, pf, t);
+    case 4: return tile<S, 4>(x, w, steps, acc, first, pf, t);
+    case 5: return tile<S, 5>(x, w, steps, acc, first, pf, t);
+    default: return tile<S, 6>(x, w, steps, acc, first, pf, t);
   }
 }
 
-// acc[r][0, 64) = x rows [0, rows) . panel p, over all of its blocks. `w_end`: the end of this
-// thread's panels, where prefetching stops; `after`, where given: the panel (of as many steps)
-// the thread runs next, elsewhere in memory, whose first block the last block prefetches.
-template <class S>
-void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typename S::W* w,
-                int64_t steps, int64_t p, float* acc, const typename S::W* w_end,
-                const typename S::W* after = nullptr) {
+// acc[r][0, 64) = x rows [0, rows) (a StridedRows or IndexedRows) . panel p, over all of its
+// blocks. `w_end`: the end of this thread's panels, where prefetching stops; `after`, where
+// given: the panel (of as many steps) the thread runs next, elsewhere in memory, whose first
+// block the last block prefetches.
+template <class S, class Rows>
+void panel_sums_of(const Rows& x, int rows, const typename S::W* w, int64_t steps, int64_t p,
+                   float* acc, const typename S::W* w_end, const typename S::W* after) {
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
   const typename S::W* wp = w + p * steps * kStepValues;
   const int tiles = (rows + kTileRows - 1) / kTileRows;
@@ -145,11 +163,19 @@ void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typena
                       static_cast<int>(std::min<int64_t>(4 * ns, left)), tiles};
     for (int t = 0, r0 = 0; t < tiles; ++t) {
       const int r1 = rows * (t + 1) / tiles;
-      tile_rows<S>(r1 - r0, x + r0 * x_stride + S::kInputsPerStep * i0, x_stride, block, ns,
-                   acc + r0 * kPanel, i0 == 0, pf, t);
+      tile_rows<S>(r1 - r0, x.from(r0, S::kInputsPerStep * i0), block, ns, acc + r0 * kPanel,
+                   i0 == 0, pf, t);
       r0 = r1;
     }
   }
+}
+
+// panel_sums_of on rows `x_stride` values apart.
+template <class S>
+void panel_sums(const typename S::X* x, int rows, int64_t x_stride, const typename S::W* w,
+                int64_t steps, int64_t p, float* acc, const typename S::W* w_end,
+                const typename S::W* after = nullptr) {
+  panel_sums_of<S>(StridedRows<typename S::X>{x, x_stride}, rows, w, steps, p, acc, w_end, after);
 }
 
 // acc[r][0, 64) += x rows [0, rows) . steps [done, steps) of panel p: what the AMX tiles leave
@@ -160,9 +186,10 @@ void panel_tail_sums(const typename S::X* x, int rows, int64_t x_stride, const t
   constexpr int kStepValues = kPanel * S::kInputsPerStep;
   const typename S::W* wp = w + p * steps * kStepValues;
   for (int r = 0; r < rows && done < steps; r += kTileRows)
-    tile_rows<S>(std::min(kTileRows, rows - r), x + r * x_stride + S::kInputsPerStep * done,
-                 x_stride, wp + done * kStepValues, static_cast<int>(steps - done),
-                 acc + r * kPanel, false, Prefetch{nullptr, 0, 1}, 0);
+    tile_rows<S>(std::min(kTileRows, rows - r),
+                 StridedRows<typename S::X>{x, x_stride}.from(r, S::kInputsPerStep * done),
+                 wp + done * kStepValues, static_cast<int>(steps - done), acc + r * kPanel, false,
+                 Prefetch{nullptr, 0, 1}, 0);
 }
 
 }  // namespace
