@@ -29,7 +29,8 @@ native call (`FusedOps.moe_layer`, kernels/moe_experts.cpp: the sort, the gather
 the weighted sum) instead of ~30 ops and calls from Python, for as many rows per expert as that
 kernel's route takes (`MoEPanels.max_rows`; an expert given more: the Python path above):
 - the panel GEMM (float32 and bfloat16): any row count, all active experts' panels split over
-  the threads with two barriers;
+  the threads (a prefill chunk's with SiLU * up and the weighted sums in the panels' epilogues,
+  its rows read in place);
 - the int8 GEMV (`--quantization int8`): 1-2 rows per expert (a decode step of a few
   sequences), each value computed as the expert's Linear layers compute it, all active
   experts' blocks split over the threads.
