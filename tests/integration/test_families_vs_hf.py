@@ -347,9 +347,10 @@ _EXPERT_ERROR[("int8", torch.float32)] = _EXPERT_ERROR[("int8", torch.bfloat16)]
 
 
 # (moe_intermediate_size, hidden_size, top k) of the expert tests: the family's (gate/up halves
-# of half a panel: a prefill chunk on the two-phase path) and whole-panel halves (moe_experts.cpp's
-# moe_prefill, SiLU * up and the weighted sums in the panels' epilogues) with a hidden size of one
-# and a half panels and 4 products a token to sum in order.
+# of half a panel: the one call's two-barrier form at every row count) and whole-panel halves
+# (from 64 assignments moe_experts.cpp's moe_fused, SiLU * up and the weighted sums in the
+# panels' epilogues) with a hidden size of one and a half panels and 4 products a token to sum
+# in order.
 _EXPERT_SHAPES = [(32, 64, 2), (128, 96, 4)]
 
 
@@ -368,10 +369,11 @@ def test_moe_experts_run_the_dense_layers_plan(
     # Each expert's gate/up and down are Linear layers, so prepare_linears gives them the dense
     # layers' kernels, each weight held once in its kernel's layout; the block's output stays
     # the dense F.linear one's within the kernel's precision, at a decode step's rows (1-2 rows
-    # per expert: the int8 GEMV) and a prefill's (several per expert; from 512 assignments,
-    # enough that the one call's threads share the gather and the weighted sums, one row either
-    # side of it; 700: over 128 rows per expert, the panel loop's most, in chunks). The one
-    # native call runs
+    # per expert: the int8 GEMV) and a prefill's (several per expert); one row either side of
+    # 64 assignments (from there the one call's fused form, where gate/up's halves are whole
+    # panels) and of 512 (from there the other form's threads share the gather and the weighted
+    # sums); 700: over 128 rows per expert, the panel loop's most, in chunks. The one native
+    # call runs
     # the panels at every row count and the int8 GEMV at 1-2 rows per expert (more: the
     # per-expert calls), and gives the per-expert calls' bits.
     gemv = native_kernels.gemv
@@ -380,7 +382,7 @@ def test_moe_experts_run_the_dense_layers_plan(
     if kind == "int8" and not has_int8_gemm():
         pytest.skip("no VNNI int8 dot products on this CPU")
     if kind == "int8" and (inter, hidden, top_k) != _EXPERT_SHAPES[0]:
-        pytest.skip("int8 experts take 1-2 rows per expert: no prefill path")
+        pytest.skip("int8 experts: 1-2 rows per expert, one shape is enough")
     shape = {"moe_intermediate_size": inter, "hidden_size": hidden, "num_experts_per_tok": top_k}
     _, folder = _checkpoint("qwen3-moe", tmp_path, **shape)
     ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
@@ -405,7 +407,7 @@ def test_moe_experts_run_the_dense_layers_plan(
 
     monkeypatch.setattr(native_kernels.ops, "moe_layer", spied)
     g = torch.Generator().manual_seed(0)
-    counts = (1, 2, 37, 511 // top_k, 512 // top_k, 300, 700)
+    counts = (1, 2, 63 // top_k, 64 // top_k, 37, 511 // top_k, 512 // top_k, 300, 700)
     for rows in counts:
         x = torch.randn(rows, hidden, generator=g).to(dtype)
         with torch.no_grad():

@@ -19,17 +19,18 @@
 // each an OpenMP fork and join), then a multiply and an index_add_, at 1 row each, for weights
 // that stream from memory in a few microseconds; on a busy machine every fork and join waited
 // for a descheduled thread. Here the layer is one parallel region, in one of two forms:
-// - a decode step's few assignments (under kSplitAssignments; `moe_experts`), two barriers: the
+// - a decode step's few assignments (under kFusedAssignments; `moe_experts`), two barriers: the
 //   threads split the (expert, panel) pairs of all gate/up weights, the rows' SiLU * up and the
 //   (expert, panel) pairs of all down weights, each thread a contiguous range (its own
 //   sequential stream of weights), balanced by the row tiles each pair runs; the gather before
-//   the region and the weighted sums after it, on one thread. (So does a prefill chunk whose
-//   gate/up halves are not whole panels, with the gather and the sums shared inside.)
-// - a prefill chunk's (`moe_prefill`), one barrier: the (expert, gate panel q) items, each
-//   running gate panel q and up panel q + I / 64 over x's rows in place (the panel tile reads
-//   each row at its own address: no gathered copy) and writing SiLU * up from the two panels'
-//   sums (the [T * k, 2I] gate/up output never goes to memory);
-//   then each thread a contiguous range of down's output panels over every expert in ascending
+//   the region and the weighted sums after it, on one thread. (So do more assignments where
+//   gate/up's halves are not whole panels, from kSplitAssignments the gather and the sums shared
+//   inside.)
+// - more (`moe_fused`: decode steps from 8 tokens at top 8, prefill chunks), one barrier: the
+//   (expert, gate panel q) items, each running gate panel q and up panel q + I / 64 over x's
+//   rows in place (the panel tile reads each row at its own address: no gathered copy) and
+//   writing SiLU * up from the two panels' sums (the [T * k, 2I] gate/up output never goes to
+//   memory); then each thread a contiguous range of down's output panels over every expert in ascending
 //   order, adding each row's weighted output into its token's float32 sums in that epilogue (no
 //   [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so each
 //   token's sum runs in ascending expert order as torch's does). bench/NOTES.md (issue 43's
@@ -68,10 +69,17 @@ namespace {
 enum MoeKernel : int { kMoePanel = 0, kMoeGemvInt8 = 1 };
 constexpr int64_t kInt8Addresses = 4;
 
-// Assignments (tokens x k) from which the threads share the gather and the weighted sums: a
-// prefill chunk's (a 512-token chunk at top 8 copies 16 MB of rows, then sums 16 MB back, which
-// one thread did while the other waited), not a decode step's (under 64 rows at top 8).
+// Assignments (tokens x k) from which the threads share the gather and the weighted sums in
+// `moe_experts`: a prefill chunk's (a 512-token chunk at top 8 copies 16 MB of rows, then sums
+// 16 MB back, which one thread did while the other waited), not a decode step's (under 64 rows
+// at top 8).
 constexpr int64_t kSplitAssignments = 512;
+
+// Assignments from which the panel experts run as `moe_fused` (where gate/up's halves are whole
+// panels): 8 tokens at top 8. bench/moe_kernel.py, qwen3-moe, against `moe_experts`: 1.00-1.02x
+// at 8 tokens, 1.02-1.03x at 16, 1.08-1.15x at 32, 1.2-1.26x at 48, 1.2-1.3x at 128-512; at 1-4
+// tokens 0.98-1.00x (one row an expert: the weights' stream is the call), so those keep it.
+constexpr int64_t kFusedAssignments = 64;
 
 // One (expert, panel) pair of a phase: its weight panel, its rows, where they start.
 struct Item {
@@ -249,8 +257,8 @@ struct Chunks {
   int64_t start(int64_t c) const { return rows * c / count; }
 };
 
-// A prefill chunk's experts (split: at least kSplitAssignments assignments; gate/up panels whole
-// halves: inter % kPanel == 0) in one parallel region with one barrier: gate/up over x's rows in
+// The experts of at least kFusedAssignments assignments where gate/up's halves are whole panels
+// (inter % kPanel == 0), in one parallel region with one barrier: gate/up over x's rows in
 // place, with SiLU * up in its epilogue (an item is an expert's gate panel q and up panel q +
 // inter / 64, so the gate/up product never goes to memory); then down with the weighted sum in
 // its epilogue, each thread a contiguous range of output panels over all experts in ascending
@@ -258,7 +266,7 @@ struct Chunks {
 // token, ascending expert order, each product and sum rounded as `combine` rounds them, so y is
 // combine's bit for bit. `src[s]`: the assignment (token * k + j) at sorted row s.
 template <class S>
-void moe_prefill(const void* x, int64_t x_stride, const int64_t* rows, int64_t experts,
+void moe_fused(const void* x, int64_t x_stride, const int64_t* rows, int64_t experts,
                  const void* const* w13, const void* const* w2, int64_t hidden, int64_t inter,
                  void* act, const int64_t* src, const void* weights, int64_t tokens, int64_t k,
                  float* sums, void* y, int dtype) {
@@ -460,7 +468,7 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   char* act = gate_up + n * 2 * inter * esz;
   char* out = act + n * inter * esz;
   // Where the assignments are many (a prefill chunk's), the gather and the sums are the threads'
-  // inside the experts' parallel region (moe_prefill: no gather, the sums in down's epilogue;
+  // inside the experts' parallel region (moe_fused: no gather, the sums in down's epilogue;
   // moe_experts: each thread a share); a decode step's few are gathered before it and summed
   // after it, which spares the threads two barriers.
   const bool split = kernel == kMoePanel && n >= kSplitAssignments;
@@ -485,13 +493,12 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
     down.insert(down.end(), w2 + e * per, w2 + (e + 1) * per);
   }
   const int64_t active = static_cast<int64_t>(rows.size());
-  // A prefill chunk whose gate/up halves are whole panels: moe_prefill, its weighted sums in
-  // down's epilogue (reading the assignment at each sorted row).
-  const bool prefill = split && inter % kPanel == 0;
-  std::vector<int64_t> src(prefill ? n : 0);
-  for (int64_t a = 0; prefill && a < n; ++a) src[pos[a]] = a;
+  // moe_fused: its weighted sums in down's epilogue read the assignment at each sorted row.
+  const bool fused = kernel == kMoePanel && n >= kFusedAssignments && inter % kPanel == 0;
+  std::vector<int64_t> src(fused ? n : 0);
+  for (int64_t a = 0; fused && a < n; ++a) src[pos[a]] = a;
   // bfloat16: the weighted sums' float32 buffer (each thread zeroes the columns it owns).
-  const std::unique_ptr<float[]> bf16_sums(prefill && dtype != kF32 ? new float[tokens * hidden]
+  const std::unique_ptr<float[]> bf16_sums(fused && dtype != kF32 ? new float[tokens * hidden]
                                                                     : nullptr);
   int rc = 0;
   if (kernel == kMoeGemvInt8 && dtype == kF32)
@@ -500,19 +507,19 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   else if (kernel == kMoeGemvInt8)
     int8_experts<kBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter, gate_up,
                         act, out);
-  else if (prefill && dtype == kF32)
-    moe_prefill<StepF32>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden, inter,
-                         act, src.data(), weights, tokens, k, static_cast<float*>(y), y, dtype);
-  else if (prefill)
-    moe_prefill<StepBF16>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden,
-                          inter, act, src.data(), weights, tokens, k, bf16_sums.get(), y, dtype);
+  else if (fused && dtype == kF32)
+    moe_fused<StepF32>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden, inter,
+                       act, src.data(), weights, tokens, k, static_cast<float*>(y), y, dtype);
+  else if (fused)
+    moe_fused<StepBF16>(x, x_stride, rows.data(), active, up.data(), down.data(), hidden, inter,
+                        act, src.data(), weights, tokens, k, bf16_sums.get(), y, dtype);
   else if (dtype == kF32)
     rc = moe_experts<StepF32>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                               gate_up, act, out, dtype, split, gather, sum);
   else
     rc = moe_experts<StepBF16>(xs, rows.data(), active, up.data(), down.data(), hidden, inter,
                                gate_up, act, out, dtype, split, gather, sum);
-  if (rc == 0 && !split) sum(0, 1);  // moe_prefill (split) summed inside
+  if (rc == 0 && !split && !fused) sum(0, 1);  // moe_fused summed inside
   return rc;
 }
 
