@@ -30,10 +30,10 @@
 //   (expert, gate panel q) items, each running gate panel q and up panel q + I / 64 over x's
 //   rows in place (the panel tile reads each row at its own address: no gathered copy) and
 //   writing SiLU * up from the two panels' sums (the [T * k, 2I] gate/up output never goes to
-//   memory); then each thread a contiguous range of down's output panels over every expert in ascending
-//   order, adding each row's weighted output into its token's float32 sums in that epilogue (no
-//   [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so each
-//   token's sum runs in ascending expert order as torch's does). bench/NOTES.md (issue 43's
+//   memory); then each thread a contiguous range of down's output panels over every expert in
+//   ascending order, adding each row's weighted output into its token's float32 sums in that
+//   epilogue (no [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so
+//   each token's sum runs in ascending expert order as torch's does). bench/NOTES.md (issue 43's
 //   prefill section) has what each step saved.
 // The sums are panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit
 // what its two Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is
