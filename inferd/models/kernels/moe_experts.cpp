@@ -33,8 +33,8 @@
 //   memory); then each thread a contiguous range of down's output panels over every expert in
 //   ascending order, adding each row's weighted output into its token's float32 sums in that
 //   epilogue (no [T * k, H] output, no pass to sum it back; the threads own disjoint columns, so
-//   each token's sum runs in ascending expert order as torch's does). bench/NOTES.md (issue 43's
-//   prefill section) has what each step saved.
+//   each token's sum runs in ascending expert order as torch's does). bench/NOTES.md ("MoE
+//   prefill: ...") has what each step saved.
 // The sums are panel.h's, in the same order as Gemv.panel's, so an expert's output is bit for bit
 // what its two Linear layers give (tests/integration/test_families_vs_hf.py); SiLU * up is
 // simd.h's store_silu_mul, which fused_ops.cpp's SiLU * up runs too. Panels run on the AVX-512
