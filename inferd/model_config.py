@@ -136,7 +136,7 @@ class DynamicBatching(_Strict):
     # failed; otherwise batches are cut by cost, inferd.batching.cost): a batch from one length
     # bucket with rows to spare takes requests of other buckets while padded / total elements of
     # its variable-length inputs stays <= this. 0: each bucket alone. Default 0.1: on CPU
-    # (MiniLM, ONNX Runtime, 2 cores) a backend call's fixed cost is about 13-20 tokens of
+    # (MiniLM, ONNX Runtime, 2 cores) a backend call's fixed cost is about 13-31 tokens of
     # compute, so only near-equal lengths across a bucket edge pay off.
     max_padding_ratio: float = Field(default=0.1, ge=0.0, lt=1.0)
 

@@ -17,11 +17,12 @@ backend on zero-filled batches of 1 and `max_rows` rows (at most 8) at lengths 1
 each shape's fastest of 5 (the least disturbed by other work on the machine), and fits
 `seconds = a + b x elements`; the overhead is `a / b`. Under traffic the same fit is confounded:
 the load on the machine changes with the size of the batch (a large batch runs while the
-clients wait, a small one while they send), which made the fitted overhead 2-6x the quiet one
-and the cut pad too much (bench/NOTES.md). On 2 CPU cores MiniLM on ONNX Runtime costs ~0.9 ms
-a call and ~0.07 ms a token: an overhead of ~13 tokens. A model whose synthetic batch fails,
-takes longer than `_MAX_CALL_S`, or shows no cost per call or per element has no known
-overhead, and the batcher keeps to its length buckets.
+clients wait, a small one while they send): fitted over windows of 32 calls, the overhead swung
+between 5 and 82 tokens, and cutting by it ran 3-12 % slower (bench/NOTES.md). On 2 CPU cores,
+MiniLM on ONNX Runtime's batch session (threads that do not spin between ops) costs ~2 ms a
+call and ~0.07 ms a token: an overhead of ~31 tokens (~13 where the threads spin). A model whose
+synthetic batch fails, takes longer than `_MAX_CALL_S`, or shows no cost per call or per element
+has no known overhead, and the batcher keeps to its length buckets.
 """
 
 from __future__ import annotations
