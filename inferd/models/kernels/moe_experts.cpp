@@ -9,10 +9,10 @@
 //
 // The assignments are counting-sorted by expert (stable), each active expert runs over its rows
 // in that order (gathered into a contiguous copy, or read in place through the order), and the
-// outputs are weighted and summed back per
-// token in ascending expert order, rounding where torch's `out *= w` and `index_add_` round (the
-// product to the dtype; the sum in float32, rounded once: index_add_ on a bfloat16 tensor sums in
-// float32): the same steps, in the same order, as the per-expert path in PyTorch.
+// outputs are weighted and summed back per token in ascending expert order, rounding where
+// torch's `out *= w` and `index_add_` round (the product to the dtype; the sum in float32,
+// rounded once: index_add_ on a bfloat16 tensor sums in float32): the same steps, in the same
+// order, as the per-expert path in PyTorch.
 //
 // Why: from Python a decode step's MoE layer was an argsort, a bincount, a gather, then a panel
 // GEMM, a SiLU * up and a panel GEMM for each of its top-k experts (24 native calls at top 8,
