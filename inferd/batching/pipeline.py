@@ -214,6 +214,12 @@ class ServedModel:
         return self._state == "ready"
 
     @property
+    def call_overhead(self) -> float | None:
+        """A backend call's fixed cost in padded elements, timed at start (inferd.batching.cost);
+        None: not known (no variable-length inputs, or the model could not be timed)."""
+        return self._batcher.cost.overhead_elements()
+
+    @property
     def inflight(self) -> int:
         """Accepted requests not yet answered (preprocessing, queued or running)."""
         return len(self._live)

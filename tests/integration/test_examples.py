@@ -3,6 +3,7 @@ config validates and builds its steps, and the models do what their labels say."
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import onnxruntime as ort
 import pytest
 import yaml
 
+from inferd.backends.base import BackendOptions
+from inferd.batching.rules import QueueLimits
 from inferd.examples import (
     FRAUD_FEATURES,
     SHAPES,
@@ -20,6 +23,7 @@ from inferd.examples import (
 )
 from inferd.examples import repository as examples
 from inferd.model_config import ModelRepoConfig
+from inferd.repository.builder import build_model
 from inferd.steps.classification import classify, load_labels
 from inferd.steps.registry import build_steps
 
@@ -57,6 +61,37 @@ def test_configs_validate_and_their_steps_build(repo: Path, name: str) -> None:
     declared = {i.name for i in session(version / "model.onnx").get_inputs()}
     expected = {"minilm": {"input_ids", "attention_mask"}, "image": {"input"}}
     assert declared == expected.get(name, {"features"})
+
+
+@pytest.mark.parametrize("name", ["minilm", "image"])
+def test_a_served_model_with_variable_lengths_learns_its_call_cost_at_start(
+    repo: Path, name: str
+) -> None:
+    """The real ONNX model takes the synthetic zero batches (1 and 8 rows at lengths 16 and 64)
+    and the fit finds a per-call and a per-token cost; the image model has no variable dim."""
+    served = build_model(
+        name,
+        "1",
+        load(repo, name),
+        repo / name,
+        repo / name / "1",
+        BackendOptions(),
+        QueueLimits(),
+        observer=None,
+    )
+
+    async def started() -> float | None:
+        await served.start()
+        try:
+            return served.call_overhead
+        finally:
+            await served.stop()
+
+    overhead = asyncio.run(started())
+    if name == "minilm":
+        assert overhead is not None and overhead > 0.0
+    else:
+        assert overhead is None
 
 
 def png(image: object) -> bytes:
