@@ -22,7 +22,8 @@ between 5 and 82 tokens, and cutting by it ran 3-12 % slower (bench/NOTES.md). O
 MiniLM on ONNX Runtime's batch session (threads that do not spin between ops) costs ~2 ms a
 call and ~0.07 ms a token: an overhead of ~31 tokens (~13 where the threads spin). A model whose
 synthetic batch fails, takes longer than `_MAX_CALL_S`, or shows no cost per call or per element
-has no known overhead, and the batcher keeps to its length buckets.
+has no known overhead, and the batcher keeps to its length buckets; so has one with an input of
+two variable dims (an image of any size), whose cost is not rows x longest.
 """
 
 from __future__ import annotations

@@ -241,6 +241,8 @@ class ServedModel:
     def _calibrate(self) -> float | None:
         """A backend call's overhead in padded elements (inferd.batching.cost), timed on
         zero-filled batches before the model takes requests; None when it cannot be known."""
+        if any(len(dims) > 1 for dims in self._variable.values()):
+            return None  # a call's cost is not rows x longest where two dims vary (an image's)
         backend = self._backends[0]
         specs = backend.inputs()
         if not specs or any(DATATYPES.get(spec.datatype, _OBJECT) == _OBJECT for spec in specs):

@@ -554,6 +554,26 @@ async def test_start_calibrates_the_call_cost_on_zero_batches_of_the_declared_in
 
 
 @async_test
+async def test_no_call_cost_is_timed_where_two_dims_vary() -> None:
+    config = ModelRepoConfig.model_validate(
+        {
+            "backend": "python",
+            "max_batch_size": 8,
+            "input": [{"name": "ids", "data_type": "TYPE_INT64", "dims": [-1, -1]}],
+            "dynamic_batching": {"max_queue_delay_ms": 1},
+        }
+    )
+    backend = FakeBackend(
+        [TensorSpec("ids", "INT64", (-1, -1, -1))], [TensorSpec("hidden", "FP32", (-1, -1, -1))]
+    )
+    model = ServedModel("grid", "1", config, [backend], observer=FakeObserver())
+    await model.start()
+    # Rows x longest says nothing of an [h, w] input's cost: no synthetic batch, no overhead.
+    assert backend.seen == [] and model.call_overhead is None
+    await model.stop()
+
+
+@async_test
 async def test_timings_cover_every_stage() -> None:
     observer = FakeObserver()
     model, _, _, _ = text_model(observer)
