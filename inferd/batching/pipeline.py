@@ -96,8 +96,6 @@ __all__ = ["BackendError", "QueueLimits", "ServedModel", "batch_policy", "queue_
 
 logger = logging.getLogger(__name__)
 
-_OBJECT = np.dtype(np.object_)
-
 # Preprocess (tokenize, image decode) threads per model; created on first use.
 _PREPROCESS_THREADS = max(2, min(8, os.cpu_count() or 1))
 # Requests per preprocess task: a burst's arrivals share hand-offs, and still spread over the
@@ -245,7 +243,7 @@ class ServedModel:
             return None  # a call's cost is not rows x longest where two dims vary (an image's)
         backend = self._backends[0]
         specs = backend.inputs()
-        if not specs or any(DATATYPES.get(spec.datatype, _OBJECT) == _OBJECT for spec in specs):
+        if not specs or any(s.datatype not in DATATYPES or s.datatype == "BYTES" for s in specs):
             return None  # no zeros of BYTES (or of an unknown type) for a synthetic batch
 
         def run(rows: int, length: int) -> object:
