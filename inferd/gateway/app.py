@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from inferd.config import ServerConfig
 from inferd.diffusion.request import ImageEngine
@@ -39,17 +40,35 @@ from inferd.telemetry.model_metrics import ModelMetrics
 from inferd.telemetry.tracing import RequestTracer, make_tracer
 
 
+class InferdApp(FastAPI):
+    """FastAPI with KServe v2 inference served ahead of its stack (kserve/http.py's
+    `infer_front`): every other request takes the app's own middleware and router."""
+
+    infer_front: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        front = self.infer_front
+        params = None if front is None else kserve_http.infer_path_params(scope)
+        if params is None:
+            await super().__call__(scope, receive, send)
+            return
+        assert front is not None
+        scope["app"] = self
+        scope["path_params"] = params
+        await front(scope, receive, send)
+
+
 def create_app(
     llm: EngineClient | None,
     server: ServerConfig,
     *,
     tracer: RequestTracer | None = None,
     lora_updates: bool = False,
-) -> FastAPI:
+) -> InferdApp:
     """`tracer`: None builds one from `server.otlp_traces_endpoint` (None when that is unset).
     `lora_updates`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (the environment's
     allow_runtime_lora_updating)."""
-    app = FastAPI(
+    app = InferdApp(
         title="inferd",
         summary="OpenAI-compatible LLM inference server",
         version="0.1.0",
@@ -77,7 +96,6 @@ def create_app(
     app.include_router(images.router)
     app.include_router(image_websocket.router)
     app.include_router(kserve_http.router)
-    kserve_http.serve_infer_first(app)
     app.include_router(kv_cache.router)
     if lora_updates:
         app.include_router(adapters.router)
@@ -89,6 +107,11 @@ def create_app(
     app.add_middleware(
         GatewayMiddleware, server=server, on_reject=state.metrics.reject, guard=guard
     )
+
+    def gateway_middleware(inner: ASGIApp) -> ASGIApp:  # the same guard: one key, one limit
+        return GatewayMiddleware(inner, server, state.metrics.reject, guard)
+
+    app.infer_front = kserve_http.infer_front(app, gateway_middleware)
     state.guard = guard
     return app
 

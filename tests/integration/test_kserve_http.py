@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from inferd.config import ServerConfig
 from inferd.gateway import create_app
+from inferd.gateway.kserve import http as kserve_http
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -444,9 +445,12 @@ def test_without_repository_and_with_api_keys() -> None:
                 await c.get("/v2/models", headers=auth),
                 await c.post("/v1/embeddings", json={"model": "m", "input": "a"}),
                 await c.get("/v2/health/ready"),
+                await c.post("/v2/models/m/infer", content=b"{}"),
+                await c.post("/v2/models/m/versions/2/infer", content=b"{}", headers=auth),
+                await c.get("/v2/models/m/infer", headers=auth),
             ]
 
-    unauthorized, missing, listed, openai_401, ready = asyncio.run(run())
+    unauthorized, missing, listed, openai_401, ready, *infer = asyncio.run(run())
     assert_kserve_error(unauthorized, 401, "API key")
     assert_kserve_error(missing, 404, "--model-repository")
     assert listed.json() == {"models": []}
@@ -455,6 +459,49 @@ def test_without_repository_and_with_api_keys() -> None:
         and openai_401.json()["error"]["type"] == "authentication_error"
     )
     assert ready.status_code == 200
+    infer_401, infer_404, infer_get = infer
+    assert_kserve_error(infer_401, 401, "API key")
+    assert_kserve_error(infer_404, 404, "--model-repository")
+    assert infer_get.status_code == 405
+    assert infer_401.headers["x-request-id"] and infer_404.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "root", "params"),
+    [
+        ("POST", "/v2/models/m/infer", "", {"model": "m"}),
+        ("POST", "/v2/models/m/versions/3/infer", "", {"model": "m", "version": "3"}),
+        ("POST", "/api/v2/models/m/infer", "/api", {"model": "m"}),
+        ("GET", "/v2/models/m/infer", "", None),
+        ("POST", "/v2/models/m/infer/", "", None),
+        ("POST", "/v2/models/a/b/infer", "", None),
+        ("POST", "/v2/models/m/versions/3", "", None),
+    ],
+)
+def test_infer_path_params_match_the_documented_routes(
+    method: str, path: str, root: str, params: dict[str, str] | None
+) -> None:
+    scope = {"type": "http", "method": method, "path": path, "root_path": root}
+    assert kserve_http.infer_path_params(scope) == params
+
+
+def test_an_unexpected_error_in_infer_is_a_kserve_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference runs ahead of the app's router (kserve_http.infer_front): a failure nobody
+    expected still leaves as the app's 500, in KServe's error body."""
+    app = create_app(None, ServerConfig(access_log=False))
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(kserve_http, "Catalog", broken)
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v2/models/m/infer", content=b"{}")
+
+    r = asyncio.run(run())
+    assert_kserve_error(r, 500)
 
 
 def test_empty_repository(tmp_path: Path) -> None:

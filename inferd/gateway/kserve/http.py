@@ -22,15 +22,17 @@ InferRequest; `stream` from the start of encoding to the last byte handed to the
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
 from pydantic import BaseModel
+from starlette.middleware.errors import ServerErrorMiddleware
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from inferd.errors import InvalidRequestError, ModelNotFoundError, ModelNotReadyError
 from inferd.gateway.contract import json_or_binary, kserve_errors, raw_body
@@ -206,30 +208,47 @@ async def infer(request: Request) -> Response:
         raise
 
 
-# The FastAPI routes only document the path in the OpenAPI schema: inference is served by the
-# plain Starlette routes `serve_infer_first` puts at the head of the app's routes.
+# The FastAPI routes only document the path in the OpenAPI schema: inference is served by
+# `infer_front`, ahead of the app's router.
 router.post(_MODEL + "/infer", dependencies=BY_MODEL, **_INFER)(infer)
 router.post(_VERSION + "/infer", dependencies=BY_VERSION, **_INFER)(infer)
 
+_INFER_PATH = re.compile(r"^/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer$")
 
-def serve_infer_first(app: FastAPI) -> None:
-    """Serves `infer` by plain Starlette routes matched before every other route of `app`.
 
-    FastAPI's route wrapper (two exit stacks, dependency solving, the endpoint call) was ~15 %
-    of the event loop's time per request under load, and matching the path against every
-    included router before this one ~10 % (py-spy, 64 clients); no other route shares these
-    paths, so the order changes nothing else."""
-    routes = [
-        Route(path, _InferApp(), methods=["POST"], include_in_schema=False)
-        for path in (_MODEL + "/infer", _VERSION + "/infer")
-    ]
-    app.router.routes[:0] = routes
+def infer_path_params(scope: Scope) -> dict[str, str] | None:
+    """The path parameters of a POST to an infer path (as the documented routes match it:
+    no slash inside a name), else None."""
+    if scope["type"] != "http" or scope.get("method") != "POST":
+        return None
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    match = _INFER_PATH.match(path)
+    if match is None:
+        return None
+    return {k: v for k, v in match.groupdict().items() if v is not None}
+
+
+def infer_front(app: FastAPI, gateway_middleware: Callable[[ASGIApp], ASGIApp]) -> ASGIApp:
+    """The stack an infer request runs through instead of `app`'s: the app's 500 handler,
+    `gateway_middleware` (auth, limits, request id, body limit, access log) and the app's
+    exception handlers, in the app's own order, around `infer`.
+
+    What it leaves out is what `infer` has no use for: the router's match against every
+    route, the route wrapper, FastAPI's dependency exit stacks, its body limit (the gateway
+    middleware's applies) and its own OpenTelemetry layer (inferd's tracing is its own).
+    Those were ~10 % of the event loop's time a request at 64 clients of the image example
+    (py-spy), where the loop is what bounds requests/s."""
+    handlers = {k: v for k, v in app.exception_handlers.items() if k not in (500, Exception)}
+    inner = ExceptionMiddleware(_InferApp(), handlers=handlers, debug=app.debug)
+    last_resort = app.exception_handlers.get(Exception, app.exception_handlers.get(500))
+    return ServerErrorMiddleware(gateway_middleware(inner), handler=last_resort, debug=app.debug)
 
 
 class _InferApp:
-    """`infer` as a bare ASGI app, which a Route calls as it is: the wrapper Starlette puts
-    around an endpoint function (a second exception-handler layer wrapping every `send`)
-    repeats what the app's ExceptionMiddleware does with the same handlers."""
+    """`infer` as a bare ASGI app."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = await infer(Request(scope, receive, send))
