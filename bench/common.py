@@ -105,6 +105,18 @@ class ModelShape:
         }
         if self.model_type == "qwen2":
             cfg |= {"use_sliding_window": False, "sliding_window": None}
+        elif self.model_type == "gpt_oss":
+            # gpt-oss-20b's layout: window-128 and full layers alternating, YaRN, q/k/v/o bias;
+            # its experts are `intermediate_size` wide.
+            cfg |= {
+                "head_dim": self.head_dim,
+                "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.experts_per_token,
+                "intermediate_size": self.moe_intermediate_size,
+                "sliding_window": 128,
+                "layer_types": ["sliding_attention", "full_attention"] * (self.num_layers // 2),
+                "attention_bias": True,
+            }
         elif self.num_experts:
             cfg |= {
                 "head_dim": self.head_dim,

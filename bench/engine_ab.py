@@ -95,7 +95,7 @@ def export(rev: str, into: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base", default=None, help="git revision to compare the working tree with")
-    shapes = ["llama-32m", "qwen2-0.5b-shape", "qwen3-moe"]
+    shapes = ["llama-32m", "qwen2-0.5b-shape", "qwen3-moe", "gpt-oss"]
     p.add_argument("--shape", choices=shapes, default="llama-32m")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seeds", default="1,2,3", help="workload seeds, comma-separated")

@@ -90,8 +90,35 @@ SHAPES = common.SHAPES | {
         experts_per_token=8,
         moe_intermediate_size=256,
     ),
+    # gpt-oss-20b's shape (hidden 2880, 24 layers, 32 experts of 2880, top 4, 64 / 8 heads of 64)
+    # scaled down the same way: 1,024 wide, 8 layers, 16 experts of 512, top 4, 16 / 2 heads of
+    # 64, window-128 and full layers alternating, attention sinks.
+    "gpt-oss": common.ModelShape(
+        name="gpt-oss",
+        architecture="GptOssForCausalLM",
+        model_type="gpt_oss",
+        hidden_size=1024,
+        intermediate_size=512,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=2,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        default_num_requests=32,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        num_experts=16,
+        experts_per_token=4,
+        moe_intermediate_size=512,
+    ),
 }
-MIXED_REQUESTS = {"llama-32m": 96, "tiny": 96, "qwen2-0.5b-shape": 32, "qwen3-moe": 32}
+MIXED_REQUESTS = {
+    "llama-32m": 96,
+    "tiny": 96,
+    "qwen2-0.5b-shape": 32,
+    "qwen3-moe": 32,
+    "gpt-oss": 32,
+}
 READY_TIMEOUT_S = 600.0
 TO_GGUF = REPO_ROOT.parent / "shared" / "peers" / "to_gguf.py"
 

@@ -69,10 +69,6 @@ def load_runner(
     native = kernels.select(
         config.cache.attention_backend, device, dtype, kv_dtype, arch.head_dim, env
     )
-    if native is not None and arch.attention_sinks:
-        # The native attention kernel has no sinks (models/attention/select.py): the PyTorch path.
-        logger.info("attention: PyTorch path (the native kernel has no attention sinks)")
-        native = None
     float_kind = resolve_linear_kind(backend, None, device, dtype)
     gemv = native.gemv if native else None
     on_native = native_linear(config.device.native_linear, kind, gemv, model, float_kind)

@@ -1,8 +1,8 @@
 """gpt-oss's mixture-of-experts pieces (`GptOssForCausalLM`), used by models/moe.py's SparseMoE.
 
 Its experts (`Experts`) keep the checkpoint's stacked form, one gate/up and one down matrix per
-expert with biases, and run on PyTorch's ops: gpt-oss runs the PyTorch path (the native attention
-kernel has no sinks), so they never take the dense layers' kernels.
+expert with biases, and run on PyTorch's ops (the rest of its layers take the native kernels:
+attention with sinks, the dense linear layers, norms).
 
 - **Routing**: router logits with a bias, the top k of the logits, then a softmax over those k
   (in the logits' dtype, as transformers does).

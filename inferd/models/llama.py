@@ -74,9 +74,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.norm_offset)
         # The native decode step chains Llama's layer as it is (its MLP or an MoE block): no
-        # sandwich norms, GELU or second RoPE table.
+        # sandwich norms, GELU, second RoPE table or attention sinks.
         self.plain_layers = not (
-            cfg.sandwich_norms or cfg.hidden_act != "silu" or self.local_rotary_emb is not None
+            cfg.sandwich_norms
+            or cfg.hidden_act != "silu"
+            or self.local_rotary_emb is not None
+            or cfg.attention_sinks
         )
         self.fused: FusedOps | None = None
         # Steps whose every row samples (decode, verify) of up to 128 rows on panel copies (int8

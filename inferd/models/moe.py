@@ -41,8 +41,8 @@ the GEMV at each of its row counts (1-8), as it runs int8 dense layers.
 
 gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
 softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
-biases and a clamped SwiGLU (`gpt_oss.Experts`, PyTorch's ops: gpt-oss runs the PyTorch path,
-since the native attention kernel has no sinks).
+biases and a clamped SwiGLU (`gpt_oss.Experts`, on PyTorch's ops; the rest of its layers take
+the native kernels as other models do).
 """
 
 from __future__ import annotations

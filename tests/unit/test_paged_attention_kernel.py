@@ -57,8 +57,15 @@ def _case(
 
 
 def _reference(
-    q: Tensor, kv: Tensor, batch: PagedBatch, scale: float, window: int | None = None
+    q: Tensor,
+    kv: Tensor,
+    batch: PagedBatch,
+    scale: float,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
+    """`sinks`: [Hq], each head's extra softmax logit with a zero value (gpt-oss, as
+    transformers' eager attention: a column of the scores, dropped after the softmax)."""
     if kv.dtype == torch.int8:  # the values the rows hold (dequantized as the PyTorch path does)
         kv = kv_int8.dequantize(kv, torch.float64)
     _, _, bs, hkv, _ = kv.shape
@@ -75,7 +82,10 @@ def _reference(
             lo = 0 if window is None else max(0, keys - window)  # the last `window` keys
             qj = q[qs + j].double()  # [Hq, D]
             w = torch.einsum("hd,khd->hk", qj, k[lo:keys]) * scale
-            out[qs + j] = torch.einsum("hk,khd->hd", w.softmax(-1), v[lo:keys])
+            if sinks is not None:
+                w = torch.cat([w, sinks.double()[:, None]], dim=1)
+            p = w.softmax(-1)[:, : keys - lo]
+            out[qs + j] = torch.einsum("hk,khd->hd", p, v[lo:keys])
     return out
 
 
@@ -89,12 +99,13 @@ def _check(
     kv_dtype: torch.dtype = torch.float32,
     act_dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     q, kv, batch = _case(seqs, hq, hkv, d, bs, kv_dtype, act_dtype)
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))
-    kernel(out, q, kv, batch, scale, window)
-    ref = _reference(q, kv, batch, scale, window)
+    kernel(out, q, kv, batch, scale, window, sinks)
+    ref = _reference(q, kv, batch, scale, window, sinks)
     tol = 1e-5 if act_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -135,6 +146,23 @@ def test_sliding_window(
     seqs = [(1, 50), (40, 90), (100, 612), (3, 3), (1, 1), (70, 70), (1, 1000)]
     _check(kernel, seqs, 8, 4, 64, 16, kv_dtype, act_dtype, window)
     _check(kernel, [(1, 2000)], 8, 2, 64, 16, kv_dtype, act_dtype, window)
+
+
+@pytest.mark.parametrize("window", [None, 5, 200])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
+def test_attention_sinks(
+    kernel: PagedAttentionKernel, window: int | None, dtypes: tuple[torch.dtype, torch.dtype]
+) -> None:
+    # A logit per query head joins its softmax: decode rows, prefill chunks, a long stream whose
+    # keys are split across threads (the sink enters once, after the splits' merge), sinks far
+    # above and below the scores (the normaliser stays finite either way).
+    kv_dtype, act_dtype = dtypes
+    sinks = torch.tensor([0.0, 1.5, -2.0, 3.0, -40.0, 40.0, 0.25, -0.5])
+    seqs = [(1, 50), (40, 90), (3, 3), (1, 1), (70, 70), (1, 1000)]
+    _check(kernel, seqs, 8, 4, 64, 16, kv_dtype, act_dtype, window, sinks)
+    _check(kernel, [(1, 2000)], 8, 2, 64, 16, kv_dtype, act_dtype, window, sinks)
 
 
 @pytest.mark.parametrize("group", [1, 2, 7])

@@ -3,7 +3,8 @@ layer (decode rows, prefill chunks with or without a cached prefix), K/V read in
 the block table after this step's write. Plain prefill goes through it too: it skips the masked
 half of the causal square, and measured faster than SDPA at 64-1024 tokens
 (bench/attention_kernel.py, "prefill plain"). A sliding window W is the kernel's argument: it
-skips the keys before each query's window. It has no attention sinks.
+skips the keys before each query's window. So are attention sinks (gpt-oss), as float32: they
+join each row's softmax denominator where the kernel writes the row out.
 
 On the fused path (models/layers.py) the fused RoPE + KV-write op has put this step's K/V in the
 cache already, and `forward_cached` reads it; the model's last layer can attend for the sampling
@@ -36,7 +37,15 @@ class NativeBackend:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if meta.paged is not None:
             assert layer.kernel is not None, "a paged batch needs the native kernel"
-            layer.kernel(out, q.contiguous(), layer.kv_cache, meta.paged, layer.scale, layer.window)
+            layer.kernel(
+                out,
+                q.contiguous(),
+                layer.kv_cache,
+                meta.paged,
+                layer.scale,
+                layer.window,
+                _sinks(layer),
+            )
         return out
 
     def forward_cached(
@@ -47,8 +56,13 @@ class NativeBackend:
         assert layer.kernel is not None and meta.paged is not None
         shape = (layer.num_heads, layer.head_dim)
         out = padded_empty(q.shape[0], out_rows, shape, q.dtype)
-        layer.kernel(out, q, layer.kv_cache, meta.paged, layer.scale, layer.window)
+        layer.kernel(out, q, layer.kv_cache, meta.paged, layer.scale, layer.window, _sinks(layer))
         return out
+
+
+def _sinks(layer: PagedAttention) -> Tensor | None:
+    """The layer's sinks as the kernel takes them (float32: no copy for a float32 model)."""
+    return None if layer.sinks is None else layer.sinks.detach().float()
 
 
 NATIVE = NativeBackend()

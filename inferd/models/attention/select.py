@@ -3,8 +3,7 @@
 Eager steps (every step that is not a replayed CUDA-graph decode):
 1. the native CPU kernel (native.py) wherever the engine loaded the native kernels
    (kernels.select: a CPU, `--attention-backend` auto or cpu_kernel, a kernel build that works
-   here, a head size and dtypes it takes). A model with attention sinks never gets them
-   (executor/loading.py): the kernel has no sinks;
+   here, a head size and dtypes it takes); windows and sinks included;
 2. else CUDA varlen (varlen.py): on a GPU whose PyTorch runs the varlen call for the model's
    heads and dtype (one tiny call at load), for a model with no sliding-window layer and no sinks
    (the call has neither); half precision gathers whole blocks, float32 key by key;

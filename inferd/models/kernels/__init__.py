@@ -127,7 +127,7 @@ class PagedAttentionKernel:
         fn = lib.inferd_paged_attention
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32]
-        fn.argtypes += [ptr, i32, ptr, ptr, ptr, i32, ctypes.c_float, i32]
+        fn.argtypes += [ptr, i32, ptr, ptr, ptr, i32, ctypes.c_float, i32, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -139,10 +139,15 @@ class PagedAttentionKernel:
         batch: PagedBatch,
         scale: float,
         window: int | None = None,
+        sinks: Tensor | None = None,
     ) -> None:
         # out, q: [T, Hq, D] contiguous  kv_cache: [2, NB, bs, Hkv, D (+ 4 if int8)] contiguous
         # window: each query sees its last `window` keys only (None: all before it)
+        # sinks: [Hq] float32 contiguous, a logit per query head in its softmax (None: none)
         assert out.is_contiguous() and q.is_contiguous() and kv_cache.is_contiguous()
+        if sinks is not None:
+            assert sinks.dtype == torch.float32 and sinks.is_contiguous()
+            assert sinks.shape == (q.shape[1],)
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         head_dim = q.shape[2]
         tables = batch.block_tables
@@ -165,6 +170,7 @@ class PagedAttentionKernel:
             batch.num_seqs,
             scale,
             window or 0,
+            None if sinks is None else sinks.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError(f"paged attention kernel rejected its arguments (rc={rc})")

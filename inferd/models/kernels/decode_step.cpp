@@ -43,7 +43,7 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
                            int kv_dtype, int64_t num_blocks, int block_size, int num_heads,
                            int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
-                           int num_seqs, float scale, int window);
+                           int num_seqs, float scale, int window, const float* sinks);
 int inferd_gemv_int8(const void* x, int64_t rows, int64_t x_stride, const int8_t* w, int64_t n,
                      int64_t k, const float* w_scale, const int32_t* w_sum, const float* bias,
                      void* y, int64_t y_stride, int dtype);
@@ -189,7 +189,8 @@ int layer(const Model& m, const Layer& L, int64_t index, const Step& s) {
                                 static_cast<int>(m.block_size), static_cast<int>(m.hq),
                                 static_cast<int>(m.hkv), static_cast<int>(m.d), s.tables,
                                 static_cast<int>(s.table_stride), s.q_start, s.q_len, s.ctx_len,
-                                static_cast<int>(s.num_seqs), m.scale, static_cast<int>(L.window));
+                                static_cast<int>(s.num_seqs), m.scale, static_cast<int>(L.window),
+                                nullptr);  // no sinks: a model with them has no decode plan
   if (rc == 0) rc = linear(L.o, s.attn, rows, s.h, dt);
   if (rc == 0)
     rc = inferd_rms_norm(s.x, hid, s.h, hid, s.residual, L.post_norm, dt, rows, hid, m.eps);

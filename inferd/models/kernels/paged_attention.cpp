@@ -17,7 +17,9 @@
 // last W of them, keys (ctx_len - q_len + j - W, ctx_len - q_len + j] (Hugging Face's
 // `kv_idx > q_idx - W`): an item's keys start at its first query's first visible key, so blocks
 // wholly before the window are never read, and keys of a tile below a row's window are masked
-// after its scores (mask_below_window), before the softmax.
+// after its scores (mask_below_window), before the softmax. Attention sinks (gpt-oss: a logit per
+// query head that joins its softmax's denominator, a key whose value is zero) enter once, where a
+// row is written out (normaliser): the online softmax never sees them, so no path changes.
 //
 // Work item = (sequence, kv head, query tile, key split). The G = Hq / Hkv query heads sharing a
 // KV head are G rows of one item, so each K/V row is read once per item (GQA without copies). A
@@ -91,7 +93,8 @@ struct Problem {
   const int32_t* q_len;
   const int32_t* ctx_len;
   float scale;
-  int window;  // 0: none
+  int window;          // 0: none
+  const float* sinks;  // [num_heads] fp32, one logit per query head in its softmax; null: none
 };
 
 // Rows of an item: kv heads [head, head + nh) x queries [j0, j1) x the G query heads of each,
@@ -342,8 +345,19 @@ struct Kernel {
   }
 };
 
+// The normaliser a row's unnormalised accumulator is multiplied by: 1 / l, and with a sink s (a
+// key scored s whose value is zero) exp(m - M) / (l * exp(m - M) + exp(s - M)), M = max(m, s),
+// which stays finite whatever s and m are. 0 for a row that saw no key and has no sink.
+inline float normaliser(float m, float l, const float* sinks, int64_t qh) {
+  if (sinks == nullptr) return l > 0.0f ? 1.0f / l : 0.0f;
+  const float s = sinks[qh];
+  const float mx = std::max(m, s);
+  const float keep = m == kNegInf ? 0.0f : std::exp(m - mx);
+  return keep / (l * keep + std::exp(s - mx));
+}
+
 void write_rows(const Problem& p, int seq, int head, int nh, int j0, int j1, const float* acc,
-                const float* l) {
+                const float* m, const float* l) {
   const int g = p.num_heads / p.num_kv_heads;
   const int d = p.head_dim;
   const int nq = j1 - j0;
@@ -353,8 +367,8 @@ void write_rows(const Problem& p, int seq, int head, int nh, int j0, int j1, con
       const int64_t tok = p.q_start[seq] + j;
       for (int h = 0; h < g; ++h) {
         const int r = (hh * nq + (j - j0)) * g + h;
-        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
         const int64_t qh = static_cast<int64_t>(head + hh) * g + h;
+        const __m512 inv = _mm512_set1_ps(normaliser(m[r], l[r], p.sinks, qh));
         char* dst = static_cast<char*>(p.out) + (tok * p.num_heads + qh) * d * esz;
         for (int i = 0; i < d; i += 16) {  // 16 at a time; bfloat16 rounded to nearest even
           const __mmask16 m = tail_mask(d - i);
@@ -372,9 +386,9 @@ void merge(const Problem& p, const Merge& mg, const float* base) {
   const int d = p.head_dim;
   const int rows = item_rows(p, mg.nh, mg.j0, mg.j1);
   const int64_t split_size = static_cast<int64_t>(rows) * (d + 2);
-  std::vector<float> acc(static_cast<size_t>(rows) * d, 0.0f), l(rows, 0.0f);
+  std::vector<float> acc(static_cast<size_t>(rows) * d, 0.0f), l(rows, 0.0f), m(rows, kNegInf);
   for (int r = 0; r < rows; ++r) {
-    float mx = kNegInf;
+    float& mx = m[r];
     for (int s = 0; s < mg.splits; ++s)
       mx = std::max(mx, base[mg.scratch + s * split_size + rows * d + r]);
     for (int s = 0; s < mg.splits; ++s) {
@@ -386,7 +400,7 @@ void merge(const Problem& p, const Merge& mg, const float* base) {
       for (int i = 0; i < d; ++i) acc[r * d + i] += st[r * d + i] * w;
     }
   }
-  write_rows(p, mg.seq, mg.head, mg.nh, mg.j0, mg.j1, acc.data(), l.data());
+  write_rows(p, mg.seq, mg.head, mg.nh, mg.j0, mg.j1, acc.data(), m.data(), l.data());
 }
 
 using ItemFn = void (*)(const Problem&, const Item&, float*, float*, float*);
@@ -461,15 +475,16 @@ void plan(const Problem& p, int num_seqs, int threads, std::vector<Item>& items,
 
 extern "C" {
 
-int inferd_paged_attention_version() { return 2; }
+int inferd_paged_attention_version() { return 3; }
 
 // Returns 0, or -1 for an unsupported head_dim / dtype (the caller falls back to PyTorch).
-// `window`: each query sees its last `window` keys only (0: every key before it).
+// `window`: each query sees its last `window` keys only (0: every key before it). `sinks`: fp32
+// [num_heads], a logit per query head that joins its softmax's denominator (gpt-oss); null: none.
 int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* kv_cache,
                            int kv_dtype, int64_t num_blocks, int block_size, int num_heads,
                            int num_kv_heads, int head_dim, const int32_t* tables, int table_stride,
                            const int32_t* q_start, const int32_t* q_len, const int32_t* ctx_len,
-                           int num_seqs, float scale, int window) {
+                           int num_seqs, float scale, int window, const float* sinks) {
   ItemFn fn = pick(head_dim);
   if (fn == nullptr || act_dtype < 0 || act_dtype > 1 || kv_dtype < 0 || kv_dtype > kI8 ||
       window < 0 ||
@@ -478,7 +493,8 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
   const int64_t half = num_blocks * block_size * num_kv_heads * kv_row_bytes(kv_dtype, head_dim);
   const char* kc = static_cast<const char*>(kv_cache);
   Problem p{out,  q,        act_dtype, kc,         kc + half, kv_dtype, block_size, num_heads,
-            num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale, window};
+            num_kv_heads, head_dim, tables, table_stride, q_start, q_len, ctx_len, scale, window,
+            sinks};
   const int threads = omp_get_max_threads();
   std::vector<Item> items;
   std::vector<Merge> merges;
@@ -502,7 +518,7 @@ int inferd_paged_attention(void* out, const void* q, int act_dtype, const void* 
       const Item& it = items[i];
       if (it.scratch < 0) {
         fn(p, it, acc, m, l);
-        write_rows(p, it.seq, it.head, it.nh, it.j0, it.j1, acc, l);
+        write_rows(p, it.seq, it.head, it.nh, it.j0, it.j1, acc, m, l);
       } else {
         const int rows = item_rows(p, it.nh, it.j0, it.j1);
         float* st = scratch.data() + it.scratch;
