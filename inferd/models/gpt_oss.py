@@ -1,8 +1,8 @@
 """gpt-oss's mixture-of-experts pieces (`GptOssForCausalLM`), used by models/moe.py's SparseMoE.
 
-Its experts (`Experts`) keep the checkpoint's stacked form, one gate/up and one down matrix per
-expert with biases, and run on PyTorch's ops (the rest of its layers take the native kernels:
-attention with sinks, the dense linear layers, norms).
+Its experts load in the checkpoint's stacked form (`Experts`: one gate/up and one down matrix per
+expert, with biases), then each becomes two `Linear` layers with their biases (`Expert`), which
+take the dense layers' kernels; the clamped SwiGLU between them runs on PyTorch's ops.
 
 - **Routing**: router logits with a bias, the top k of the logits, then a softmax over those k
   (in the logits' dtype, as transformers does).
@@ -23,10 +23,11 @@ attention with sinks, the dense linear layers, norms).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from inferd.models.config import MoEConfig
+from inferd.models.kernels.fused import FusedOps
+from inferd.models.linear import Linear
 from inferd.models.weights import Convert, WeightTarget
 
 # The 16 values of an E2M1 nibble: sign bit 3, then 2 exponent bits and 1 mantissa bit.
@@ -47,8 +48,9 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tens
 
 
 class Experts(nn.Module):
-    """One layer's experts, stacked: `w13` [E * 2I, H] (each expert's gate rows, then its up
-    rows), `w2` [E * H, I], biases `b13` [E * 2I] and `b2` [E * H]."""
+    """One layer's experts as the checkpoint stacks them, for loading: `w13` [E * 2I, H] (each
+    expert's gate rows, then its up rows), `w2` [E * H, I], biases `b13` [E * 2I] and `b2`
+    [E * H]. Once loaded, `split` turns them into one `Expert` each."""
 
     def __init__(self, moe: MoEConfig, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -59,22 +61,42 @@ class Experts(nn.Module):
         self.b13 = nn.Parameter(torch.empty(e * 2 * i, dtype=dtype), False)
         self.b2 = nn.Parameter(torch.empty(e * hidden, dtype=dtype), False)
 
-    def grouped(self, xs: Tensor, counts: list[int]) -> Tensor:
-        """xs [T * k, H] grouped by expert (`counts[e]` rows each) -> each group through its
-        expert: one gate/up and one down GEMM per expert that received rows."""
-        e = self.spec.num_experts
-        w13, w2 = self.w13.view(e, -1, xs.shape[1]), self.w2.view(e, xs.shape[1], -1)
+    def split(self) -> nn.ModuleList:
+        """The experts as `Expert`s, each holding a copy of its rows; the stacked tensors are
+        released as they are copied, one layer's at a time beside the loaded model."""
+        e, hidden = self.spec.num_experts, self.w13.shape[1]
+        w13, w2 = self.w13.view(e, -1, hidden), self.w2.view(e, hidden, -1)
         b13, b2 = self.b13.view(e, -1), self.b2.view(e, -1)
-        alpha, limit = self.spec.swiglu_alpha, self.spec.swiglu_limit
-        out = torch.empty_like(xs)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                sl = slice(start, start + n)
-                gate, up = F.linear(xs[sl], w13[expert], b13[expert]).chunk(2, dim=-1)
-                out[sl] = F.linear(clamped_swiglu(gate, up, alpha, limit), w2[expert], b2[expert])
-                start += n
-        return out
+        with torch.no_grad(), torch.device(self.w13.device):
+            experts = nn.ModuleList(
+                Expert(w13[x], b13[x], w2[x], b2[x], self.spec) for x in range(e)
+            )
+        del self.w13, self.w2, self.b13, self.b2
+        return experts
+
+
+class Expert(nn.Module):
+    """One expert: gate/up (gate rows, then up rows) and down, each a `Linear` with its bias, so
+    `prepare_linears` gives them the dense layers' kernels; the clamped SwiGLU between them runs
+    on PyTorch's ops."""
+
+    def __init__(self, w13: Tensor, b13: Tensor, w2: Tensor, b2: Tensor, spec: MoEConfig) -> None:
+        super().__init__()
+        self.spec = spec
+        hidden, inter = w2.shape
+        self.gate_up_proj = Linear(hidden, [("gate_up_proj", 2 * inter)], True, w13.dtype)
+        self.down_proj = Linear(inter, [("down_proj", hidden)], True, w2.dtype)
+        for linear, w, b in ((self.gate_up_proj, w13, b13), (self.down_proj, w2, b2)):
+            linear.weight.copy_(w)
+            assert linear.bias is not None
+            linear.bias.copy_(b)
+
+    def forward(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
+        # x: [n, H] -> gate_up: [n, 2I] -> [n, H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(
+            clamped_swiglu(gate, up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
+        )
 
 
 def route(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:

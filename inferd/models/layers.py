@@ -50,7 +50,7 @@ class Step:
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: bool = False) -> None:
-        """`offset`: the checkpoint's weight w scales by (1 + w) (Gemma); `fold_norms` turns it
+        """`offset`: the checkpoint's weight w scales by (1 + w) (Gemma); `finish_loading` turns it
         into a plain weight once loaded."""
         super().__init__()
         self.eps = eps

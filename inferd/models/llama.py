@@ -8,7 +8,7 @@ module maps [T, ...] -> [T, ...].
 Family differences are flags on ArchConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm before RoPE
 (Qwen3, Gemma 3), bias on o_proj and the MLP (Llama `attention_bias` / `mlp_bias`), tied
 embeddings, a sliding window per layer (Mistral: all; Gemma 3: its local layers, which have their
-own RoPE base), Gemma's (1 + weight) norms (folded into the weight once loaded: `fold_norms`),
+own RoPE base), Gemma's (1 + weight) norms (folded into the weight once loaded: `finish_loading`),
 scaled embeddings, norms after attention and the MLP too, GELU-tanh, `query_pre_attn_scalar`
 and logit soft-capping, Phi-3's fused checkpoint tensors, and an MoE block in place of the MLP
 (models/moe.py).
@@ -253,14 +253,17 @@ class LlamaForCausalLM(nn.Module):
             counts.append(self.model.decode.take_expert_rows())
         return [sum(c) for c in zip(*counts, strict=True)]
 
-    def fold_norms(self) -> None:
-        """Gemma's norms scale by (1 + w): once the weights are loaded, w becomes 1 + w (in the
-        model dtype), so every path runs a plain RMSNorm. Call once, after loading."""
+    def finish_loading(self) -> None:
+        """Call once, after loading. Gemma's norms scale by (1 + w): w becomes 1 + w (in the
+        model dtype), so every path runs a plain RMSNorm. gpt-oss's stacked experts become one
+        module each (moe.SparseMoE.split_experts)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm) and module.offset:
                     module.weight.add_(1.0)
                     module.offset = False
+        for block in self._moe_blocks:
+            block.split_experts()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [m.attn for m in self.modules() if isinstance(m, Attention)]

@@ -124,7 +124,7 @@ def load_model(
             linear.dequantize()
     else:
         raise ModelLoadError(f"unknown load_format {load_format!r}")
-    model.fold_norms()
+    model.finish_loading()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s from %s: %.1fM parameters, %s, device %s, %s weights, %.2f s",

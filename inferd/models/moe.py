@@ -41,8 +41,8 @@ the GEMV at each of its row counts (1-8), as it runs int8 dense layers.
 
 gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
 softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
-biases and a clamped SwiGLU (`gpt_oss.Experts`, on PyTorch's ops; the rest of its layers take
-the native kernels as other models do).
+biases and a clamped SwiGLU (`gpt_oss.Expert`: its linear layers take the dense kernels, the
+activation runs on PyTorch's ops between them, one expert at a time as the Python path above).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ class SparseMoE(nn.Module):
         # with a bias).
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), False)
         self.router_bias: nn.Parameter | None = None
+        # gpt-oss: stacked until loaded (`split_experts`), then gpt_oss.Expert each.
         self.experts: nn.ModuleList | gpt_oss.Experts
         if moe.style == "gpt_oss":
             self.router_bias = nn.Parameter(torch.empty(e, dtype=dtype), False)
@@ -160,14 +161,18 @@ class SparseMoE(nn.Module):
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, rows, out)
 
+    def split_experts(self) -> None:
+        """Once loaded: gpt-oss's stacked experts become one `gpt_oss.Expert` each."""
+        if isinstance(self.experts, gpt_oss.Experts):
+            self.experts = self.experts.split()
+
     def _count(self, counts: list[int]) -> None:
         self.counts = [a + b for a, b in zip(self.counts, counts, strict=True)]
 
     def _grouped(self, xs: Tensor, counts: list[int], fused: FusedOps | None) -> Tensor:
         """xs [T * k, H], grouped by expert (`counts[e]` rows each) -> each group through its
         expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
-        if isinstance(self.experts, gpt_oss.Experts):
-            return self.experts.grouped(xs, counts)
+        assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
         out = torch.empty_like(xs)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
@@ -181,8 +186,8 @@ class SparseMoE(nn.Module):
         """The experts' copies the native call reads, where every expert's plan starts with the
         panel GEMM or the int8 GEMV; None where one starts with another kernel (oneDNN, dense).
         Read on the first fused forward, once prepare_linears has packed them."""
-        if isinstance(self.experts, gpt_oss.Experts):
-            return None
+        if self.spec.style == "gpt_oss":
+            return None  # the native call computes SiLU * up, without biases
         gate_up: list[int] = []
         down: list[int] = []
         most, kernels = ANY_ROWS, set[MoEKernel]()

@@ -36,6 +36,7 @@ from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.errors import ModelLoadError  # noqa: E402
 from inferd.executor.kv_pool import kv_bytes_per_block  # noqa: E402
 from inferd.models.config import SUPPORTED_ARCHITECTURES, ArchConfig  # noqa: E402
+from inferd.models.gpt_oss import Expert as GptOssExpert  # noqa: E402
 from inferd.models.gpt_oss import dequantize_mxfp4  # noqa: E402
 from inferd.models.kernels import NativeKernels, kernel_available  # noqa: E402
 from inferd.models.linear import (  # noqa: E402
@@ -412,6 +413,42 @@ def test_moe_experts_run_the_dense_layers_plan(
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
     assert sum(block.take_counts()) == sum(counts) * top_k * 2  # each path counts
+
+
+@pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
+def test_gpt_oss_experts_run_the_dense_layers_plan(
+    kind: LinearKind, dtype: torch.dtype, tmp_path: Path, native_kernels: NativeKernels
+) -> None:
+    # gpt-oss's experts load stacked, then become one module each of two biased Linear layers,
+    # the stacked tensors released: prepare_linears gives them the dense layers' kernels, each
+    # weight held once, and the block's output stays the dense F.linear one's within the
+    # kernel's precision (the clamped SwiGLU between them on PyTorch's ops), at a decode step's
+    # rows and a prefill's.
+    gemv = native_kernels.gemv
+    if kind == "onednn" and not gemv.panel_rows[dtype]:
+        pytest.skip(f"no {dtype} panel GEMM on this CPU")
+    if kind == "int8" and not has_int8_gemm():
+        pytest.skip("no VNNI int8 dot products on this CPU")
+    _, folder = _checkpoint("gpt-oss", tmp_path)
+    ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    assert not any("experts.w13" in name for name, _ in model.named_parameters())
+    prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
+    block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
+    assert isinstance(block, SparseMoE) and isinstance(want_block, SparseMoE)
+    assert isinstance(block.experts, torch.nn.ModuleList) and block.panels is None
+    for expert in block.experts:
+        assert isinstance(expert, GptOssExpert)
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            assert {r.kernel for r in linear.plan} == _EXPERT_PLANS[kind, dtype]
+            assert linear.weight.numel() == 0, "one copy: the kernel's"
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 5, 37, 300):
+        x = torch.randn(rows, block.router.shape[1], generator=g).to(dtype)
+        with torch.no_grad():
+            got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert err < _EXPERT_ERROR[kind, dtype], err
 
 
 def test_unsupported_architecture_is_named_before_its_fields() -> None:
