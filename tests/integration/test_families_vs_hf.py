@@ -347,6 +347,28 @@ _EXPERT_ERROR[("int8", torch.float32)] = _EXPERT_ERROR[("int8", torch.bfloat16)]
 _EXPERT_SHAPES = [(32, 64, 2), (128, 96, 4)]
 
 
+def _prepared_twice(
+    name: str,
+    kind: LinearKind,
+    dtype: torch.dtype,
+    root: Path,
+    native_kernels: NativeKernels,
+    **overrides: Any,
+) -> tuple[Any, Any]:
+    """(the family's model prepared as `kind`, the same model left on F.linear); skips where the
+    CPU has no kernel of `kind` for `dtype`."""
+    gemv = native_kernels.gemv
+    if kind == "onednn" and not gemv.panel_rows[dtype]:
+        pytest.skip(f"no {dtype} panel GEMM on this CPU")
+    if kind == "int8" and not has_int8_gemm():
+        pytest.skip("no VNNI int8 dot products on this CPU")
+    _, folder = _checkpoint(name, root, **overrides)
+    ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
+    return model, ref
+
+
 @pytest.mark.parametrize(("inter", "hidden", "top_k"), _EXPERT_SHAPES)
 @pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
 def test_moe_experts_run_the_dense_layers_plan(
@@ -369,18 +391,10 @@ def test_moe_experts_run_the_dense_layers_plan(
     # call runs
     # the panels at every row count and the int8 GEMV at 1-2 rows per expert (more: the
     # per-expert calls), and gives the per-expert calls' bits.
-    gemv = native_kernels.gemv
-    if kind == "onednn" and not gemv.panel_rows[dtype]:
-        pytest.skip(f"no {dtype} panel GEMM on this CPU")
-    if kind == "int8" and not has_int8_gemm():
-        pytest.skip("no VNNI int8 dot products on this CPU")
     if kind == "int8" and (inter, hidden, top_k) != _EXPERT_SHAPES[0]:
         pytest.skip("int8 experts: 1-2 rows per expert, one shape is enough")
     shape = {"moe_intermediate_size": inter, "hidden_size": hidden, "num_experts_per_tok": top_k}
-    _, folder = _checkpoint("qwen3-moe", tmp_path, **shape)
-    ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
-    model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
-    prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
+    model, ref = _prepared_twice("qwen3-moe", kind, dtype, tmp_path, native_kernels, **shape)
     block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
     assert isinstance(block, SparseMoE) and isinstance(want_block, SparseMoE)
     assert isinstance(block.experts, torch.nn.ModuleList)
@@ -424,16 +438,8 @@ def test_gpt_oss_experts_run_the_dense_layers_plan(
     # weight held once, and the block's output stays the dense F.linear one's within the
     # kernel's precision (the clamped SwiGLU between them on PyTorch's ops), at a decode step's
     # rows and a prefill's.
-    gemv = native_kernels.gemv
-    if kind == "onednn" and not gemv.panel_rows[dtype]:
-        pytest.skip(f"no {dtype} panel GEMM on this CPU")
-    if kind == "int8" and not has_int8_gemm():
-        pytest.skip("no VNNI int8 dot products on this CPU")
-    _, folder = _checkpoint("gpt-oss", tmp_path)
-    ref, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
-    model, _ = load_model(folder, dtype, torch.device("cpu"), "auto", seed=0)
+    model, ref = _prepared_twice("gpt-oss", kind, dtype, tmp_path, native_kernels)
     assert not any("experts.w13" in name for name, _ in model.named_parameters())
-    prepare_linears(model, kind, NativeLinear(gemv, second_layouts=kind == "int8"))
     block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
     assert isinstance(block, SparseMoE) and isinstance(want_block, SparseMoE)
     assert isinstance(block.experts, torch.nn.ModuleList) and block.panels is None
