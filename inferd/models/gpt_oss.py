@@ -26,7 +26,6 @@ import torch
 from torch import Tensor, nn
 
 from inferd.models.config import MoEConfig
-from inferd.models.kernels.fused import FusedOps
 from inferd.models.linear import Linear
 from inferd.models.weights import Convert, WeightTarget
 
@@ -77,8 +76,8 @@ class Experts(nn.Module):
 
 class Expert(nn.Module):
     """One expert: gate/up (gate rows, then up rows) and down, each a `Linear` with its bias, so
-    `prepare_linears` gives them the dense layers' kernels; the clamped SwiGLU between them runs
-    on PyTorch's ops."""
+    `prepare_linears` gives them the dense layers' kernels (`grouped` runs them, the clamped
+    SwiGLU between them on PyTorch's ops)."""
 
     def __init__(self, w13: Tensor, b13: Tensor, w2: Tensor, b2: Tensor, spec: MoEConfig) -> None:
         super().__init__()
@@ -91,12 +90,30 @@ class Expert(nn.Module):
             assert linear.bias is not None
             linear.bias.copy_(b)
 
-    def forward(self, x: Tensor, fused: FusedOps | None = None) -> Tensor:
-        # x: [n, H] -> gate_up: [n, 2I] -> [n, H]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(
-            clamped_swiglu(gate, up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
-        )
+
+def grouped(experts: nn.ModuleList, xs: Tensor, counts: list[int]) -> Tensor:
+    """xs [T * k, H] grouped by expert (`counts[e]` rows each) -> each group through its
+    `Expert`, [T * k, H]: every expert's gate/up GEMM into one [T * k, 2I] buffer, the clamped
+    SwiGLU once over all its rows (elementwise, so each row's values are what one expert at a
+    time gives), then every expert's down GEMM."""
+    members = [e for e in experts if isinstance(e, Expert)]
+    assert len(members) == len(counts), "one Expert a count"
+    spec, inter = members[0].spec, members[0].down_proj.in_features
+    gate_up = xs.new_empty(xs.shape[0], 2 * inter)
+    spans = []
+    start = 0
+    for expert, n in zip(members, counts, strict=True):
+        if n:
+            sl = slice(start, start + n)
+            gate_up[sl] = expert.gate_up_proj(xs[sl])
+            spans.append((expert, sl))
+            start += n
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = clamped_swiglu(gate, up, spec.swiglu_alpha, spec.swiglu_limit)
+    out = torch.empty_like(xs)
+    for expert, sl in spans:
+        out[sl] = expert.down_proj(act[sl])
+    return out
 
 
 def route(logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:

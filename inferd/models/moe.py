@@ -41,8 +41,9 @@ the GEMV at each of its row counts (1-8), as it runs int8 dense layers.
 
 gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
 softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
-biases and a clamped SwiGLU (`gpt_oss.Expert`: its linear layers take the dense kernels, the
-activation runs on PyTorch's ops between them, one expert at a time as the Python path above).
+biases and a clamped SwiGLU (`gpt_oss.Expert`: its linear layers take the dense kernels;
+`gpt_oss.grouped` runs every expert's gate/up, the activation once on PyTorch's ops, then every
+expert's down).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class SparseMoE(nn.Module):
         """xs [T * k, H], grouped by expert (`counts[e]` rows each) -> each group through its
         expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
         assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
+        if self.spec.style == "gpt_oss":
+            return gpt_oss.grouped(self.experts, xs, counts)
         out = torch.empty_like(xs)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
