@@ -40,10 +40,10 @@ The one-call decode step (kernels/decode.py) runs the same call inside the step,
 the GEMV at each of its row counts (1-8), as it runs int8 dense layers.
 
 gpt-oss (models/gpt_oss.py) differs in three places: a bias on the router, its routing (a
-softmax over the top k logits), and its experts, which keep the checkpoint's stacked tensors with
-biases and a clamped SwiGLU (`gpt_oss.Expert`: its linear layers take the dense kernels;
-`gpt_oss.grouped` runs every expert's gate/up, the activation once on PyTorch's ops, then every
-expert's down).
+softmax over the top k logits), and its experts: stacked in the checkpoint, with biases and a
+clamped SwiGLU. Once loaded each is a `gpt_oss.Expert` (two biased linear layers on the dense
+kernels), never in the native call; `gpt_oss.grouped` runs every expert's gate/up, the
+activation once on PyTorch's ops, then every expert's down.
 """
 
 from __future__ import annotations
