@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from inferd.models.config import MoEConfig
+from inferd.models.kernels.fused import FusedOps, PanelCopy
+from inferd.models.kernels.gemv import PanelWeight
 from inferd.models.linear import Linear
 from inferd.models.weights import Convert, WeightTarget
 
@@ -91,15 +93,25 @@ class Expert(nn.Module):
             linear.bias.copy_(b)
 
 
-def grouped(experts: nn.ModuleList, xs: Tensor, counts: list[int]) -> Tensor:
+def grouped(
+    experts: nn.ModuleList, xs: Tensor, counts: list[int], fused: FusedOps | None = None
+) -> Tensor:
     """xs [T * k, H] grouped by expert (`counts[e]` rows each) -> each group through its
     `Expert`, [T * k, H]: every expert's gate/up GEMM into one [T * k, 2I] buffer, the clamped
     SwiGLU once over all its rows (elementwise, so each row's values are what one expert at a
-    time gives), then every expert's down GEMM."""
+    time gives), then every expert's down GEMM. With `fused`, where every expert's linear layers
+    run the panel GEMM alone, each projection is one native call over all experts
+    (`FusedOps.grouped_panels`, the same values as the per-expert calls)."""
     members = [e for e in experts if isinstance(e, Expert)]
     assert len(members) == len(counts), "one Expert a count"
-    spec, inter = members[0].spec, members[0].down_proj.in_features
-    gate_up = xs.new_empty(xs.shape[0], 2 * inter)
+    spec = members[0].spec
+    panels = None if fused is None else _panels(members)
+    if fused is not None and panels is not None:
+        gate_up = fused.grouped_panels(xs.contiguous(), counts, panels[0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = clamped_swiglu(gate, up, spec.swiglu_alpha, spec.swiglu_limit)
+        return fused.grouped_panels(act, counts, panels[1])
+    gate_up = xs.new_empty(xs.shape[0], 2 * members[0].down_proj.in_features)
     spans = []
     start = 0
     for expert, n in zip(members, counts, strict=True):
@@ -113,6 +125,19 @@ def grouped(experts: nn.ModuleList, xs: Tensor, counts: list[int]) -> Tensor:
     out = torch.empty_like(xs)
     for expert, sl in spans:
         out[sl] = expert.down_proj(act[sl])
+    return out
+
+
+def _panels(experts: list[Expert]) -> tuple[list[PanelCopy], list[PanelCopy]] | None:
+    """Every expert's gate/up and down panel copies, where each layer's plan is the panel GEMM
+    at every row count (float32, bfloat16); else None."""
+    out: tuple[list[PanelCopy], list[PanelCopy]] = ([], [])
+    for expert in experts:
+        for linear, into in ((expert.gate_up_proj, out[0]), (expert.down_proj, out[1])):
+            w = linear.gemv_weight()
+            if len(linear.plan) != 1 or w is None or not isinstance(w.weight, PanelWeight):
+                return None
+            into.append(w.weight)
     return out
 
 

@@ -175,7 +175,7 @@ class SparseMoE(nn.Module):
         expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
         assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
         if self.spec.style == "gpt_oss":
-            return gpt_oss.grouped(self.experts, xs, counts)
+            return gpt_oss.grouped(self.experts, xs, counts, fused)
         out = torch.empty_like(xs)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):

@@ -431,13 +431,17 @@ def test_moe_experts_run_the_dense_layers_plan(
 
 @pytest.mark.parametrize(("kind", "dtype"), list(_EXPERT_PLANS))
 def test_gpt_oss_experts_run_the_dense_layers_plan(
-    kind: LinearKind, dtype: torch.dtype, tmp_path: Path, native_kernels: NativeKernels
+    kind: LinearKind,
+    dtype: torch.dtype,
+    tmp_path: Path,
+    native_kernels: NativeKernels,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # gpt-oss's experts load stacked, then become one module each of two biased Linear layers,
     # the stacked tensors released: prepare_linears gives them the dense layers' kernels, each
     # weight held once, and the block's output stays the dense F.linear one's within the
     # kernel's precision (the clamped SwiGLU between them on PyTorch's ops), at a decode step's
-    # rows and a prefill's.
+    # rows and a prefill's. On panel copies each projection is one call over every expert.
     model, ref = _prepared_twice("gpt-oss", kind, dtype, tmp_path, native_kernels)
     assert not any("experts.w13" in name for name, _ in model.named_parameters())
     block, want_block = model.model.layers[0].ffn, ref.model.layers[0].ffn
@@ -448,11 +452,23 @@ def test_gpt_oss_experts_run_the_dense_layers_plan(
         for linear in (expert.gate_up_proj, expert.down_proj):
             assert {r.kernel for r in linear.plan} == _EXPERT_PLANS[kind, dtype]
             assert linear.weight.numel() == 0, "one copy: the kernel's"
+    ran: list[int] = []
+    one_call = native_kernels.ops.grouped_panels
+
+    def spied(*args: Any) -> torch.Tensor:
+        ran.append(1)
+        return one_call(*args)
+
+    monkeypatch.setattr(native_kernels.ops, "grouped_panels", spied)
     g = torch.Generator().manual_seed(0)
     for rows in (1, 2, 5, 37, 300):
         x = torch.randn(rows, block.router.shape[1], generator=g).to(dtype)
         with torch.no_grad():
             got, want = block.mix(x, native_kernels.ops), want_block.mix(x)
+            # Panel experts: each projection one call over all experts, the per-expert values.
+            assert len(ran) == (2 if kind == "onednn" else 0)
+            ran.clear()
+            assert torch.equal(got, block.mix(x))
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < _EXPERT_ERROR[kind, dtype], err
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -52,6 +52,19 @@ class MoEPanels:
         return len(self.gate_up) // MOE_ADDRESSES[self.kernel]
 
 
+class PanelCopy(Protocol):
+    """What grouped_panels reads of a weight: gemv.py's PanelWeight."""
+
+    @property
+    def packed(self) -> Tensor: ...
+    @property
+    def bias(self) -> Tensor | None: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def in_features(self) -> int: ...
+
+
 class FusedOps:
     """Bound to a loaded kernel library (kernels.load)."""
 
@@ -69,7 +82,9 @@ class FusedOps:
         self._moe = lib.inferd_moe_layer
         self._moe.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i32, i64, i64, i64]
         self._moe.argtypes += [ptr, ptr, ptr, i32]
-        for fn in (self._norm, self._silu, self._argmax, self._rope, self._moe):
+        self._grouped = lib.inferd_grouped_panels
+        self._grouped.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i32]
+        for fn in (self._norm, self._silu, self._argmax, self._rope, self._moe, self._grouped):
             fn.restype = ctypes.c_int
 
     def rms_norm(
@@ -157,6 +172,35 @@ class FusedOps:
             raise IndexError("moe_layer: an expert id is out of range")
         check_rc(rc, "moe_layer")
         return y, counts.tolist()
+
+    def grouped_panels(self, xs: Tensor, counts: list[int], weights: list[PanelCopy]) -> Tensor:
+        """xs [sum(counts), in] (contiguous, grouped: counts[e] rows for weights[e]) -> [.., out],
+        each group through its own panel weight and bias in one call (moe_experts.cpp's
+        inferd_grouped_panels); each row's values are Gemv.panel's. Groups of 0 rows skip."""
+        active = [(n, w) for n, w in zip(counts, weights, strict=True) if n]
+        first = weights[0]
+        assert xs.is_contiguous() and xs.dtype == first.packed.dtype
+        assert xs.shape == (sum(counts), first.in_features)
+        y = xs.new_empty(xs.shape[0], first.out_features)
+        if not active:
+            return y
+        rows = torch.tensor([n for n, _ in active], dtype=torch.int64)
+        ptrs = ctypes.c_void_p * len(active)
+        packed = ptrs(*(w.packed.data_ptr() for _, w in active))
+        bias = ptrs(*(None if w.bias is None else w.bias.data_ptr() for _, w in active))
+        rc = self._grouped(
+            xs.data_ptr(),
+            rows.data_ptr(),
+            len(active),
+            packed,
+            bias,
+            first.out_features,
+            first.in_features,
+            y.data_ptr(),
+            DTYPE_CODES[xs.dtype],
+        )
+        check_rc(rc, "grouped_panels")
+        return y
 
     def argmax(self, x: Tensor) -> Tensor:
         """[N] int64: the index of the largest value of each row of x [N, V] (float32 or

@@ -100,10 +100,12 @@ void share(const std::vector<int64_t>& cost_prefix, int64_t t, int64_t nt, int64
 }
 
 // y[r0 .. r0 + rows) of each item's expert = x rows . its panel, for items [i0, i1).
+// `bias`: each expert's bias ([n], the dtype's) or null; null: none for any.
 template <class S>
 void run_items(const std::vector<Item>& items, int64_t i0, int64_t i1, const int64_t* rows,
                const int64_t* row0, const void* x, int64_t x_stride, const void* const* w,
-               int64_t n, int64_t k, void* y, int64_t y_stride, float* acc) {
+               int64_t n, int64_t k, void* y, int64_t y_stride, float* acc,
+               const void* const* bias = nullptr) {
   using W = typename S::W;
   const int64_t steps = k / S::kInputsPerStep;
   const int64_t panel_values = steps * kPanel * S::kInputsPerStep;
@@ -121,7 +123,8 @@ void run_items(const std::vector<Item>& items, int64_t i0, int64_t i1, const int
       const int64_t at = row0[it.expert] + r;
       panel_sums<S>(static_cast<const W*>(x) + at * x_stride, nr, x_stride, wj, steps, it.panel,
                     acc, w_end);
-      store_panel<S>(acc, nr, nullptr, n, static_cast<W*>(y) + at * y_stride, y_stride, it.panel);
+      const W* b = bias == nullptr ? nullptr : static_cast<const W*>(bias[it.expert]);
+      store_panel<S>(acc, nr, b, n, static_cast<W*>(y) + at * y_stride, y_stride, it.panel);
     }
   }
 }
@@ -523,9 +526,44 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
   return rc;
 }
 
+// Every expert's rows through its own weight and bias (grouped_panels below).
+template <class S>
+void grouped_panels(const void* x, const int64_t* rows, int64_t experts, const void* const* w,
+                    const void* const* bias, int64_t n, int64_t k, void* y) {
+  std::vector<int64_t> row0(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  std::vector<Item> items;
+  std::vector<int64_t> cost;
+  phase_items(rows, experts, n, &items, &cost);
+#pragma omp parallel
+  {
+    alignas(64) float acc[kMaxRows * kPanel];
+    int64_t i0, i1;
+    share(cost, omp_get_thread_num(), omp_get_num_threads(), &i0, &i1);
+    run_items<S>(items, i0, i1, rows, row0.data(), x, k, w, n, k, y, n, acc, bias);
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// x [sum(rows), k], grouped by expert (rows[e] each, in expert order), through each expert's
+// panel-packed weight w[e] ([n] x [k], gemv.py's PanelWeight) and bias[e] ([n] or null) -> y
+// [sum(rows), n]: one parallel region, the threads splitting the (expert, panel) pairs as
+// moe_experts does; each row's values are Gemv.panel's bit for bit. For experts whose
+// activation is not the native call's (gpt-oss's clamped SwiGLU runs in torch between two of
+// these). Returns -1 for a dtype the CPU has no panel kernel for, or an odd k in bfloat16.
+int inferd_grouped_panels(const void* x, const int64_t* rows, int64_t experts, const void* const* w,
+                          const void* const* bias, int64_t n, int64_t k, void* y, int dtype) {
+  if ((dtype != kF32 && dtype != kBF16) || panel_rows(dtype) == 0) return -1;
+  if (dtype == kBF16 && k % 2 != 0) return -1;
+  if (dtype == kF32)
+    grouped_panels<StepF32>(x, rows, experts, w, bias, n, k, y);
+  else
+    grouped_panels<StepBF16>(x, rows, experts, w, bias, n, k, y);
+  return 0;
+}
 
 // The whole layer past the router: x [T, H] (rows x_stride apart), each token's k experts and
 // routing weights ([T, k], weights in the dtype) and every expert's weights by expert id (kernel
