@@ -93,24 +93,29 @@ class Expert(nn.Module):
             linear.bias.copy_(b)
 
 
+ExpertPanels = tuple[list[PanelCopy], list[PanelCopy]]
+
+
 def grouped(
-    experts: nn.ModuleList, xs: Tensor, counts: list[int], fused: FusedOps | None = None
+    experts: nn.ModuleList,
+    xs: Tensor,
+    counts: list[int],
+    native: tuple[FusedOps, ExpertPanels] | None = None,
 ) -> Tensor:
     """xs [T * k, H] grouped by expert (`counts[e]` rows each) -> each group through its
-    `Expert`, [T * k, H]: every expert's gate/up GEMM into one [T * k, 2I] buffer, the clamped
-    SwiGLU once over all its rows (elementwise, so each row's values are what one expert at a
-    time gives), then every expert's down GEMM. With `fused`, where every expert's linear layers
-    run the panel GEMM alone, each projection is one native call over all experts
-    (`FusedOps.grouped_panels`, the same values as the per-expert calls)."""
+    `Expert`, [T * k, H]: every expert's gate/up GEMM, the clamped SwiGLU once over all rows
+    (elementwise, so each row's values are what one expert at a time gives), then every
+    expert's down GEMM. With `native` (the fused ops and every expert's panel copies, `panels`),
+    each projection is one native call over all experts (`FusedOps.grouped_panels`, the same
+    values as the per-expert calls)."""
     members = [e for e in experts if isinstance(e, Expert)]
     assert len(members) == len(counts), "one Expert a count"
     spec = members[0].spec
-    panels = None if fused is None else _panels(members)
-    if fused is not None and panels is not None:
-        gate_up = fused.grouped_panels(xs.contiguous(), counts, panels[0])
-        gate, up = gate_up.chunk(2, dim=-1)
+    if native is not None:
+        fused, (gate_up_panels, down_panels) = native
+        gate, up = fused.grouped_panels(xs.contiguous(), counts, gate_up_panels).chunk(2, dim=-1)
         act = clamped_swiglu(gate, up, spec.swiglu_alpha, spec.swiglu_limit)
-        return fused.grouped_panels(act, counts, panels[1])
+        return fused.grouped_panels(act, counts, down_panels)
     gate_up = xs.new_empty(xs.shape[0], 2 * members[0].down_proj.in_features)
     spans = []
     start = 0
@@ -128,11 +133,12 @@ def grouped(
     return out
 
 
-def _panels(experts: list[Expert]) -> tuple[list[PanelCopy], list[PanelCopy]] | None:
+def panels(experts: nn.ModuleList) -> ExpertPanels | None:
     """Every expert's gate/up and down panel copies, where each layer's plan is the panel GEMM
     at every row count (float32, bfloat16); else None."""
-    out: tuple[list[PanelCopy], list[PanelCopy]] = ([], [])
+    out: ExpertPanels = ([], [])
     for expert in experts:
+        assert isinstance(expert, Expert)
         for linear, into in ((expert.gate_up_proj, out[0]), (expert.down_proj, out[1])):
             w = linear.gemv_weight()
             if len(linear.plan) != 1 or w is None or not isinstance(w.weight, PanelWeight):

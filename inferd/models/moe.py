@@ -175,7 +175,9 @@ class SparseMoE(nn.Module):
         expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
         assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
         if self.spec.style == "gpt_oss":
-            return gpt_oss.grouped(self.experts, xs, counts, fused)
+            panels = None if fused is None else self.gpt_oss_panels
+            native = None if fused is None or panels is None else (fused, panels)
+            return gpt_oss.grouped(self.experts, xs, counts, native)
         out = torch.empty_like(xs)
         start = 0
         for expert, n in zip(self.experts, counts, strict=True):
@@ -205,6 +207,13 @@ class SparseMoE(nn.Module):
         if len(kernels) != 1:  # some experts kept in float by an int8 checkpoint
             return None
         return MoEPanels(gate_up, down, most, kernels.pop())
+
+    @cached_property
+    def gpt_oss_panels(self) -> gpt_oss.ExpertPanels | None:
+        """gpt-oss: every expert's panel copies (`gpt_oss.panels`), where each projection runs
+        as one native call over all experts. Read on the first fused forward, as `panels`."""
+        assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
+        return gpt_oss.panels(self.experts)
 
     def decode_weights(self) -> MoEWeights | None:
         """This block as the one-call decode step runs it (kernels/decode.py): each expert on its

@@ -129,6 +129,14 @@ void run_items(const std::vector<Item>& items, int64_t i0, int64_t i1, const int
   }
 }
 
+// Where each expert's rows start in the grouped rows (rows[e] each, in expert order), and the
+// total at [experts].
+std::vector<int64_t> row_starts(const int64_t* rows, int64_t experts) {
+  std::vector<int64_t> row0(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  return row0;
+}
+
 // The items of a phase (every active expert's panels of an n-column weight) and their costs'
 // prefix sums: a pair costs the row tiles it runs, at least one.
 void phase_items(const int64_t* rows, int64_t experts, int64_t n, std::vector<Item>* items,
@@ -150,8 +158,7 @@ template <class S, class Gather, class Combine>
 int moe_experts(const void* xs, const int64_t* rows, int64_t experts, const void* const* w13,
                 const void* const* w2, int64_t hidden, int64_t inter, void* gate_up, void* act,
                 void* out, int dtype, bool split, const Gather& gather, const Combine& combine) {
-  std::vector<int64_t> row0(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const std::vector<int64_t> row0 = row_starts(rows, experts);
   const int64_t total = row0[experts];
   std::vector<Item> up_items, down_items;
   std::vector<int64_t> up_cost, down_cost;
@@ -275,8 +282,7 @@ void moe_fused(const void* x, int64_t x_stride, const int64_t* rows, int64_t exp
                  float* sums, void* y, int dtype) {
   using W = typename S::W;
   constexpr int64_t kStepValues = kPanel * S::kInputsPerStep;
-  std::vector<int64_t> row0(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const std::vector<int64_t> row0 = row_starts(rows, experts);
   // x's row of each sorted row, read in place (no gathered copy).
   std::vector<const W*> x_rows(row0[experts]);
   for (int64_t s = 0; s < row0[experts]; ++s)
@@ -423,8 +429,7 @@ void int8_experts(const char* xs, const int64_t* rows, int64_t experts, const vo
                   const void* const* w2, int64_t hidden, int64_t inter, char* gate_up, char* act,
                   char* out) {
   const int64_t esz = DT == kF32 ? 4 : 2;
-  std::vector<int64_t> row0(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const std::vector<int64_t> row0 = row_starts(rows, experts);
   const int64_t total = row0[experts];
   QuantRows qx(total, hidden), qa(total, inter);
   const std::vector<Int8Item> up = int8_items(rows, experts, 2 * inter);
@@ -530,8 +535,7 @@ int moe_layer(const void* x, int64_t x_stride, int64_t tokens, const int64_t* ex
 template <class S>
 void grouped_panels(const void* x, const int64_t* rows, int64_t experts, const void* const* w,
                     const void* const* bias, int64_t n, int64_t k, void* y) {
-  std::vector<int64_t> row0(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) row0[e + 1] = row0[e] + rows[e];
+  const std::vector<int64_t> row0 = row_starts(rows, experts);
   std::vector<Item> items;
   std::vector<int64_t> cost;
   phase_items(rows, experts, n, &items, &cost);
