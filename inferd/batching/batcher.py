@@ -149,6 +149,9 @@ class DynamicBatcher(Generic[T, B, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._timer: Timer | None = None
+        # When `_timer` fires, kept here: a loop's handle need not know (uvloop answers a
+        # call_at less than half a millisecond ahead with a call_soon handle, without when()).
+        self._timer_due = math.inf
         self._schedule_soon = False
         self._closed = False
         self._completions = CompletionRate(_RATE_WINDOW)  # requests finished, for Retry-After
@@ -441,11 +444,12 @@ class DynamicBatcher(Generic[T, B, R]):
         if due == math.inf:
             return
         timer = self._timer
-        if timer is not None and not timer.cancelled() and timer.when() <= due:
+        if timer is not None and not timer.cancelled() and self._timer_due <= due:
             return  # an earlier wake-up is armed; it re-arms for this one
         if timer is not None:
             timer.cancel()
         self._timer = self._clock.call_at(due, self._on_timer)
+        self._timer_due = due
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -15,13 +15,12 @@ from typing import Protocol
 
 
 class Timer(Protocol):
-    """A pending wake-up (asyncio.TimerHandle is one)."""
+    """A pending wake-up: asyncio.Handle or TimerHandle (a loop may answer a call_at
+    less than half a millisecond ahead with a plain Handle, as uvloop does)."""
 
     def cancel(self) -> None: ...
 
     def cancelled(self) -> bool: ...
-
-    def when(self) -> float: ...
 
 
 class Clock(Protocol):

@@ -44,6 +44,9 @@ def async_test(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., No
 
 @dataclass(eq=False)
 class FakeTimer:
+    """No when(): a loop's handle need not have one (uvloop's call_soon handle, for a call_at
+    less than half a millisecond ahead, has not)."""
+
     at: float
     callback: Callable[[], None]
     done: bool = False
@@ -53,9 +56,6 @@ class FakeTimer:
 
     def cancelled(self) -> bool:
         return self.done
-
-    def when(self) -> float:
-        return self.at
 
 
 class FakeClock:
@@ -359,6 +359,24 @@ async def test_deadline_fires_while_no_batch_runs() -> None:
     h.gate.set()
     await gate
     assert h.batches() == [["gate"]]
+
+
+@async_test
+async def test_an_earlier_deadline_re_arms_the_pending_wake_up() -> None:
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    h = Harness(dynamic(delay=0.01))
+    waits = h.submit("waits", key=1)
+    await settle()  # a wake-up is armed for its window's end
+    late = h.submit("late", key=2, deadline=h.clock.now() + 0.005)
+    await settle()  # the earlier deadline replaces that wake-up
+    h.clock.advance(0.005)
+    with pytest.raises(QueueTimeoutError):
+        await late
+    assert not waits.done() and h.batches() == []
+    h.clock.advance(0.005)
+    assert await waits == ["waits"]
+    assert errors == []
 
 
 @async_test
