@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,20 +186,24 @@ def plain_server(model_dir: Path, threads: int, log: Path) -> Iterator[str]:
             proc.wait(30)
 
 
-def compute_ceiling(model_dir: Path, texts: list[str], threads: int) -> dict[str, float]:
-    """What batching can gain on this machine at best: the model alone (ONNX Runtime, no server,
-    no client), the same sentences run one at a time vs in batches of 64 sorted by length (the
-    least padding possible). Serving cannot beat the ratio of the two rates."""
+def sentence_calls(
+    model_dir: Path, texts: list[str], threads: int, spinning: bool = True
+) -> tuple[list[list[int]], Callable[[list[list[int]]], None]]:
+    """The MiniLM example alone: `texts` tokenized as the server does (no padding, at most 256
+    tokens), and `run(rows)`, one ONNX Runtime call on the rows padded to the longest.
+    `spinning`: ONNX Runtime's default threads, else threads that do not spin between ops (the
+    server's batch session)."""
     import onnxruntime as ort
     from tokenizers import Tokenizer
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), opts)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tok.no_padding()  # its tokenizer.json pads to 128; the batches below pad themselves
+    tok.no_padding()  # its tokenizer.json pads to 128; the calls pad themselves
     tok.enable_truncation(256)
-    encoded = [e.ids for e in tok.encode_batch(texts)]
 
     def run(rows: list[list[int]]) -> None:
         width = max(len(r) for r in rows)
@@ -209,6 +213,14 @@ def compute_ceiling(model_dir: Path, texts: list[str], threads: int) -> dict[str
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
         sess.run(None, {"input_ids": ids, "attention_mask": mask})
 
+    return [e.ids for e in tok.encode_batch(texts)], run
+
+
+def compute_ceiling(model_dir: Path, texts: list[str], threads: int) -> dict[str, float]:
+    """What batching can gain on this machine at best: the model alone (ONNX Runtime, no server,
+    no client), the same sentences run one at a time vs in batches of 64 sorted by length (the
+    least padding possible). Serving cannot beat the ratio of the two rates."""
+    encoded, run = sentence_calls(model_dir, texts, threads)
     run(encoded[:8])  # warm up
     t0 = time.perf_counter()
     for r in encoded:

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
-from batching import batch_sizes, closed_loop
+from batching import batch_sizes, closed_loop, sentence_calls
 from classic_peers import MODELS, endpoint, workload
 from common import RESULTS_DIR, command_line, machine_info, write_result
 from serve import launched_server
@@ -115,28 +114,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def model_alone(model_dir: Path, texts: list[str], threads: int, window: int) -> dict[str, float]:
     """ONNX Runtime alone on `texts` cut as the batcher cuts them (see the module docstring)."""
-    import onnxruntime as ort
-    from tokenizers import Tokenizer
-
     from inferd.batching.cost import calibrate, cheapest_ranges
 
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(str(model_dir / "model.onnx"), opts)
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    tok.no_padding()  # its tokenizer.json pads to 128; the calls below pad themselves
-    tok.enable_truncation(256)
-    encoded = [e.ids for e in tok.encode_batch(texts)]
-
-    def run(rows: list[list[int]]) -> None:
-        width = max(len(r) for r in rows)
-        ids = np.zeros((len(rows), width), np.int64)
-        mask = np.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)], mask[i, : len(r)] = r, 1
-        sess.run(None, {"input_ids": ids, "attention_mask": mask})
-
+    encoded, run = sentence_calls(model_dir, texts, threads, spinning=False)
     overhead = calibrate(lambda n, length: run([[1] * length] * n), 64) or 0.0
     calls: list[list[list[int]]] = []
     for i in range(0, len(encoded), window):
