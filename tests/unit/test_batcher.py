@@ -47,7 +47,6 @@ class FakeTimer:
     """No when(): a loop's handle need not have one (uvloop's call_soon handle, for a call_at
     less than half a millisecond ahead, has not)."""
 
-    at: float
     callback: Callable[[], None]
     done: bool = False
 
@@ -71,7 +70,7 @@ class FakeClock:
         return self.t
 
     def call_at(self, when: float, callback: Callable[[], None]) -> FakeTimer:
-        timer = FakeTimer(when, callback)
+        timer = FakeTimer(callback)
         heapq.heappush(self._timers, (when, next(self._seq), timer))
         return timer
 
