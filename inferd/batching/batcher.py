@@ -149,9 +149,7 @@ class DynamicBatcher(Generic[T, B, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._timer: Timer | None = None
-        # When `_timer` fires, kept here: a loop's handle need not know (uvloop answers a
-        # call_at less than half a millisecond ahead with a call_soon handle, without when()).
-        self._timer_due = math.inf
+        self._timer_due = math.inf  # when `_timer` fires: a Timer need not say (clock.py)
         self._schedule_soon = False
         self._closed = False
         self._completions = CompletionRate(_RATE_WINDOW)  # requests finished, for Retry-After
