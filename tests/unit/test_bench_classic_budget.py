@@ -20,6 +20,7 @@ def test_split_takes_the_main_thread_then_the_busiest_others_for_the_model() -> 
     groups = split(100, used, model_threads=2)
     assert groups == {"event_loop": 0.5, "model": 5.0, "other": pytest.approx(0.3)}
     assert split(100, used, model_threads=1)["model"] == 3.0
+    assert split(100, used, model_threads=0) == {"event_loop": 0.5, "other": pytest.approx(5.3)}
 
 
 def test_thread_cpu_lists_every_thread_of_a_process() -> None:
