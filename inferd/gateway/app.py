@@ -48,14 +48,12 @@ class InferdApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         front = self.infer_front
-        params = None if front is None else kserve_http.infer_path_params(scope)
-        if params is None:
+        if front is not None and (params := kserve_http.infer_path_params(scope)) is not None:
+            scope["app"] = self
+            scope["path_params"] = params
+            await front(scope, receive, send)
+        else:
             await super().__call__(scope, receive, send)
-            return
-        assert front is not None
-        scope["app"] = self
-        scope["path_params"] = params
-        await front(scope, receive, send)
 
 
 def create_app(

@@ -175,8 +175,9 @@ class SparseMoE(nn.Module):
         expert, [T * k, H]: one GEMM per projection of each expert that received rows."""
         assert isinstance(self.experts, nn.ModuleList), "gpt-oss's experts are split once loaded"
         if self.spec.style == "gpt_oss":
-            panels = None if fused is None else self.gpt_oss_panels
-            native = None if fused is None or panels is None else (fused, panels)
+            native = None
+            if fused is not None and (panels := self.gpt_oss_panels) is not None:
+                native = (fused, panels)
             return gpt_oss.grouped(self.experts, xs, counts, native)
         out = torch.empty_like(xs)
         start = 0
